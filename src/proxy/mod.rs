@@ -1,0 +1,1 @@
+//! The proxy-wasm adapter (being written).

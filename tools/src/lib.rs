@@ -1,0 +1,1 @@
+//! Native tools for envoy-kv-router (never compiled to wasm).
