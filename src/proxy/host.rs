@@ -1,0 +1,69 @@
+//! Host calls that cannot panic on the request path.
+//!
+//! The SDK's convenience methods unwrap host results (and `get_map_value` unwraps UTF-8), so the
+//! adapter goes through these wrappers: failures become `None` / `false` and are counted by callers.
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, MapType, Status};
+use std::time::{Duration, UNIX_EPOCH};
+
+/// Host wall-clock time in milliseconds (wasm32-unknown-unknown has no clock of its own).
+pub fn now_ms() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Host time in nanoseconds, used to seed per-VM randomness.
+pub fn now_nanos() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+/// A header value, lossily decoded (a client can send any bytes).
+pub fn header(map: MapType, name: &str) -> Option<String> {
+    match hostcalls::get_map_value_bytes(map, name) {
+        Ok(Some(bytes)) => Some(String::from_utf8_lossy(&bytes).into_owned()),
+        _ => None,
+    }
+}
+
+pub fn set_header(map: MapType, name: &str, value: Option<&str>) -> bool {
+    hostcalls::set_map_value(map, name, value).is_ok()
+}
+
+pub fn add_header(map: MapType, name: &str, value: &str) -> bool {
+    hostcalls::add_map_value(map, name, value).is_ok()
+}
+
+pub fn buffer(kind: BufferType, len: usize) -> Option<Vec<u8>> {
+    match hostcalls::get_buffer(kind, 0, len) {
+        Ok(Some(bytes)) => Some(bytes),
+        Ok(None) => Some(Vec::new()),
+        Err(_) => None,
+    }
+}
+
+pub fn shared_get(key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+    hostcalls::get_shared_data(key).unwrap_or((None, None))
+}
+
+/// `cas == None` writes unconditionally.
+pub fn shared_set(key: &str, value: &[u8], cas: Option<u32>) -> Result<(), Status> {
+    hostcalls::set_shared_data(key, Some(value), cas)
+}
+
+pub fn local_reply(status: u32, headers: Vec<(&str, &str)>, body: &[u8]) -> bool {
+    hostcalls::send_http_response(status, headers, Some(body)).is_ok()
+}
+
+pub fn http_call(
+    cluster: &str,
+    headers: Vec<(&str, &str)>,
+    timeout: Duration,
+) -> Result<u32, Status> {
+    hostcalls::dispatch_http_call(cluster, headers, None, vec![], timeout)
+}

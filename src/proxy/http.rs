@@ -1,0 +1,416 @@
+//! One context per HTTP request.
+//!
+//! Request path: pause at the headers of an LLM endpoint, buffer the body, parse it, hash the
+//! prompt, look up overlaps in this VM's index replica (no host call), read the load table (one
+//! shared-data get), decide, book the request's load (one CAS), set the destination header, continue.
+//! Response path: the first response bytes end the request's prefill; `on_log`, which Envoy calls
+//! for every stream however it ended, releases exactly what was booked.
+
+use super::host;
+use super::load_store;
+use super::root::{worker_id, VmState};
+use crate::config::{Config, DestinationFormat, PrefillLoadModel};
+use crate::hashing::prompt_sequence_hashes;
+use crate::load::{output_milli_blocks, predicted_prefill_ms};
+use crate::request::{parse_request, Endpoint, Pin, RequestError};
+use crate::router::{decide, Decision, RouteError, RouteInput};
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::{Action, BufferType, MapType};
+use std::cell::RefCell;
+use std::rc::Rc;
+
+const PIN_WORKER_HEADER: &str = "x-worker-instance-id";
+const PIN_RANK_HEADER: &str = "x-dp-rank";
+const REASON_HEADER: &str = "x-kv-router-reason";
+
+/// What the response headers report about the decision.
+struct Outcome {
+    worker: String,
+    overlap_blocks: u32,
+    reason: String,
+    costs: Option<String>,
+}
+
+/// The load this request booked, released in `on_log`.
+struct Booking {
+    key: u64,
+    stream: bool,
+    first_token_seen: bool,
+    isl_tokens: u32,
+    osl_hint: Option<u32>,
+    generated_tokens: u32,
+    output_milli_blocks: u64,
+}
+
+pub struct RequestContext {
+    vm: Rc<RefCell<VmState>>,
+    endpoint: Option<Endpoint>,
+    header_pin: Pin,
+    header_pin_error: Option<String>,
+    decided: bool,
+    outcome: Option<Outcome>,
+    booking: Option<Booking>,
+}
+
+impl RequestContext {
+    pub fn new(vm: Rc<RefCell<VmState>>) -> Self {
+        RequestContext {
+            vm,
+            endpoint: None,
+            header_pin: Pin::default(),
+            header_pin_error: None,
+            decided: false,
+            outcome: None,
+            booking: None,
+        }
+    }
+
+    fn config(&self) -> Option<Rc<Config>> {
+        self.vm.try_borrow().ok().map(|vm| Rc::clone(&vm.config))
+    }
+
+    fn read_header_pin(&mut self) {
+        let worker = host::header(MapType::HttpRequestHeaders, PIN_WORKER_HEADER);
+        let rank = host::header(MapType::HttpRequestHeaders, PIN_RANK_HEADER);
+        if let Some(value) = worker {
+            match value.trim().parse() {
+                Ok(id) => self.header_pin.worker_id = Some(id),
+                Err(_) => self.header_pin_error = Some(format!("{PIN_WORKER_HEADER}: not a worker id: {value:?}")),
+            }
+        }
+        if let Some(value) = rank {
+            match value.trim().parse() {
+                Ok(rank) => self.header_pin.dp_rank = Some(rank),
+                Err(_) => self.header_pin_error = Some(format!("{PIN_RANK_HEADER}: not a DP rank: {value:?}")),
+            }
+        }
+    }
+
+    /// Decides and steers. Returns the action for the body (or headers) callback.
+    fn route(&mut self, body: &[u8]) -> Action {
+        self.decided = true;
+        let Some(endpoint) = self.endpoint else {
+            return Action::Continue;
+        };
+        let vm_rc = Rc::clone(&self.vm);
+        let Ok(mut vm) = vm_rc.try_borrow_mut() else {
+            return Action::Continue;
+        };
+        let config = Rc::clone(&vm.config);
+        if let Some(error) = self.header_pin_error.take() {
+            vm.metrics.inc("rejected.bad_request");
+            return reject(400, "invalid_request_error", &error, None);
+        }
+        let request = match parse_request(body, endpoint) {
+            Ok(request) => request,
+            Err(RequestError::BatchedPrompt) => {
+                vm.metrics.inc("rejected.batched_prompt");
+                return reject(
+                    400,
+                    "invalid_request_error",
+                    "batched prompts (an array of prompts) are not supported by the KV router: send one prompt per request",
+                    None,
+                );
+            }
+            Err(err) => {
+                let why = match err {
+                    RequestError::EmptyBody => "empty_body",
+                    RequestError::InvalidJson { .. } | RequestError::NotAnObject => "invalid_json",
+                    _ => "invalid_field",
+                };
+                log::debug!("kv-router: cannot read the request ({err}); routing by the fallback rule");
+                self.fallback(&mut vm, &config, why);
+                return Action::Continue;
+            }
+        };
+        let now = host::now_ms();
+        let hashes = match &request.token_ids {
+            Some(tokens) => prompt_sequence_hashes(tokens, config.block_size, request.lora_name.as_deref()),
+            None => Vec::new(),
+        };
+        let mut overlaps = std::mem::take(&mut vm.overlaps);
+        if hashes.is_empty() {
+            overlaps.clear();
+        } else {
+            vm.replica.index.find_overlaps(&hashes, &mut overlaps);
+        }
+        let load = load_store::read(&config).view(now);
+        let stale = vm.stale_slots();
+        let prompt_blocks = u32::try_from(hashes.len()).unwrap_or(u32::MAX);
+        let input = RouteInput {
+            request: &request,
+            header_pin: self.header_pin,
+            prompt_blocks,
+            overlaps: &overlaps,
+            load: &load,
+            stale_slots: &stale,
+        };
+        let decided = decide(&config, &input, &mut vm.selector);
+        vm.overlaps = overlaps;
+        match decided {
+            Ok(decision) => {
+                self.steer(&mut vm, &config, &decision, now, &request);
+                Action::Continue
+            }
+            Err(err) => {
+                vm.metrics.inc(&format!("rejected.{}", err.kind()));
+                log::debug!("kv-router: request rejected: {err}");
+                reject(err.http_status(), err.kind(), &err.to_string(), err.retry_after_secs())
+            }
+        }
+    }
+
+    fn steer(&mut self, vm: &mut VmState, config: &Config, decision: &Decision, now: u64, request: &crate::request::LlmRequest) {
+        let Some(slot) = config.slots.get(usize::from(decision.slot)) else {
+            self.fallback(vm, config, "no_decision");
+            return;
+        };
+        let Some(worker) = config.workers.get(usize::from(slot.worker)) else {
+            self.fallback(vm, config, "no_decision");
+            return;
+        };
+        let mut destination = worker.address.clone();
+        if config.destination_format == DestinationFormat::OverrideHost {
+            for fallback in &decision.fallbacks {
+                if let Some(w) = config
+                    .slots
+                    .get(usize::from(*fallback))
+                    .and_then(|s| config.workers.get(usize::from(s.worker)))
+                {
+                    destination.push(',');
+                    destination.push_str(&w.address);
+                }
+            }
+        }
+        let reason = decision.reason.as_str();
+        host::set_header(MapType::HttpRequestHeaders, &config.destination_header, Some(&destination));
+        host::set_header(MapType::HttpRequestHeaders, REASON_HEADER, Some(reason));
+        if worker.dp_size > 1 {
+            host::set_header(MapType::HttpRequestHeaders, PIN_RANK_HEADER, Some(&slot.dp_rank.to_string()));
+        }
+
+        let key = vm.new_request_key();
+        let expected_ms = match config.load.prefill_load_model {
+            PrefillLoadModel::Polynomial => {
+                Some(predicted_prefill_ms(&config.load.prefill_time_ms_poly, decision.prefill_tokens))
+            }
+            PrefillLoadModel::None => None,
+        };
+        let booked = load_store::update(config, |table| {
+            table.admit(key, decision.slot, decision.prefill_tokens, decision.prompt_blocks, expected_ms, now);
+            Some(())
+        });
+        if booked.is_some() {
+            self.booking = Some(Booking {
+                key,
+                stream: request.stream,
+                first_token_seen: false,
+                isl_tokens: request.token_ids.as_ref().map_or(0, |t| u32::try_from(t.len()).unwrap_or(u32::MAX)),
+                osl_hint: request.osl_hint_tokens,
+                generated_tokens: 0,
+                output_milli_blocks: 0,
+            });
+        } else {
+            vm.metrics.inc("load.update_failed");
+        }
+
+        vm.metrics.inc(&format!("routed.{reason}"));
+        let overlap_blocks = decision.overlap.device_blocks;
+        vm.metrics.add("overlap_blocks", u64::from(overlap_blocks));
+        vm.metrics.histogram("overlap_blocks_per_request", u64::from(overlap_blocks));
+        if config.response_headers {
+            let costs = (!decision.scores.is_empty()).then(|| {
+                decision
+                    .scores
+                    .iter()
+                    .filter_map(|(slot, cost)| {
+                        let s = config.slots.get(usize::from(*slot))?;
+                        Some(format!("{}/{}={:.3}", worker_id(config, s.worker), s.dp_rank, cost))
+                    })
+                    .collect::<Vec<_>>()
+                    .join(",")
+            });
+            self.outcome = Some(Outcome {
+                worker: worker.id.to_string(),
+                overlap_blocks,
+                reason: reason.to_string(),
+                costs,
+            });
+        }
+    }
+
+    /// The safe route when the filter cannot decide: the next worker in turn, with the reason.
+    fn fallback(&mut self, vm: &mut VmState, config: &Config, why: &str) {
+        let count = config.workers.len().max(1);
+        let pick = usize::try_from(vm.new_request_key() % count as u64).unwrap_or(0);
+        let reason = format!("fallback:{why}");
+        if let Some(worker) = config.workers.get(pick) {
+            host::set_header(MapType::HttpRequestHeaders, &config.destination_header, Some(&worker.address));
+            if config.response_headers {
+                self.outcome = Some(Outcome {
+                    worker: worker.id.to_string(),
+                    overlap_blocks: 0,
+                    reason: reason.clone(),
+                    costs: None,
+                });
+            }
+        }
+        host::set_header(MapType::HttpRequestHeaders, REASON_HEADER, Some(&reason));
+        vm.metrics.inc(&format!("fallback.{why}"));
+    }
+
+    fn first_token(&mut self) {
+        let Some(booking) = self.booking.as_mut() else { return };
+        if booking.first_token_seen {
+            return;
+        }
+        booking.first_token_seen = true;
+        let key = booking.key;
+        if let Some(config) = self.config() {
+            let now = host::now_ms();
+            load_store::update(&config, |table| table.first_token(key, now).then_some(()));
+        }
+    }
+
+    /// Counts generated tokens from SSE chunks and books output blocks as they cross boundaries.
+    fn track_output(&mut self, chunk: &[u8]) {
+        let Some(config) = self.config() else { return };
+        let Some(booking) = self.booking.as_mut() else { return };
+        let events = count_sse_tokens(chunk);
+        if events == 0 {
+            return;
+        }
+        booking.generated_tokens = booking.generated_tokens.saturating_add(events);
+        let milli = output_milli_blocks(booking.isl_tokens, booking.generated_tokens, config.block_size, booking.osl_hint);
+        // Write only on a visible change (a boundary, or 5% of a block of weight), not every token.
+        if milli.abs_diff(booking.output_milli_blocks) < 50 && !(milli == 0 && booking.output_milli_blocks > 0) {
+            return;
+        }
+        booking.output_milli_blocks = milli;
+        let key = booking.key;
+        load_store::update(&config, |table| table.set_output_milli_blocks(key, milli).then_some(()));
+    }
+}
+
+/// SSE `data:` events other than `[DONE]`: one generated token each (engines stream per token).
+fn count_sse_tokens(chunk: &[u8]) -> u32 {
+    let mut count = 0u32;
+    for line in chunk.split(|b| *b == b'\n') {
+        let line = line.strip_prefix(b"data:").map(|l| l.trim_ascii());
+        if let Some(payload) = line {
+            if !payload.is_empty() && payload != b"[DONE]" {
+                count = count.saturating_add(1);
+            }
+        }
+    }
+    count
+}
+
+fn reject(status: u32, kind: &str, message: &str, retry_after_secs: Option<u64>) -> Action {
+    let body = serde_json::json!({"error": {"message": message, "type": kind, "code": status}}).to_string();
+    let retry = retry_after_secs.map(|s| s.to_string());
+    let mut headers = vec![("content-type", "application/json"), (REASON_HEADER, kind)];
+    if let Some(retry) = retry.as_deref() {
+        headers.push(("retry-after", retry));
+    }
+    host::local_reply(status, headers, body.as_bytes());
+    Action::Pause
+}
+
+impl Context for RequestContext {}
+
+impl HttpContext for RequestContext {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let Some(config) = self.config() else {
+            return Action::Continue;
+        };
+        // Clients never choose their upstream: drop any destination they sent, on every path.
+        host::set_header(MapType::HttpRequestHeaders, &config.destination_header, None);
+        let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
+        self.endpoint = Endpoint::from_path(&path, &config.llm_paths);
+        if self.endpoint.is_none() {
+            return Action::Continue;
+        }
+        if config.allow_client_pinning {
+            self.read_header_pin();
+        }
+        if end_of_stream {
+            return self.route(&[]);
+        }
+        Action::Pause
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.endpoint.is_none() || self.decided {
+            return Action::Continue;
+        }
+        let Some(config) = self.config() else {
+            return Action::Continue;
+        };
+        if body_size > config.max_body_bytes {
+            self.decided = true;
+            if let Ok(mut vm) = Rc::clone(&self.vm).try_borrow_mut() {
+                self.fallback(&mut vm, &config, "body_too_large");
+            }
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        match host::buffer(BufferType::HttpRequestBody, body_size) {
+            Some(body) => self.route(&body),
+            None => {
+                self.decided = true;
+                if let Ok(mut vm) = Rc::clone(&self.vm).try_borrow_mut() {
+                    self.fallback(&mut vm, &config, "body_unreadable");
+                }
+                Action::Continue
+            }
+        }
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if let Some(outcome) = &self.outcome {
+            host::set_header(MapType::HttpResponseHeaders, "x-kv-router-worker", Some(&outcome.worker));
+            host::set_header(
+                MapType::HttpResponseHeaders,
+                "x-kv-router-overlap-blocks",
+                Some(&outcome.overlap_blocks.to_string()),
+            );
+            host::set_header(MapType::HttpResponseHeaders, REASON_HEADER, Some(&outcome.reason));
+            if let Some(costs) = &outcome.costs {
+                host::set_header(MapType::HttpResponseHeaders, "x-kv-router-costs", Some(costs));
+            }
+        }
+        // A non-streamed response arrives whole: its headers mark the end of prefill.
+        if self.booking.as_ref().is_some_and(|b| !b.stream) {
+            self.first_token();
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+        if body_size == 0 || self.booking.is_none() {
+            return Action::Continue;
+        }
+        self.first_token();
+        let track = self.config().is_some_and(|c| c.load.track_output_blocks);
+        if track && self.booking.as_ref().is_some_and(|b| b.stream) {
+            if let Some(chunk) = host::buffer(BufferType::HttpResponseBody, body_size) {
+                self.track_output(&chunk);
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        let Some(booking) = self.booking.take() else { return };
+        let Some(config) = self.config() else { return };
+        let released = load_store::update(&config, |table| table.release(booking.key).then_some(()));
+        if released.is_none() {
+            if let Ok(mut vm) = self.vm.try_borrow_mut() {
+                vm.metrics.inc("load.release_failed");
+            }
+        }
+    }
+}

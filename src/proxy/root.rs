@@ -1,0 +1,402 @@
+//! The root context: one per VM (each Envoy worker thread, plus the main thread).
+//!
+//! It compiles the configuration once, owns the VM's state (index replica, selector, metrics) that
+//! request contexts share, and on every tick: applies new log batches, and, if it holds the poller
+//! lease, polls worker events, marks silent workers stale and reaps abandoned load entries.
+
+use super::host;
+use super::http::RequestContext;
+use super::load_store;
+use super::metrics::Metrics;
+use super::poller::{hold_lease, CallKind, PendingCall, Poller};
+use super::replication::{self, Replica};
+use crate::config::Config;
+use crate::events::{parse_dump, parse_event_page, EventError, EventPage, LogRecord};
+use crate::router::SelectorState;
+use crate::types::Overlap;
+use log::{error, info, warn};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{BufferType, ContextType, MapType};
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Everything a VM keeps between requests. Request contexts borrow it briefly; callbacks use
+/// `try_borrow_mut` so that a re-entrant host callback can never panic.
+pub struct VmState {
+    pub config: Rc<Config>,
+    fingerprint: u64,
+    pub nonce: u64,
+    pub replica: Replica,
+    pub selector: SelectorState,
+    pub metrics: Metrics,
+    poller: Poller,
+    next_request_key: u64,
+    /// Reused per request so that overlap lookup allocates nothing.
+    pub overlaps: Vec<Overlap>,
+    block_size_warned: Vec<bool>,
+}
+
+impl VmState {
+    /// A key for one request's load entry, unique across the VMs of this process.
+    pub fn new_request_key(&mut self) -> u64 {
+        self.next_request_key += 1;
+        xxh3_64_with_seed(&self.next_request_key.to_le_bytes(), self.nonce)
+    }
+
+    /// Stale flags per slot, from the poller's last published head.
+    pub fn stale_slots(&self) -> Vec<bool> {
+        let config = &self.config;
+        config
+            .slots
+            .iter()
+            .map(|slot| {
+                self.replica
+                    .head
+                    .workers
+                    .get(usize::from(slot.worker))
+                    .is_some_and(|w| w.stale)
+            })
+            .collect()
+    }
+}
+
+pub struct RouterRoot {
+    context_id: u32,
+    state: Option<Rc<RefCell<VmState>>>,
+}
+
+impl RouterRoot {
+    pub fn new(context_id: u32) -> Self {
+        RouterRoot {
+            context_id,
+            state: None,
+        }
+    }
+}
+
+impl Context for RouterRoot {
+    fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _: usize) {
+        let Some(state) = &self.state else { return };
+        let Ok(mut vm) = state.try_borrow_mut() else {
+            return;
+        };
+        let now = host::now_ms();
+        let next_due = now + vm.config.events.poll_interval_ms;
+        let Some(call) = vm.poller.complete(token_id, next_due) else {
+            return;
+        };
+        let status = if num_headers == 0 {
+            None
+        } else {
+            host::header(MapType::HttpCallResponseHeaders, ":status")
+        };
+        if status.as_deref() != Some("200") {
+            vm.metrics.inc("events.fetch_failed");
+            log::debug!(
+                "kv-router: event fetch from worker {} failed: {}",
+                worker_id(&vm.config, call.worker),
+                status.as_deref().unwrap_or("no response (connect failure or timeout)")
+            );
+            return;
+        }
+        let body = host::buffer(BufferType::HttpCallResponseBody, body_size).unwrap_or_default();
+        vm.handle_events_reply(call, &body, now);
+    }
+}
+
+impl VmState {
+    fn handle_events_reply(&mut self, call: PendingCall, body: &[u8], now: u64) {
+        let config = Rc::clone(&self.config);
+        let worker = call.worker;
+        let block_size = config.block_size;
+        let max_bytes = config.events.max_response_bytes;
+        let parsed = match call.kind {
+            CallKind::Events { .. } => parse_event_page(body, block_size, max_bytes),
+            CallKind::Dump => parse_dump(body, block_size, max_bytes),
+        };
+        let page = match parsed {
+            Ok(page) => page,
+            Err(err) => {
+                self.reject_page(worker, &err);
+                return;
+            }
+        };
+        let reported = page.load.clone();
+        let workers = config.workers.len();
+        let fingerprint = self.fingerprint;
+        match call.kind {
+            CallKind::Dump => {
+                let last = page.last_event_id;
+                let events_count = page.events.len() as u64;
+                let record = LogRecord::Resync {
+                    worker,
+                    last_event_id: last,
+                    events: page.events,
+                };
+                let appended = replication::append(fingerprint, workers, now, &[record], |head| {
+                    let Some(w) = head.workers.get_mut(usize::from(worker)) else {
+                        return false;
+                    };
+                    w.cursor = Some(last);
+                    w.last_ok_ms = now;
+                    w.stale = false;
+                    w.reported = reported.clone();
+                    true
+                });
+                if appended {
+                    self.metrics.inc("events.resyncs");
+                    info!(
+                        "kv-router: re-synced worker {} from its dump ({} blocks events, cursor {})",
+                        worker_id(&config, worker),
+                        events_count,
+                        last
+                    );
+                }
+            }
+            CallKind::Events { after } => {
+                if is_gap(&page, after) {
+                    self.metrics.inc("events.gaps");
+                    warn!(
+                        "kv-router: worker {} lost events after id {} (first buffered {:?}, last {}); re-syncing from its dump",
+                        worker_id(&config, worker),
+                        after,
+                        page.first_event_id,
+                        page.last_event_id
+                    );
+                    self.poller.dispatch(&config, worker, CallKind::Dump, now);
+                    return;
+                }
+                let events: Vec<_> = page.events.into_iter().filter(|e| e.event_id > after).collect();
+                let cursor = events.last().map_or(after, |e| e.event_id);
+                let more = page.last_event_id > cursor;
+                let count = events.len() as u64;
+                let edit = |head: &mut replication::LogHead| {
+                    let Some(w) = head.workers.get_mut(usize::from(worker)) else {
+                        return false;
+                    };
+                    if w.cursor != Some(after) {
+                        return false; // another poller moved it: this page is stale
+                    }
+                    w.cursor = Some(cursor);
+                    w.last_ok_ms = now;
+                    w.stale = false;
+                    w.reported = reported.clone();
+                    true
+                };
+                if events.is_empty() {
+                    replication::update_head(fingerprint, workers, now, edit);
+                } else if replication::append(
+                    fingerprint,
+                    workers,
+                    now,
+                    &[LogRecord::Events { worker, events }],
+                    edit,
+                ) {
+                    self.metrics.add("events.received", count);
+                }
+                if more {
+                    self.poller.poll_soon(worker);
+                }
+            }
+        }
+        if let Some(flag) = self.block_size_warned.get_mut(usize::from(worker)) {
+            *flag = false;
+        }
+        self.sync_replica();
+    }
+
+    fn reject_page(&mut self, worker: u16, err: &EventError) {
+        let id = worker_id(&self.config, worker);
+        self.metrics.inc("events.pages_rejected");
+        if let EventError::BlockSizeMismatch { .. } = err {
+            self.metrics.inc("events.block_size_mismatch");
+            let warned = self.block_size_warned.get(usize::from(worker)).copied().unwrap_or(false);
+            if !warned {
+                error!(
+                    "kv-router: worker {id}: {err}. Its KV events are ignored until the filter's block_size matches the engine's KV block size."
+                );
+                if let Some(flag) = self.block_size_warned.get_mut(usize::from(worker)) {
+                    *flag = true;
+                }
+            }
+        } else {
+            warn!("kv-router: rejected an event page from worker {id}: {err}");
+        }
+    }
+
+    /// Applies new log batches and records what happened.
+    fn sync_replica(&mut self) {
+        let config = Rc::clone(&self.config);
+        let report = self.replica.sync(&config);
+        self.metrics.add("events.applied", report.events_applied);
+        self.metrics.add("events.rejected", report.events_rejected);
+        self.metrics.add("index.evicted", report.evicted);
+        if report.snapshot_loaded {
+            self.metrics.inc("log.snapshot_loaded");
+        }
+        if report.lost_sync {
+            self.metrics.inc("log.lost_sync");
+            warn!("kv-router: this VM fell behind the shared event log; its index restarts from the latest batches");
+        }
+    }
+
+    fn tick(&mut self) {
+        let now = host::now_ms();
+        let config = Rc::clone(&self.config);
+        let lease_ms = (config.events.poll_interval_ms * 5).max(config.tick_ms * 10).max(1000);
+        let leader = hold_lease(self.nonce, now, lease_ms);
+        self.sync_replica();
+        if !leader {
+            return;
+        }
+        self.mark_stale_workers(now);
+        let head = self.replica.head.clone();
+        self.poller.dispatch_due(&config, &head, now);
+        self.replica.maybe_write_snapshot();
+        self.publish_gauges(now);
+    }
+
+    /// A worker whose events could not be fetched for `stale_after_ms` loses its blocks.
+    fn mark_stale_workers(&mut self, now: u64) {
+        let config = Rc::clone(&self.config);
+        let stale_after = config.events.stale_after_ms;
+        let lost: Vec<u16> = self
+            .replica
+            .head
+            .workers
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| !w.stale && now.saturating_sub(w.last_ok_ms) > stale_after)
+            .filter_map(|(i, _)| u16::try_from(i).ok())
+            .collect();
+        for worker in lost {
+            let appended = replication::append(
+                self.fingerprint,
+                config.workers.len(),
+                now,
+                &[LogRecord::WorkerLost { worker }],
+                |head| {
+                    let Some(w) = head.workers.get_mut(usize::from(worker)) else {
+                        return false;
+                    };
+                    if w.stale || now.saturating_sub(w.last_ok_ms) <= stale_after {
+                        return false;
+                    }
+                    w.stale = true;
+                    w.cursor = None;
+                    true
+                },
+            );
+            if appended {
+                self.metrics.inc("workers.marked_stale");
+                warn!(
+                    "kv-router: no KV events from worker {} for {} ms: its cached blocks are dropped and it is routed on load alone until its events return",
+                    worker_id(&config, worker),
+                    stale_after
+                );
+            }
+        }
+        self.sync_replica();
+    }
+
+    fn publish_gauges(&mut self, now: u64) {
+        let config = Rc::clone(&self.config);
+        let reaped = load_store::reap(&config, now);
+        self.metrics.add("load.reaped", reaped as u64);
+        self.metrics.gauge("index.entries", self.replica.index.entries() as u64);
+        let stale = self.replica.head.workers.iter().filter(|w| w.stale).count();
+        self.metrics.gauge("workers.stale", stale as u64);
+        let table = load_store::read(&config);
+        for (slot_idx, load) in table.view(now).iter().enumerate() {
+            let Some(slot) = config.slots.get(slot_idx) else { continue };
+            let id = worker_id(&config, slot.worker);
+            let name = format!("worker.{id}.rank.{}", slot.dp_rank);
+            self.metrics.gauge(&format!("{name}.active_requests"), u64::from(load.active_requests));
+            self.metrics.gauge(&format!("{name}.prefill_tokens"), load.prefill_tokens.ceil() as u64);
+            self.metrics.gauge(&format!("{name}.decode_blocks"), load.decode_blocks.ceil() as u64);
+        }
+        self.metrics.gauge("load.active_entries", table.active_entries() as u64);
+    }
+}
+
+/// Events were lost between `after` and the page: the worker no longer buffers `after + 1`, or
+/// its ids went backwards (it restarted), or the page skips ids.
+fn is_gap(page: &EventPage, after: u64) -> bool {
+    if page.first_event_id.is_some_and(|first| first > after + 1) || page.last_event_id < after {
+        return true;
+    }
+    let mut expected = after + 1;
+    for event in page.events.iter().filter(|e| e.event_id > after) {
+        if event.event_id != expected {
+            return true;
+        }
+        expected += 1;
+    }
+    false
+}
+
+pub fn worker_id(config: &Config, worker: u16) -> u64 {
+    config.workers.get(usize::from(worker)).map_or(0, |w| w.id)
+}
+
+impl RootContext for RouterRoot {
+    fn on_configure(&mut self, plugin_configuration_size: usize) -> bool {
+        let bytes = host::buffer(BufferType::PluginConfiguration, plugin_configuration_size)
+            .unwrap_or_default();
+        let config = match Config::from_json(&bytes) {
+            Ok(config) => Rc::new(config),
+            Err(err) => {
+                error!("kv-router: invalid configuration: {err}");
+                return false;
+            }
+        };
+        let fingerprint = xxh3_64_with_seed(&bytes, 0);
+        let nonce = xxh3_64_with_seed(
+            &[host::now_nanos().to_le_bytes(), u64::from(self.context_id).to_le_bytes()].concat(),
+            fingerprint,
+        );
+        let workers = config.workers.len();
+        let state = VmState {
+            replica: Replica::new(&config, fingerprint),
+            selector: SelectorState::new(nonce),
+            metrics: Metrics::default(),
+            poller: Poller::default(),
+            next_request_key: 0,
+            overlaps: Vec::with_capacity(config.slots.len()),
+            block_size_warned: vec![false; workers],
+            fingerprint,
+            nonce,
+            config: Rc::clone(&config),
+        };
+        load_store::init(&config);
+        let _ = hostcalls::set_tick_period(Duration::from_millis(config.tick_ms));
+        info!(
+            "kv-router: configured: mode {:?}, {} workers ({} slots), block size {}",
+            config.mode,
+            workers,
+            config.slots.len(),
+            config.block_size
+        );
+        self.state = Some(Rc::new(RefCell::new(state)));
+        true
+    }
+
+    fn on_tick(&mut self) {
+        let Some(state) = &self.state else { return };
+        if let Ok(mut vm) = state.try_borrow_mut() {
+            vm.tick();
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let state = self.state.as_ref()?;
+        Some(Box::new(RequestContext::new(Rc::clone(state))))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
