@@ -47,3 +47,55 @@ pub fn completion(tokens: &[u32]) -> Value {
 pub fn tokens(start: u32, count: u32) -> Vec<u32> {
     (start..start + count).collect()
 }
+
+/// vLLM-shaped "stored" event for `tokens` (whole blocks), engine hashes `first_hash..`.
+pub fn vllm_stored(tokens: &[u32], block_size: u32, parent: Option<u64>, first_hash: u64, medium: &str) -> Value {
+    let blocks = tokens.len() as u64 / u64::from(block_size);
+    let hashes: Vec<u64> = (first_hash..first_hash + blocks).collect();
+    json!({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+           "token_ids": tokens, "block_size": block_size, "medium": medium})
+}
+
+pub fn vllm_removed(hashes: &[u64], medium: &str) -> Value {
+    json!({"type": "BlockRemoved", "block_hashes": hashes, "medium": medium})
+}
+
+/// Appends events to a mock worker's event buffer (the filter polls them).
+pub fn publish(worker: &Worker, events: Vec<Value>) {
+    let resp = worker.admin("/admin/events", &Value::Array(events)).expect("publish events");
+    assert_eq!(resp.status, 200, "publish: {}", resp.text());
+}
+
+/// Sends `body` to `/v1/completions` and returns (worker id, overlap blocks, response).
+pub fn route(envoy: &Envoy, body: &Value) -> (u64, u32, http::Response) {
+    let resp = envoy.post_json("/v1/completions", body).expect("request");
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    let worker = served_by(&resp).expect("x-worker-id");
+    let overlap = resp.header("x-kv-router-overlap-blocks").and_then(|v| v.parse().ok()).unwrap_or(0);
+    (worker, overlap, resp)
+}
+
+/// Costs reported in `x-kv-router-costs` (`id/rank=cost,...`) by worker id.
+pub fn costs(resp: &http::Response) -> std::collections::BTreeMap<u64, f64> {
+    resp.header("x-kv-router-costs")
+        .unwrap_or("")
+        .split(',')
+        .filter_map(|item| {
+            let (who, cost) = item.split_once('=')?;
+            let id = who.split('/').next()?.parse().ok()?;
+            Some((id, cost.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Probes with `body` until the router reports at least `blocks` overlap (or `limit` passes).
+pub fn wait_for_overlap(envoy: &Envoy, body: &Value, blocks: u32, limit: std::time::Duration) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    while std::time::Instant::now() < deadline {
+        if route(envoy, body).1 >= blocks {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    false
+}

@@ -1,0 +1,290 @@
+//! KV-aware routing through a real Envoy: events from workers feed the index, the cost model picks.
+
+mod common;
+use common::*;
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+const BLOCK: u32 = 16;
+
+fn kv_envoy(workers: &[Worker], extra: Value) -> Envoy {
+    let mut config = filter_config(workers, json!({"mode": "kv", "block_size": BLOCK}));
+    if let (Some(c), Some(e)) = (config.as_object_mut(), extra.as_object()) {
+        for (k, v) in e {
+            c.insert(k.clone(), v.clone());
+        }
+    }
+    start_envoy(workers, config)
+}
+
+/// A streamed request pinned to `worker` that emits its first token at once and then stays in
+/// flight for `hold_ms`: it loads the worker with its prompt blocks as decode load.
+fn hold_decode(envoy: &Envoy, worker: u64, prompt: &[u32], hold_ms: u64) -> http::StreamingResponse {
+    let body = json!({"model": "mock", "prompt": prompt, "stream": true, "max_tokens": 2,
+        "nvext": {"backend_instance_id": worker},
+        "mock": {"chunks": 2, "chunk_interval_ms": hold_ms}});
+    let mut stream = http::request_streaming(
+        &envoy.listener, "POST", "/v1/completions", &[("content-type", "application/json")],
+        body.to_string().as_bytes(), Duration::from_secs(60)).expect("held request");
+    assert_eq!(stream.status, 200);
+    let first = stream.next_event().expect("first chunk");
+    assert!(first.is_some(), "first token arrives before the hold");
+    stream
+}
+
+#[test]
+fn seed_worked_example() {
+    let workers = echo_workers(3, BLOCK);
+    let envoy = kv_envoy(&workers, json!({}));
+    let prompt = tokens(1000, 10 * BLOCK);
+    // Device overlaps 2, 5 and 8 blocks of the 10-block prompt.
+    for (worker, blocks) in workers.iter().zip([2u32, 5, 8]) {
+        let cached = &prompt[..(blocks * BLOCK) as usize];
+        publish(worker, vec![vllm_stored(cached, BLOCK, None, 100, "GPU")]);
+    }
+    let probe = completion(&prompt);
+    assert!(wait_for_overlap(&envoy, &probe, 8, Duration::from_secs(5)), "events reached the index");
+    // Decode loads 10, 5 and 9 blocks held by in-flight requests (past their first token).
+    let _held: Vec<_> = workers
+        .iter()
+        .zip([10u32, 5, 9])
+        .enumerate()
+        .map(|(i, (w, blocks))| hold_decode(&envoy, w.id, &tokens(50_000 + 1000 * i as u32, blocks * BLOCK), 8000))
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let (worker, overlap, resp) = route(&envoy, &probe);
+    let costs = costs(&resp);
+    assert_eq!(costs.get(&1).copied(), Some(18.0), "{costs:?}");
+    assert_eq!(costs.get(&2).copied(), Some(10.0), "{costs:?}");
+    assert_eq!(costs.get(&3).copied(), Some(11.0), "{costs:?}");
+    assert_eq!(worker, 2);
+    assert_eq!(overlap, 5);
+}
+
+#[test]
+fn stored_attracts_and_removed_or_cleared_takes_the_credit_away() {
+    let workers = echo_workers(3, BLOCK);
+    let envoy = kv_envoy(&workers, json!({}));
+    let prompt = tokens(7, 8 * BLOCK);
+    let body = completion(&prompt);
+    publish(&workers[1], vec![vllm_stored(&prompt, BLOCK, None, 500, "GPU")]);
+    assert!(wait_for_overlap(&envoy, &body, 8, Duration::from_secs(5)));
+    for _ in 0..5 {
+        assert_eq!(route(&envoy, &body).0, 2, "the worker holding the prefix wins");
+    }
+    // Remove the last 4 blocks: 4 remain.
+    publish(&workers[1], vec![vllm_removed(&[504, 505, 506, 507], "GPU")]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut overlap = 8;
+    while overlap != 4 && Instant::now() < deadline {
+        overlap = route(&envoy, &body).1;
+    }
+    assert_eq!(overlap, 4);
+    publish(&workers[1], vec![json!({"type": "AllBlocksCleared"})]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while overlap != 0 && Instant::now() < deadline {
+        overlap = route(&envoy, &body).1;
+    }
+    assert_eq!(overlap, 0, "cleared: no credit left");
+}
+
+#[test]
+fn dynamo_shaped_events_route_too() {
+    let workers = echo_workers(2, BLOCK);
+    let envoy = kv_envoy(&workers, json!({}));
+    let prompt = tokens(300, 6 * BLOCK);
+    let locals = envoy_kv_router::hashing::local_block_hashes(&prompt, BLOCK, envoy_kv_router::hashing::hash_seed(None));
+    let blocks: Vec<Value> = locals.iter().enumerate().map(|(i, h)| json!({"block_hash": 9000 + i, "tokens_hash": h.0})).collect();
+    publish(&workers[0], vec![json!({"dp_rank": 0, "data": {"stored": {"parent_hash": null, "blocks": blocks}}})]);
+    assert!(wait_for_overlap(&envoy, &completion(&prompt), 6, Duration::from_secs(5)));
+    assert_eq!(route(&envoy, &completion(&prompt)).0, 1);
+}
+
+/// Host blocks past the device prefix earn 0.75 of a device block's credit, disk 0.25.
+#[test]
+fn host_and_disk_tiers_earn_partial_credit() {
+    for (medium, weight) in [("CPU", 0.75), ("DISK", 0.25)] {
+        let workers = echo_workers(2, BLOCK);
+        let envoy = kv_envoy(&workers, json!({}));
+        let prompt = tokens(40, 10 * BLOCK);
+        let device = &prompt[..(2 * BLOCK) as usize];
+        let slower = &prompt[(2 * BLOCK) as usize..(6 * BLOCK) as usize];
+        publish(&workers[0], vec![
+            vllm_stored(device, BLOCK, None, 1, "GPU"),
+            vllm_stored(slower, BLOCK, Some(2), 3, medium),
+        ]);
+        let body = completion(&prompt);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let (mut worker, mut resp) = (0, None);
+        while Instant::now() < deadline {
+            let (w, _, r) = route(&envoy, &body);
+            let c = costs(&r);
+            worker = w;
+            if c.get(&2).zip(c.get(&1)).is_some_and(|(a, b)| a > b) {
+                resp = Some(r);
+                break;
+            }
+        }
+        let resp = resp.expect("worker 1 became cheaper");
+        let c = costs(&resp);
+        let credit = c[&2] - c[&1];
+        assert!((credit - (2.0 + 4.0 * weight)).abs() < 1e-6, "{medium}: credit {credit}, costs {c:?}");
+        assert_eq!(worker, 1);
+        assert_eq!(resp.header("x-kv-router-overlap-blocks"), Some("2"), "device prefix only");
+    }
+}
+
+#[test]
+fn ties_at_temperature_zero_are_broken_at_random() {
+    let workers = echo_workers(2, BLOCK);
+    let envoy = kv_envoy(&workers, json!({}));
+    let mut counts = [0u32; 2];
+    for i in 0..40 {
+        let (w, _, _) = route(&envoy, &completion(&tokens(i * 1000, 4 * BLOCK)));
+        counts[(w - 1) as usize] += 1;
+    }
+    assert!(counts[0] >= 5 && counts[1] >= 5, "both tied workers picked: {counts:?}");
+}
+
+#[test]
+fn temperature_spreads_selection_by_softmax() {
+    let workers = echo_workers(2, BLOCK);
+    let envoy = kv_envoy(&workers, json!({"router_temperature": 1.0}));
+    let prompt = tokens(77, 8 * BLOCK);
+    publish(&workers[0], vec![vllm_stored(&prompt, BLOCK, None, 1, "GPU")]);
+    let body = completion(&prompt);
+    assert!(wait_for_overlap(&envoy, &body, 8, Duration::from_secs(5)));
+    // Two candidates: normalised costs 0 and 1, so p(best) = 1 / (1 + e^-1) = 0.731.
+    let n = 400;
+    let best = (0..n).filter(|_| route(&envoy, &body).0 == 1).count();
+    let p = best as f64 / n as f64;
+    assert!((p - 0.731).abs() < 0.07, "p(best) = {p}");
+}
+
+#[test]
+fn two_envoys_fed_by_the_same_workers_agree() {
+    let workers = echo_workers(3, BLOCK);
+    let a = kv_envoy(&workers, json!({}));
+    let b = kv_envoy(&workers, json!({}));
+    let prompts: Vec<Vec<u32>> = (0..9).map(|i| tokens(10_000 * (i + 1), 6 * BLOCK)).collect();
+    for (i, prompt) in prompts.iter().enumerate() {
+        let owner = &workers[i % 3];
+        publish(owner, vec![vllm_stored(&prompt[..(3 + i % 3) * BLOCK as usize], BLOCK, None, 100 * i as u64, "GPU")]);
+    }
+    let last = completion(&prompts[8]);
+    assert!(wait_for_overlap(&a, &last, 5, Duration::from_secs(5)));
+    assert!(wait_for_overlap(&b, &last, 5, Duration::from_secs(5)));
+    for (i, prompt) in prompts.iter().enumerate() {
+        let body = completion(prompt);
+        let (wa, oa, _) = route(&a, &body);
+        let (wb, ob, _) = route(&b, &body);
+        assert_eq!((wa, oa), (wb, ob), "prompt {i}");
+        assert_eq!(wa, workers[i % 3].id);
+    }
+}
+
+/// Reports how long a "stored" event takes to count for routing at the default settings.
+#[test]
+fn stored_event_counts_for_routing_quickly() {
+    let workers = echo_workers(2, BLOCK);
+    let envoy = kv_envoy(&workers, json!({}));
+    let mut delays = Vec::new();
+    for round in 0..5u32 {
+        let prompt = tokens(900_000 + round * 10_000, 4 * BLOCK);
+        let body = completion(&prompt);
+        let start = Instant::now();
+        publish(&workers[1], vec![vllm_stored(&prompt, BLOCK, None, 1000 * u64::from(round), "GPU")]);
+        assert!(wait_for_overlap(&envoy, &body, 4, Duration::from_secs(5)));
+        delays.push(start.elapsed().as_millis());
+    }
+    delays.sort();
+    println!("stored-to-routable delay ms: {delays:?} (median {})", delays[2]);
+    // The default poll (100 ms) and tick (50 ms) bound it near 150 ms; the slack absorbs a busy CI machine.
+    assert!(delays[2] < 1000, "median {} ms", delays[2]);
+}
+
+#[test]
+fn bad_event_pages_are_rejected_and_change_nothing() {
+    let workers = echo_workers(2, BLOCK);
+    let envoy = kv_envoy(&workers, json!({}));
+    let prompt = tokens(5, 6 * BLOCK);
+    let body = completion(&prompt);
+    publish(&workers[0], vec![vllm_stored(&prompt, BLOCK, None, 1, "GPU")]);
+    assert!(wait_for_overlap(&envoy, &body, 6, Duration::from_secs(5)));
+    for fault in ["malformed", "oversized", "wrong_block_size"] {
+        let before = envoy.router_stat("events.pages_rejected");
+        let resp = workers[0].admin("/admin/events_fault", &json!({"mode": fault})).expect("fault");
+        assert_eq!(resp.status, 200);
+        publish(&workers[0], vec![vllm_removed(&[1, 2, 3, 4, 5, 6], "GPU")]);
+        assert!(
+            envoy.wait_for(Duration::from_secs(5), |e| e.router_stat("events.pages_rejected") > before),
+            "{fault}: rejected"
+        );
+        let (worker, overlap, _) = route(&envoy, &body);
+        assert_eq!((worker, overlap), (1, 6), "{fault}: the index is unchanged");
+        assert!(http::get(&envoy.admin, "/ready").is_ok_and(|r| r.status == 200), "{fault}: envoy alive");
+        workers[0].admin("/admin/events_fault", &json!({"mode": "none"})).expect("fault off");
+        // The page that was refused is fetched again and now applies: the removal lands.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut overlap = 6;
+        while overlap != 0 && Instant::now() < deadline {
+            overlap = route(&envoy, &body).1;
+        }
+        assert_eq!(overlap, 0, "{fault}: recovered");
+        publish(&workers[0], vec![vllm_stored(&prompt, BLOCK, None, 1, "GPU")]);
+        assert!(wait_for_overlap(&envoy, &body, 6, Duration::from_secs(5)));
+    }
+    assert!(envoy.router_stat("events.block_size_mismatch") >= 1);
+    assert!(envoy.log().contains("block_size"), "the mismatch is logged");
+}
+
+#[test]
+fn a_gap_in_event_ids_triggers_a_resync_from_the_dump() {
+    let workers = echo_workers(1, BLOCK);
+    let envoy = kv_envoy(&workers, json!({}));
+    let prompt = tokens(11, 5 * BLOCK);
+    let body = completion(&prompt);
+    publish(&workers[0], vec![vllm_stored(&prompt, BLOCK, None, 1, "GPU")]);
+    assert!(wait_for_overlap(&envoy, &body, 5, Duration::from_secs(5)));
+    let resyncs = envoy.router_stat("events.resyncs");
+    // Events are lost; the worker's dump says only the first 2 blocks remain.
+    workers[0].admin("/admin/drop_events", &json!({"count": 3})).expect("drop");
+    let dump = json!({"block_size": BLOCK, "last_event_id": 4,
+        "events": [vllm_stored(&prompt[..(2 * BLOCK) as usize], BLOCK, None, 1, "GPU")]});
+    workers[0].admin("/admin/dump", &dump).expect("dump");
+    publish(&workers[0], vec![json!({"type": "BlockRemoved", "block_hashes": [99], "medium": "GPU"})]);
+    assert!(envoy.wait_for(Duration::from_secs(5), |e| e.router_stat("events.resyncs") > resyncs));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut overlap = 5;
+    while overlap != 2 && Instant::now() < deadline {
+        overlap = route(&envoy, &body).1;
+    }
+    assert_eq!(overlap, 2, "the index follows the dump");
+}
+
+#[test]
+fn a_worker_whose_events_fail_goes_stale_and_loses_its_blocks() {
+    let workers = echo_workers(2, BLOCK);
+    let envoy = kv_envoy(&workers, json!({"events": {"stale_after_ms": 600}}));
+    let prompt = tokens(21, 4 * BLOCK);
+    let body = completion(&prompt);
+    publish(&workers[0], vec![vllm_stored(&prompt, BLOCK, None, 1, "GPU")]);
+    assert!(wait_for_overlap(&envoy, &body, 4, Duration::from_secs(5)));
+    workers[0].admin("/admin/events_fault", &json!({"mode": "http_500"})).expect("fault");
+    assert!(envoy.wait_for(Duration::from_secs(5), |e| e.router_stat("workers.stale") == 1));
+    assert_eq!(route(&envoy, &body).1, 0, "a stale worker's blocks no longer count");
+    workers[0].admin("/admin/events_fault", &json!({"mode": "none"})).expect("fault off");
+    assert!(envoy.wait_for(Duration::from_secs(5), |e| e.router_stat("workers.stale") == 0));
+    assert!(wait_for_overlap(&envoy, &body, 4, Duration::from_secs(5)), "re-synced from the dump");
+}
+
+#[test]
+fn text_only_requests_route_on_load_and_say_so() {
+    let workers = echo_workers(2, BLOCK);
+    let envoy = kv_envoy(&workers, json!({}));
+    let body = json!({"model": "mock", "prompt": "Hello there, a text prompt without token ids"});
+    let (_, overlap, resp) = route(&envoy, &body);
+    assert_eq!(overlap, 0);
+    assert_eq!(resp.header("x-kv-router-reason"), Some("kv-text-only"));
+    assert!(envoy.router_stat("routed.kv-text-only") >= 1);
+}
