@@ -51,7 +51,7 @@ pub struct NumberedEvent {
 }
 
 /// Load counters a worker may report with its events.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ReportedLoad {
     pub num_waiting: u32,
     pub num_running: u32,

@@ -12,15 +12,13 @@ use super::root::{worker_id, VmState};
 use crate::config::{Config, DestinationFormat, PrefillLoadModel};
 use crate::hashing::prompt_sequence_hashes;
 use crate::load::{output_milli_blocks, predicted_prefill_ms};
-use crate::request::{parse_request, Endpoint, Pin, RequestError};
+use crate::request::{parse_header_pin, parse_request, Endpoint, LlmRequest, Pin, RequestError, HEADER_DP_RANK, HEADER_WORKER_ID};
 use crate::router::{decide, Decision, RouteError, RouteInput};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 use std::cell::RefCell;
 use std::rc::Rc;
 
-const PIN_WORKER_HEADER: &str = "x-worker-instance-id";
-const PIN_RANK_HEADER: &str = "x-dp-rank";
 const REASON_HEADER: &str = "x-kv-router-reason";
 
 /// What the response headers report about the decision.
@@ -70,19 +68,11 @@ impl RequestContext {
     }
 
     fn read_header_pin(&mut self) {
-        let worker = host::header(MapType::HttpRequestHeaders, PIN_WORKER_HEADER);
-        let rank = host::header(MapType::HttpRequestHeaders, PIN_RANK_HEADER);
-        if let Some(value) = worker {
-            match value.trim().parse() {
-                Ok(id) => self.header_pin.worker_id = Some(id),
-                Err(_) => self.header_pin_error = Some(format!("{PIN_WORKER_HEADER}: not a worker id: {value:?}")),
-            }
-        }
-        if let Some(value) = rank {
-            match value.trim().parse() {
-                Ok(rank) => self.header_pin.dp_rank = Some(rank),
-                Err(_) => self.header_pin_error = Some(format!("{PIN_RANK_HEADER}: not a DP rank: {value:?}")),
-            }
+        let worker = host::header(MapType::HttpRequestHeaders, HEADER_WORKER_ID);
+        let rank = host::header(MapType::HttpRequestHeaders, HEADER_DP_RANK);
+        match parse_header_pin(worker.as_deref(), rank.as_deref()) {
+            Ok(pin) => self.header_pin = pin,
+            Err(err) => self.header_pin_error = Some(err.to_string()),
         }
     }
 
@@ -160,7 +150,7 @@ impl RequestContext {
         }
     }
 
-    fn steer(&mut self, vm: &mut VmState, config: &Config, decision: &Decision, now: u64, request: &crate::request::LlmRequest) {
+    fn steer(&mut self, vm: &mut VmState, config: &Config, decision: &Decision, now: u64, request: &LlmRequest) {
         let Some(slot) = config.slots.get(usize::from(decision.slot)) else {
             self.fallback(vm, config, "no_decision");
             return;
@@ -169,7 +159,7 @@ impl RequestContext {
             self.fallback(vm, config, "no_decision");
             return;
         };
-        let mut destination = worker.address.clone();
+        let mut destination = worker.address_text.clone();
         if config.destination_format == DestinationFormat::OverrideHost {
             for fallback in &decision.fallbacks {
                 if let Some(w) = config
@@ -178,7 +168,7 @@ impl RequestContext {
                     .and_then(|s| config.workers.get(usize::from(s.worker)))
                 {
                     destination.push(',');
-                    destination.push_str(&w.address);
+                    destination.push_str(&w.address_text);
                 }
             }
         }
@@ -186,7 +176,7 @@ impl RequestContext {
         host::set_header(MapType::HttpRequestHeaders, &config.destination_header, Some(&destination));
         host::set_header(MapType::HttpRequestHeaders, REASON_HEADER, Some(reason));
         if worker.dp_size > 1 {
-            host::set_header(MapType::HttpRequestHeaders, PIN_RANK_HEADER, Some(&slot.dp_rank.to_string()));
+            host::set_header(MapType::HttpRequestHeaders, HEADER_DP_RANK, Some(&slot.dp_rank.to_string()));
         }
 
         let key = vm.new_request_key();
@@ -245,7 +235,7 @@ impl RequestContext {
         let pick = usize::try_from(vm.new_request_key() % count as u64).unwrap_or(0);
         let reason = format!("fallback:{why}");
         if let Some(worker) = config.workers.get(pick) {
-            host::set_header(MapType::HttpRequestHeaders, &config.destination_header, Some(&worker.address));
+            host::set_header(MapType::HttpRequestHeaders, &config.destination_header, Some(&worker.address_text));
             if config.response_headers {
                 self.outcome = Some(Outcome {
                     worker: worker.id.to_string(),

@@ -84,7 +84,7 @@ impl Poller {
             }
             CallKind::Dump => config.events.dump_path.clone(),
         };
-        let address = spec.events_address.as_str();
+        let address = spec.events_address_text.as_str();
         let headers = vec![
             (":method", "GET"),
             (":path", path.as_str()),
