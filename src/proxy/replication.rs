@@ -92,7 +92,7 @@ pub struct Replica {
 impl Replica {
     pub fn new(config: &Config, fingerprint: u64) -> Replica {
         Replica {
-            index: KvIndex::new(config.slots.len(), config.index.max_blocks),
+            index: new_index(config),
             applied_seq: 0,
             fingerprint,
             head: LogHead::default(),
@@ -109,7 +109,7 @@ impl Replica {
             return report; // written under another configuration; the poller will start a new epoch
         }
         if self.applied_seq < head.epoch_start || self.applied_seq > head.seq {
-            self.index = KvIndex::new(config.slots.len(), config.index.max_blocks);
+            self.index = new_index(config);
             self.applied_seq = head.epoch_start;
         }
         if head.seq - self.applied_seq >= LOG_SLOTS {
@@ -117,7 +117,7 @@ impl Replica {
                 report.snapshot_loaded = true;
             } else {
                 report.lost_sync = true;
-                self.index = KvIndex::new(config.slots.len(), config.index.max_blocks);
+                self.index = new_index(config);
                 self.applied_seq = head.seq.saturating_sub(LOG_SLOTS - 1).max(head.epoch_start);
             }
         }
@@ -145,7 +145,7 @@ impl Replica {
         if seq < head.epoch_start || seq > head.seq || head.seq - seq >= LOG_SLOTS {
             return false;
         }
-        match KvIndex::decode_snapshot(body, config.slots.len(), config.index.max_blocks) {
+        match KvIndex::decode_snapshot(body, config.slots.len(), max_blocks(config)) {
             Ok(index) => {
                 self.index = index;
                 self.applied_seq = seq;
@@ -216,12 +216,20 @@ impl Replica {
             match self.index.apply(slot, event) {
                 Ok(stats) => {
                     report.events_applied += 1;
-                    report.evicted += stats.evicted as u64;
+                    report.evicted += u64::from(stats.evicted_blocks);
                 }
                 Err(_) => report.events_rejected += 1,
             }
         }
     }
+}
+
+fn max_blocks(config: &Config) -> usize {
+    usize::try_from(config.index.max_blocks).unwrap_or(usize::MAX)
+}
+
+fn new_index(config: &Config) -> KvIndex {
+    KvIndex::new(config.slots.len(), max_blocks(config))
 }
 
 fn split_seq(bytes: &[u8]) -> Option<(u64, &[u8])> {
