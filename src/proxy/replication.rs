@@ -216,7 +216,7 @@ impl Replica {
             match self.index.apply(slot, event) {
                 Ok(stats) => {
                     report.events_applied += 1;
-                    report.evicted += u64::from(stats.evicted_blocks);
+                    report.evicted += stats.evicted_blocks as u64;
                 }
                 Err(_) => report.events_rejected += 1,
             }
