@@ -184,6 +184,20 @@ impl RouteError {
         }
     }
 
+    /// A stable snake_case name for stats (`rejected.<kind>`) and the JSON error `type`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RouteError::PinRequired => "pin_required",
+            RouteError::PinnedWorkerUnknown { .. } => "pinned_worker_unknown",
+            RouteError::PinnedRankInvalid { .. } => "pinned_rank_invalid",
+            RouteError::PinnedRankRequired { .. } => "pinned_rank_required",
+            RouteError::PinnedWorkerOverloaded { .. } => "pinned_worker_overloaded",
+            RouteError::AllWorkersOverloaded { .. } => "all_workers_overloaded",
+            RouteError::NoCompatibleWorker { .. } => "no_compatible_worker",
+            RouteError::NonFiniteCost { .. } => "non_finite_cost",
+        }
+    }
+
     /// `Retry-After` seconds for overload rejections (load drains within about a second).
     pub fn retry_after_secs(&self) -> Option<u32> {
         match self {

@@ -259,6 +259,6 @@ fn required_taints_and_models_filter_workers() {
     let counts = distribution(&envoy, 6, |i| json!({"model": "qwen", "prompt": tokens(i, 20)}));
     assert_eq!(counts.keys().copied().collect::<Vec<_>>(), vec![3]);
     let none = envoy.post_json("/v1/completions", &json!({"model": "mistral", "prompt": tokens(1, 20)})).expect("request");
-    assert_eq!(none.status, 503, "{}", none.text());
+    assert_eq!(none.status, 404, "an unserved model is not found: {}", none.text());
     assert!(none.text().contains("mistral") || none.text().contains("model"));
 }

@@ -13,7 +13,7 @@ use crate::config::{Config, DestinationFormat, PrefillLoadModel};
 use crate::hashing::prompt_sequence_hashes;
 use crate::load::{output_milli_blocks, predicted_prefill_ms};
 use crate::request::{parse_header_pin, parse_request, Endpoint, LlmRequest, Pin, RequestError, HEADER_DP_RANK, HEADER_WORKER_ID};
-use crate::router::{decide, Decision, RouteError, RouteInput};
+use crate::router::{decide, prompt_blocks, Decision, RouteInput};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 use std::cell::RefCell;
@@ -126,7 +126,7 @@ impl RequestContext {
         }
         let load = load_store::read(&config).view(now);
         let stale = vm.stale_slots();
-        let prompt_blocks = u32::try_from(hashes.len()).unwrap_or(u32::MAX);
+        let prompt_blocks = prompt_blocks(&config, &request);
         let input = RouteInput {
             request: &request,
             header_pin: self.header_pin,
@@ -296,7 +296,7 @@ fn count_sse_tokens(chunk: &[u8]) -> u32 {
     count
 }
 
-fn reject(status: u32, kind: &str, message: &str, retry_after_secs: Option<u64>) -> Action {
+fn reject(status: u32, kind: &str, message: &str, retry_after_secs: Option<u32>) -> Action {
     let body = serde_json::json!({"error": {"message": message, "type": kind, "code": status}}).to_string();
     let retry = retry_after_secs.map(|s| s.to_string());
     let mut headers = vec![("content-type", "application/json"), (REASON_HEADER, kind)];
@@ -396,7 +396,7 @@ impl HttpContext for RequestContext {
     fn on_log(&mut self) {
         let Some(booking) = self.booking.take() else { return };
         let Some(config) = self.config() else { return };
-        let released = load_store::update(&config, |table| table.release(booking.key).then_some(()));
+        let released = load_store::update(&config, |table| table.release_at(booking.key, host::now_ms()).then_some(()));
         if released.is_none() {
             if let Ok(mut vm) = self.vm.try_borrow_mut() {
                 vm.metrics.inc("load.release_failed");
