@@ -58,19 +58,15 @@ fn seed_worked_example() {
         wait_for_overlap(&envoy, &probe, 8, Duration::from_secs(5)),
         "events reached the index"
     );
-    // Decode loads 10, 5 and 9 blocks held by in-flight requests (past their first token).
+    // Decode loads of 10, 5 and 9 blocks, counted as Dynamo does: the blocks of requests in
+    // flight (2, 0 and 7, past their first token) plus this request's blocks each worker does not
+    // hold yet (8, 5 and 2).
     let _held: Vec<_> = workers
         .iter()
-        .zip([10u32, 5, 9])
+        .zip([2u32, 0, 7])
+        .filter(|(_, blocks)| *blocks > 0)
         .enumerate()
-        .map(|(i, (w, blocks))| {
-            hold_decode(
-                &envoy,
-                w.id,
-                &tokens(50_000 + 1000 * i as u32, blocks * BLOCK),
-                8000,
-            )
-        })
+        .map(|(i, (w, blocks))| hold_decode(&envoy, w.id, &tokens(50_000 + 1000 * i as u32, blocks * BLOCK), 8000))
         .collect();
     std::thread::sleep(Duration::from_millis(200));
     let (worker, overlap, resp) = route(&envoy, &probe);
