@@ -6,5 +6,6 @@
 
 pub mod harness;
 pub mod http;
+pub mod loadgen;
 pub mod mock;
 pub mod util;
