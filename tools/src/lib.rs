@@ -4,6 +4,7 @@
 //! * [`mock`]: the mock LLM worker (echo mode for tests, a vLLM-like engine for benchmarks).
 //! * `harness`: launches Envoy for the integration tests and the demo.
 
+pub mod compare;
 pub mod harness;
 pub mod http;
 pub mod loadgen;

@@ -5,18 +5,23 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use envoy_kv_router_tools::compare::{compare_modes, report_comparison, Fleet};
 use envoy_kv_router_tools::loadgen::{
     format_stats, load_mooncake, run_workload, synthetic, write_svg_chart, RunOptions,
     SyntheticSpec,
 };
 
 const USAGE: &str =
-    "usage: loadgen --target IP:PORT (--trace FILE [--time-scale X] | --synthetic SPEC)
+    "usage: loadgen (--target IP:PORT | --modes kv,round-robin [--fleet 8] [--worker-args '...']
+                 [--block-size 64] [--filter-json '{...}']) (--trace FILE [--time-scale X] | --synthetic SPEC)
   [--max-requests N] [--model NAME] [--path /v1/completions] [--timeout-s 600]
   [--max-in-flight 2048] [--workers IP:PORT,IP:PORT] [--label NAME] [--json FILE] [--svg FILE]
   [--header 'name: value']... [--quiet]
 SPEC: groups=G,prefix=P,isl=I,osl=O,requests=N,(rate=R|concurrency=C)[,seed=S]
---workers: mock workers whose /metrics give the prefix-cache hit rate of the run.";
+--workers: mock workers whose /metrics give the prefix-cache hit rate of the run.
+--modes: start a fresh fleet of --fleet mock workers (engine mode, --worker-args) and a fresh
+  Envoy with the filter for each routing mode in turn, run the same workload through each, and
+  print a side-by-side table (and --svg chart). The last line compares kv with round-robin.";
 
 fn fail(msg: &str) -> ! {
     eprintln!("{msg}\n{USAGE}");
@@ -32,6 +37,11 @@ fn main() {
     let mut json_out: Option<PathBuf> = None;
     let mut svg_out: Option<PathBuf> = None;
     let mut opts = RunOptions::default();
+    let mut modes: Option<String> = None;
+    let mut fleet_size = 8u64;
+    let mut worker_args = String::new();
+    let mut block_size = 64u32;
+    let mut filter_json: Option<String> = None;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         if flag == "--help" || flag == "-h" {
@@ -51,6 +61,11 @@ fn main() {
         };
         match flag.as_str() {
             "--target" => target = Some(value),
+            "--modes" => modes = Some(value),
+            "--fleet" => fleet_size = num(&value) as u64,
+            "--worker-args" => worker_args = value,
+            "--block-size" => block_size = num(&value) as u32,
+            "--filter-json" => filter_json = Some(value),
             "--trace" => trace = Some(PathBuf::from(value)),
             "--synthetic" => synth = Some(value),
             "--time-scale" => time_scale = num(&value),
@@ -78,7 +93,6 @@ fn main() {
             _ => fail(&format!("unknown option {flag}")),
         }
     }
-    let target = target.unwrap_or_else(|| fail("--target is required"));
     let workload = match (trace, synth) {
         (Some(path), None) => {
             load_mooncake(&path, time_scale, max_requests).unwrap_or_else(|e| fail(&e.to_string()))
@@ -92,6 +106,23 @@ fn main() {
         }
         _ => fail("give exactly one of --trace and --synthetic"),
     };
+    if let Some(modes) = modes {
+        let mut fleet = Fleet::new(
+            fleet_size,
+            block_size,
+            &worker_args.split_whitespace().collect::<Vec<_>>(),
+        );
+        if let Some(extra) = filter_json {
+            fleet.filter_extra = serde_json::from_str(&extra)
+                .unwrap_or_else(|e| fail(&format!("--filter-json: {e}")));
+        }
+        let modes: Vec<&str> = modes.split(',').filter(|m| !m.is_empty()).collect();
+        let results = compare_modes(&modes, &fleet, &workload, &opts)
+            .unwrap_or_else(|e| fail(&e.to_string()));
+        report_comparison(&results, svg_out.as_deref(), json_out.as_deref());
+        return;
+    }
+    let target = target.unwrap_or_else(|| fail("--target (or --modes) is required"));
     eprintln!(
         "loadgen: {} requests ({}) -> {target}",
         workload.requests.len(),

@@ -649,7 +649,6 @@ impl Engine {
 
     fn run(&self) {
         loop {
-            let started = Instant::now();
             let outcome = {
                 let mut g = lock(&self.inner);
                 loop {
@@ -665,6 +664,8 @@ impl Engine {
                 std::thread::sleep(Duration::from_millis(2));
                 continue;
             }
+            // The step's clock starts when it is planned, not when the engine began waiting for work.
+            let started = Instant::now();
             let end = started + Duration::from_secs_f64(outcome.duration_ms.max(0.0) / 1000.0);
             let now = Instant::now();
             if end > now {

@@ -1,0 +1,164 @@
+//! Runs one workload through several routing modes back to back, each against a fresh fleet of
+//! mock workers (so every mode starts with cold caches) behind a fresh Envoy with the filter.
+
+use crate::harness::{Envoy, EnvoyOptions, Worker};
+use crate::loadgen::{
+    print_comparison_table, run_workload, write_svg_chart, RunOptions, RunStats, Workload,
+};
+use serde_json::{json, Value};
+use std::io;
+use std::path::Path;
+use std::time::Duration;
+
+/// The simulated fleet and the filter settings shared by every mode.
+#[derive(Clone, Debug)]
+pub struct Fleet {
+    pub workers: u64,
+    /// Extra `mock-worker` arguments (engine mode and block size are set here).
+    pub worker_args: Vec<String>,
+    pub block_size: u32,
+    /// Envoy worker threads.
+    pub envoy_threads: u32,
+    /// Merged into the filter configuration of every mode (e.g. cost knobs).
+    pub filter_extra: Value,
+}
+
+impl Fleet {
+    pub fn new(workers: u64, block_size: u32, worker_args: &[&str]) -> Fleet {
+        Fleet {
+            workers,
+            worker_args: worker_args.iter().map(|s| s.to_string()).collect(),
+            block_size,
+            envoy_threads: 2,
+            filter_extra: json!({}),
+        }
+    }
+
+    fn spawn_workers(&self) -> io::Result<Vec<Worker>> {
+        let block = self.block_size.to_string();
+        let mut args: Vec<&str> = vec!["--mode", "engine", "--block-size", &block];
+        args.extend(self.worker_args.iter().map(String::as_str));
+        Worker::spawn_many(self.workers, &args)
+    }
+
+    /// The filter configuration for `mode` over `workers`.
+    pub fn filter_config(&self, mode: &str, workers: &[Worker]) -> Value {
+        let list: Vec<Value> = workers
+            .iter()
+            .map(|w| json!({"id": w.id, "address": w.addr}))
+            .collect();
+        let mut config = json!({
+            "mode": mode,
+            "block_size": self.block_size,
+            "workers": list,
+            // Full caches re-sync from multi-megabyte dumps.
+            "events": {"max_response_bytes": 64 * 1024 * 1024},
+        });
+        if let (Some(target), Some(extra)) = (config.as_object_mut(), self.filter_extra.as_object())
+        {
+            for (key, value) in extra {
+                target.insert(key.clone(), value.clone());
+            }
+        }
+        config
+    }
+}
+
+/// Runs `workload` once in `mode` on a fresh fleet and Envoy; everything is stopped afterwards.
+pub fn run_mode(
+    mode: &str,
+    fleet: &Fleet,
+    workload: &Workload,
+    opts: &RunOptions,
+) -> io::Result<RunStats> {
+    let workers = fleet.spawn_workers()?;
+    let mut envoy_opts = EnvoyOptions::new(
+        fleet.filter_config(mode, &workers),
+        workers.iter().map(|w| w.addr.clone()).collect(),
+    );
+    envoy_opts.concurrency = fleet.envoy_threads;
+    envoy_opts.route_timeout = Duration::from_secs(600);
+    envoy_opts.log_level = "warning";
+    let envoy = Envoy::start(&envoy_opts)?;
+    // Let the poller take every worker's (empty) dump before traffic starts.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut opts = opts.clone();
+    opts.worker_addrs = workers.iter().map(|w| w.addr.clone()).collect();
+    opts.label = mode.to_string();
+    let stats = run_workload(&envoy.listener, workload, &opts);
+    drop(envoy);
+    drop(workers);
+    Ok(stats)
+}
+
+/// Runs every mode in turn and returns their stats in the same order.
+pub fn compare_modes(
+    modes: &[&str],
+    fleet: &Fleet,
+    workload: &Workload,
+    opts: &RunOptions,
+) -> io::Result<Vec<(String, RunStats)>> {
+    modes
+        .iter()
+        .map(|mode| {
+            eprintln!(
+                "== mode {mode}: {} workers, {} requests",
+                fleet.workers,
+                workload.requests.len()
+            );
+            run_mode(mode, fleet, workload, opts).map(|stats| (mode.to_string(), stats))
+        })
+        .collect()
+}
+
+/// `mean TTFT of baseline / mean TTFT of candidate`, when both exist.
+pub fn ttft_mean_speedup(
+    results: &[(String, RunStats)],
+    candidate: &str,
+    baseline: &str,
+) -> Option<f64> {
+    let mean = |name: &str| {
+        results
+            .iter()
+            .find(|(m, _)| m == name)
+            .map(|(_, s)| s.ttft().mean)
+    };
+    let (c, b) = (mean(candidate)?, mean(baseline)?);
+    (c > 0.0).then_some(b / c)
+}
+
+/// Prints the side-by-side table, writes the chart and the JSON summary when asked, and ends with
+/// `kv_vs_round_robin ttft_mean_speedup=<x>` when both modes ran.
+pub fn report_comparison(
+    results: &[(String, RunStats)],
+    svg: Option<&Path>,
+    json_out: Option<&Path>,
+) {
+    let rows: Vec<(&str, RunStats)> = results
+        .iter()
+        .map(|(m, s)| (m.as_str(), s.clone()))
+        .collect();
+    print_comparison_table(&rows);
+    if let Some(path) = svg {
+        if let Some(dir) = path.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        match write_svg_chart(path, &rows) {
+            Ok(()) => println!("chart: {}", path.display()),
+            Err(e) => eprintln!("cannot write {}: {e}", path.display()),
+        }
+    }
+    if let Some(path) = json_out {
+        let summary: serde_json::Map<String, Value> = results
+            .iter()
+            .map(|(m, s)| (m.clone(), s.summary_json()))
+            .collect();
+        let body = serde_json::to_string_pretty(&Value::Object(summary)).unwrap_or_default();
+        if let Err(e) = std::fs::write(path, body) {
+            eprintln!("cannot write {}: {e}", path.display());
+        }
+    }
+    if let Some(x) = ttft_mean_speedup(results, "kv", "round-robin") {
+        println!("kv_vs_round_robin ttft_mean_speedup={x:.2}");
+    }
+}
