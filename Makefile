@@ -19,6 +19,7 @@ build: wasm tools
 test: setup build
 	cargo test --workspace --release
 	bash scripts/test-wasm.sh
+	bash scripts/check-compose.sh
 
 test-native: build
 	cargo test --workspace --release

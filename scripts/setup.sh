@@ -13,6 +13,13 @@ if ! .venv/bin/envoy --version 2>/dev/null | grep -q "/$ENVOY_VERSION/"; then
 fi
 .venv/bin/envoy --version | head -1
 
+if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev/null &&
+  [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "setup: installing docker-compose (to validate docker-compose.yaml)"
+  DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -q docker-compose >/dev/null ||
+    { timeout 600 apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -q docker-compose >/dev/null; }
+fi
+
 source scripts/wasm-env.sh
 echo "setup: wasm32 builds with $CARGO ${WASM_BUILD_FLAGS:-}"
 

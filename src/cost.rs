@@ -1,1 +1,233 @@
-//! (being written)
+//! Dynamo's KV cost model (REFERENCE.md section 1). Lower is better. Pure: no side effects.
+//!
+//! ```text
+//! raw_prefill_blocks = (active_prefill_tokens + isl_tokens) / block_size
+//! credit = overlap_score_credit * device_blocks + host_cache_hit_weight * host_blocks
+//!        + disk_cache_hit_weight * disk_blocks + shared_cache_multiplier * shared_beyond_device_blocks
+//! adjusted_prefill_blocks = max(raw_prefill_blocks - credit, 0)
+//! decode_blocks = active_decode_blocks + new_blocks          (this request included)
+//! cost = (prefill_load_scale * adjusted_prefill_blocks + decode_blocks
+//!         + decode_active_request_weight * active_requests) * preferred_taint_multiplier
+//! ```
+//!
+//! * `new_blocks` = the prompt's blocks minus those already cached on the slot's device
+//!   ([`new_decode_blocks`]): prefix-cached device blocks are shared with the requests that hold
+//!   them, not allocated again. This is also what the router books in the load table, and it is
+//!   what makes the documented worked example (decode 10/5/9 with a 10-block prompt and device
+//!   overlaps 2/5/8) consistent: each slot's decode load is its existing load plus 8/5/2.
+//! * `shared_beyond_device_blocks` is taken as 0: shared / external / remote storage arrives as the
+//!   `Disk` tier (see `StorageTier::parse`) and is credited with `disk_cache_hit_weight`; there is
+//!   no separate cluster-wide shared-cache signal to count twice. `shared_cache_multiplier` is
+//!   accepted for configuration compatibility and has no effect.
+//! * `active_requests` is the slot's in-flight count before this request.
+
+use std::fmt;
+
+use crate::config::CostWeights;
+use crate::load::SlotLoad;
+use crate::types::Overlap;
+
+/// Everything the cost of one slot depends on.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CostInputs {
+    pub isl_tokens: u32,
+    /// The prompt's KV blocks, `ceil(isl_tokens / block_size)`.
+    pub prompt_blocks: u32,
+    pub overlap: Overlap,
+    pub load: SlotLoad,
+    /// [`preferred_taint_multiplier`] of the slot's worker (1.0 = no preference).
+    pub preferred_multiplier: f64,
+}
+
+/// The terms of one slot's cost, for headers, logs and tests.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SlotCost {
+    pub raw_prefill_blocks: f64,
+    pub credit_blocks: f64,
+    pub adjusted_prefill_blocks: f64,
+    pub decode_blocks: f64,
+    pub cost: f64,
+}
+
+/// A cost that is NaN or infinite: the inputs are corrupt; never pick on it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NonFiniteCost {
+    pub cost: f64,
+}
+
+impl fmt::Display for NonFiniteCost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "cost is not finite ({})", self.cost)
+    }
+}
+
+/// KV blocks this request adds to a slot's decode load: its prompt blocks not already on the
+/// slot's device.
+pub fn new_decode_blocks(prompt_blocks: u32, overlap: &Overlap) -> u32 {
+    prompt_blocks.saturating_sub(overlap.device_blocks)
+}
+
+/// `exp(-tanh(sum of the weights of preferred taints the worker carries))`: in `(e^-1, e^1)`,
+/// below 1 for a preferred worker, above 1 for a negatively weighted one.
+pub fn preferred_taint_multiplier(worker_taints: &[String], preferred: &[(String, f64)]) -> f64 {
+    let sum: f64 = preferred
+        .iter()
+        .filter(|(t, _)| worker_taints.iter().any(|w| w == t))
+        .map(|(_, w)| *w)
+        .sum();
+    (-sum.tanh()).exp()
+}
+
+/// The cost of one slot; see the module docs.
+pub fn slot_cost(
+    weights: &CostWeights,
+    block_size: u32,
+    inputs: &CostInputs,
+) -> Result<SlotCost, NonFiniteCost> {
+    let bs = f64::from(block_size.max(1));
+    let o = &inputs.overlap;
+    let raw_prefill_blocks = (inputs.load.prefill_tokens + f64::from(inputs.isl_tokens)) / bs;
+    let shared_beyond_device_blocks = 0.0;
+    let credit_blocks = weights.overlap_score_credit * f64::from(o.device_blocks)
+        + weights.host_cache_hit_weight * f64::from(o.host_blocks)
+        + weights.disk_cache_hit_weight * f64::from(o.disk_blocks)
+        + weights.shared_cache_multiplier * shared_beyond_device_blocks;
+    // `f64::max` would turn a NaN into 0 and hide corrupt inputs: keep NaN for the check below.
+    let diff = raw_prefill_blocks - credit_blocks;
+    let adjusted_prefill_blocks = if diff.is_nan() { diff } else { diff.max(0.0) };
+    let decode_blocks =
+        inputs.load.decode_blocks + f64::from(new_decode_blocks(inputs.prompt_blocks, o));
+    let cost = (weights.prefill_load_scale * adjusted_prefill_blocks
+        + decode_blocks
+        + weights.decode_active_request_weight * f64::from(inputs.load.active_requests))
+        * inputs.preferred_multiplier;
+    if !cost.is_finite() {
+        return Err(NonFiniteCost { cost });
+    }
+    Ok(SlotCost {
+        raw_prefill_blocks,
+        credit_blocks,
+        adjusted_prefill_blocks,
+        decode_blocks,
+        cost,
+    })
+}
+
+#[cfg(test)]
+#[allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+mod tests {
+    use super::*;
+
+    fn inputs(
+        device: u32,
+        host: u32,
+        disk: u32,
+        prefill_tokens: f64,
+        decode_blocks: f64,
+    ) -> CostInputs {
+        CostInputs {
+            isl_tokens: 160,
+            prompt_blocks: 10,
+            overlap: Overlap {
+                device_blocks: device,
+                host_blocks: host,
+                disk_blocks: disk,
+            },
+            load: SlotLoad {
+                prefill_tokens,
+                decode_blocks,
+                active_requests: 3,
+            },
+            preferred_multiplier: 1.0,
+        }
+    }
+
+    #[test]
+    fn worked_example_costs() {
+        // Existing decode loads 2/0/7 plus this request's new blocks 8/5/2 = 10/5/9.
+        let w = CostWeights::default();
+        let c1 = slot_cost(&w, 16, &inputs(2, 0, 0, 0.0, 2.0)).unwrap();
+        let c2 = slot_cost(&w, 16, &inputs(5, 0, 0, 0.0, 0.0)).unwrap();
+        let c3 = slot_cost(&w, 16, &inputs(8, 0, 0, 0.0, 7.0)).unwrap();
+        assert_eq!(c1.raw_prefill_blocks, 10.0);
+        assert_eq!(
+            (c1.adjusted_prefill_blocks, c1.decode_blocks, c1.cost),
+            (8.0, 10.0, 18.0)
+        );
+        assert_eq!(
+            (c2.adjusted_prefill_blocks, c2.decode_blocks, c2.cost),
+            (5.0, 5.0, 10.0)
+        );
+        assert_eq!(
+            (c3.adjusted_prefill_blocks, c3.decode_blocks, c3.cost),
+            (2.0, 9.0, 11.0)
+        );
+    }
+
+    #[test]
+    fn host_and_disk_blocks_earn_partial_credit() {
+        let w = CostWeights::default();
+        // 4 host blocks past 2 device blocks: credit 2 + 0.75 * 4 = 5.
+        let c = slot_cost(&w, 16, &inputs(2, 4, 0, 0.0, 0.0)).unwrap();
+        assert_eq!(c.credit_blocks, 5.0);
+        assert_eq!(c.adjusted_prefill_blocks, 5.0);
+        // 4 disk blocks: credit 2 + 0.25 * 4 = 3.
+        let c = slot_cost(&w, 16, &inputs(2, 0, 4, 0.0, 0.0)).unwrap();
+        assert_eq!(c.credit_blocks, 3.0);
+        assert_eq!(c.adjusted_prefill_blocks, 7.0);
+        // Only device blocks are shared for decode: 10 - 2 new blocks either way.
+        assert_eq!(c.decode_blocks, 8.0);
+    }
+
+    #[test]
+    fn active_prefill_load_scale_and_request_weight() {
+        let w = CostWeights {
+            prefill_load_scale: 2.0,
+            decode_active_request_weight: 0.5,
+            overlap_score_credit: 0.5,
+            ..CostWeights::default()
+        };
+        // raw = (320 + 160) / 16 = 30; credit 0.5 * 4 = 2; adjusted 28; decode 1 + 6 = 7;
+        // cost = 2 * 28 + 7 + 0.5 * 3 = 64.5.
+        let c = slot_cost(&w, 16, &inputs(4, 0, 0, 320.0, 1.0)).unwrap();
+        assert_eq!(c.raw_prefill_blocks, 30.0);
+        assert_eq!(c.cost, 64.5);
+        // Credit larger than the prefill clamps at 0.
+        let c = slot_cost(&CostWeights::default(), 16, &inputs(10, 40, 0, 0.0, 0.0)).unwrap();
+        assert_eq!(c.adjusted_prefill_blocks, 0.0);
+    }
+
+    #[test]
+    fn preferred_taints_scale_the_cost() {
+        let taints = vec!["a100".to_string(), "eu".to_string()];
+        let pref = vec![
+            ("a100".to_string(), 0.5),
+            ("us".to_string(), 5.0),
+            ("eu".to_string(), 0.5),
+        ];
+        let m = preferred_taint_multiplier(&taints, &pref);
+        assert!((m - (-(1.0f64).tanh()).exp()).abs() < 1e-12);
+        assert!((m - 0.466_921).abs() < 1e-6, "{m}");
+        assert_eq!(preferred_taint_multiplier(&taints, &[]), 1.0);
+        let neg = preferred_taint_multiplier(&taints, &[("eu".to_string(), -100.0)]);
+        assert!((neg - std::f64::consts::E).abs() < 1e-9);
+        let mut i = inputs(5, 0, 0, 0.0, 0.0);
+        i.preferred_multiplier = m;
+        let c = slot_cost(&CostWeights::default(), 16, &i).unwrap();
+        assert!((c.cost - 10.0 * m).abs() < 1e-12);
+    }
+
+    #[test]
+    fn non_finite_cost_is_an_error() {
+        let mut i = inputs(0, 0, 0, f64::NAN, 0.0);
+        assert!(slot_cost(&CostWeights::default(), 16, &i).is_err());
+        i.load.prefill_tokens = 0.0;
+        i.load.decode_blocks = f64::INFINITY;
+        assert!(slot_cost(&CostWeights::default(), 16, &i).is_err());
+    }
+}

@@ -1,1 +1,159 @@
-//! (being written)
+//! Eligibility filters, applied before scoring in this order (REFERENCE.md section 1):
+//!
+//! 1. allow-list (`nvext.allowed_worker_ids`; ids the configuration does not know are ignored);
+//! 2. pin: worker id (+ DP rank). The worker must exist (`PinnedWorkerUnknown`) and survive the
+//!    allow-list; a worker owning several ranks needs an explicit rank (`PinnedRankRequired`);
+//! 3. DP-rank bounds: a pinned rank outside `[dp_start, dp_start + dp_size)` is
+//!    `PinnedRankInvalid`; a rank without a worker keeps the slots with that rank;
+//! 4. model (`workers[].models` empty = any model);
+//! 5. required taints (the worker carries all);
+//! 6. busy thresholds on the slot's current load (this request not included). Over-threshold
+//!    slots are dropped; if none is left the request is rejected (`PinnedWorkerOverloaded` for a
+//!    pinned request, else `AllWorkersOverloaded`).
+//!
+//! Stages 1-5 that empty the candidate set return `NoCompatibleWorker` with the stage as reason.
+
+use crate::config::Config;
+use crate::load::SlotLoad;
+use crate::request::{LlmRequest, Pin};
+use crate::router::{Incompatibility, RouteError};
+use crate::types::SlotIdx;
+
+/// Slots (ascending) that may serve `request` with effective pin `pin`.
+pub fn eligible_slots(
+    config: &Config,
+    request: &LlmRequest,
+    pin: Pin,
+    load: &[SlotLoad],
+) -> Result<Vec<SlotIdx>, RouteError> {
+    let num_slots = SlotIdx::try_from(config.slots.len()).unwrap_or(SlotIdx::MAX);
+    let mut slots: Vec<SlotIdx> = (0..num_slots).collect();
+    let worker_ok = |slots: &mut Vec<SlotIdx>,
+                     keep: &dyn Fn(&crate::config::WorkerConfig) -> bool| {
+        slots.retain(|s| config.worker_of_slot(*s).is_some_and(keep));
+    };
+
+    // 1. Allow-list.
+    if let Some(allowed) = &request.allowed_worker_ids {
+        worker_ok(&mut slots, &|w| allowed.contains(&w.id));
+        if slots.is_empty() {
+            return Err(RouteError::NoCompatibleWorker {
+                reason: Incompatibility::AllowList {
+                    allowed: allowed.clone(),
+                },
+            });
+        }
+    }
+
+    // 2 + 3. Pin and DP-rank bounds.
+    match (pin.worker_id, pin.dp_rank) {
+        (Some(worker_id), rank) => {
+            let idx = config
+                .worker_index(worker_id)
+                .ok_or(RouteError::PinnedWorkerUnknown { worker_id })?;
+            let w = config
+                .workers
+                .get(usize::from(idx))
+                .ok_or(RouteError::PinnedWorkerUnknown { worker_id })?;
+            let slot = match rank {
+                Some(dp_rank) => {
+                    config
+                        .slot_of(idx, dp_rank)
+                        .ok_or(RouteError::PinnedRankInvalid {
+                            worker_id,
+                            dp_rank,
+                            dp_start: w.dp_start,
+                            dp_size: w.dp_size,
+                        })?
+                }
+                None if w.dp_size == 1 => w.first_slot,
+                None => {
+                    return Err(RouteError::PinnedRankRequired {
+                        worker_id,
+                        dp_start: w.dp_start,
+                        dp_size: w.dp_size,
+                    })
+                }
+            };
+            if !slots.contains(&slot) {
+                return Err(RouteError::NoCompatibleWorker {
+                    reason: Incompatibility::PinnedOutsideAllowList { worker_id },
+                });
+            }
+            slots = vec![slot];
+        }
+        (None, Some(dp_rank)) => {
+            slots.retain(|s| config.slot(*s).is_some_and(|sl| sl.dp_rank == dp_rank));
+            if slots.is_empty() {
+                return Err(RouteError::NoCompatibleWorker {
+                    reason: Incompatibility::NoSlotWithRank { dp_rank },
+                });
+            }
+        }
+        (None, None) => {}
+    }
+
+    // 4. Model.
+    if let Some(model) = &request.model {
+        worker_ok(&mut slots, &|w| w.serves_model(model));
+        if slots.is_empty() {
+            return Err(RouteError::NoCompatibleWorker {
+                reason: Incompatibility::ModelNotServed {
+                    model: model.clone(),
+                },
+            });
+        }
+    }
+
+    // 5. Required taints.
+    if !request.required_taints.is_empty() {
+        worker_ok(&mut slots, &|w| {
+            request.required_taints.iter().all(|t| w.taints.contains(t))
+        });
+        if slots.is_empty() {
+            return Err(RouteError::NoCompatibleWorker {
+                reason: Incompatibility::MissingTaints {
+                    taints: request.required_taints.clone(),
+                },
+            });
+        }
+    }
+
+    // 6. Busy thresholds.
+    let eligible = slots.len();
+    slots.retain(|s| !is_busy(config, *s, load));
+    if slots.is_empty() {
+        return Err(match pin.worker_id {
+            Some(worker_id) => RouteError::PinnedWorkerOverloaded { worker_id },
+            None => RouteError::AllWorkersOverloaded { eligible },
+        });
+    }
+    Ok(slots)
+}
+
+/// Whether `slot` is over any configured busy threshold (strictly greater than).
+pub fn is_busy(config: &Config, slot: SlotIdx, load: &[SlotLoad]) -> bool {
+    let Some(l) = load.get(usize::from(slot)) else {
+        return false;
+    };
+    let Some(w) = config.worker_of_slot(slot) else {
+        return false;
+    };
+    let b = &config.busy;
+    if let (Some(frac), Some(cap)) = (b.decode_blocks_fraction, w.kv_capacity_blocks) {
+        if l.decode_blocks / f64::from(cap) > frac {
+            return true;
+        }
+    }
+    if let Some(max) = b.prefill_tokens {
+        if l.prefill_tokens > max as f64 {
+            return true;
+        }
+    }
+    if let (Some(frac), Some(batch)) = (b.prefill_tokens_fraction, w.max_num_batched_tokens) {
+        if l.prefill_tokens / f64::from(batch) > frac {
+            return true;
+        }
+    }
+    false
+}

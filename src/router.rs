@@ -1,1 +1,1029 @@
-//! (being written)
+//! `decide()`: filters -> score -> pick. Pure: it reads the configuration, the request, the
+//! slots' overlaps and loads, and draws randomness from the caller's [`SelectorState`]; booking
+//! the decision in the load table is the caller's job (with `Decision::prefill_tokens` and
+//! `Decision::prompt_blocks`).
+//!
+//! * Effective pin = header pin merged over the body pin ([`Pin::merge`]); headers are only
+//!   passed by the adapter when `allow_client_pinning` is on.
+//! * `isl_tokens` = the number of token ids, or for a text-only request `ceil(text_chars / 4)`
+//!   (the usual ~4 characters per token of English BPE vocabularies; only load is estimated from
+//!   it — a text-only request never gets overlap credit, reason `kv-text-only`).
+//! * Overlaps of stale slots (`stale_slots[slot]`) count as zero: their blocks are unknown.
+//!   Missing entries in `overlaps` / `load` / `stale_slots` read as zero / idle / fresh.
+//! * Fallbacks (pinned requests get none): other eligible slots on a different address from the
+//!   choice and from each other, best first (by cost in `kv` mode, else fewest in-flight).
+
+use std::fmt;
+
+use crate::config::{Config, RoutingMode};
+use crate::cost::{self, CostInputs};
+use crate::filters;
+use crate::load::SlotLoad;
+use crate::request::{LlmRequest, Pin};
+use crate::rng::Rng;
+use crate::select;
+use crate::types::{DpRank, Overlap, SlotIdx, WorkerId};
+
+/// Characters per token assumed for requests without token ids.
+pub const CHARS_PER_TOKEN_ESTIMATE: usize = 4;
+
+pub struct RouteInput<'a> {
+    pub request: &'a LlmRequest,
+    /// Already gated by `allow_client_pinning` (default when off).
+    pub header_pin: Pin,
+    /// The prompt's KV blocks, `ceil(isl_tokens / block_size)`: use [`prompt_blocks`].
+    pub prompt_blocks: u32,
+    /// Per slot; empty = no overlap information.
+    pub overlaps: &'a [Overlap],
+    /// Per slot (`LoadTable::view`).
+    pub load: &'a [SlotLoad],
+    /// Per slot; may be empty.
+    pub stale_slots: &'a [bool],
+}
+
+/// Per-VM selection state: the random source and the round-robin counter.
+#[derive(Clone, Debug)]
+pub struct SelectorState {
+    pub rng: Rng,
+    pub round_robin_counter: u64,
+}
+
+impl SelectorState {
+    pub fn new(seed: u64) -> SelectorState {
+        SelectorState {
+            rng: Rng::new(seed),
+            round_robin_counter: 0,
+        }
+    }
+}
+
+/// Why a slot was chosen (for the response header and stats).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reason {
+    /// KV cost model with token ids.
+    Kv,
+    /// KV cost model on load alone (no token ids, zero overlap).
+    KvTextOnly,
+    /// The request pinned a worker (any mode but `direct`).
+    Pinned,
+    Direct,
+    Random,
+    RoundRobin,
+    LeastLoaded,
+    PowerOfTwo,
+    DeviceAwareWeighted,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Kv => "kv",
+            Reason::KvTextOnly => "kv-text-only",
+            Reason::Pinned => "pinned",
+            Reason::Direct => "direct",
+            Reason::Random => "random",
+            Reason::RoundRobin => "round-robin",
+            Reason::LeastLoaded => "least-loaded",
+            Reason::PowerOfTwo => "power-of-two",
+            Reason::DeviceAwareWeighted => "device-aware-weighted",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    pub slot: SlotIdx,
+    /// Next best, up to `config.fallback_count`, each on a distinct address.
+    pub fallbacks: Vec<SlotIdx>,
+    /// The chosen slot's overlap as used (zero for text-only requests and stale slots).
+    pub overlap: Overlap,
+    /// The chosen slot's cost (`kv` mode only).
+    pub cost: Option<f64>,
+    /// Every scored slot with its cost (`kv` mode; empty otherwise).
+    pub scores: Vec<(SlotIdx, f64)>,
+    /// Prefill tokens to book: `isl_tokens - overlap.device_blocks * block_size`, saturating.
+    pub prefill_tokens: u32,
+    /// Decode blocks to book: the prompt's blocks not already on the chosen slot's device,
+    /// `prompt_blocks - overlap.device_blocks` (see `cost` module docs).
+    pub prompt_blocks: u32,
+    pub isl_tokens: u32,
+    pub reason: Reason,
+}
+
+/// Why a request cannot be routed.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RouteError {
+    /// `mode: direct` and the request pins no worker.
+    PinRequired,
+    /// The pinned worker id is not in the configuration.
+    PinnedWorkerUnknown {
+        worker_id: WorkerId,
+    },
+    /// The pinned rank is outside the worker's `[dp_start, dp_start + dp_size)`.
+    PinnedRankInvalid {
+        worker_id: WorkerId,
+        dp_rank: DpRank,
+        dp_start: DpRank,
+        dp_size: u32,
+    },
+    /// The pinned worker owns several ranks and the request named none.
+    PinnedRankRequired {
+        worker_id: WorkerId,
+        dp_start: DpRank,
+        dp_size: u32,
+    },
+    PinnedWorkerOverloaded {
+        worker_id: WorkerId,
+    },
+    /// Every slot that passed the other filters is over a busy threshold.
+    AllWorkersOverloaded {
+        eligible: usize,
+    },
+    NoCompatibleWorker {
+        reason: Incompatibility,
+    },
+    /// A cost came out NaN/infinite (corrupt load or overlap input).
+    NonFiniteCost {
+        slot: SlotIdx,
+        cost: f64,
+    },
+}
+
+/// Which filter left no candidate.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Incompatibility {
+    AllowList { allowed: Vec<WorkerId> },
+    PinnedOutsideAllowList { worker_id: WorkerId },
+    NoSlotWithRank { dp_rank: DpRank },
+    ModelNotServed { model: String },
+    MissingTaints { taints: Vec<String> },
+}
+
+impl RouteError {
+    /// HTTP status for the local reply:
+    /// * 400 — the request itself is inconsistent with the configuration: no pin in `direct`
+    ///   mode, a rank out of range or missing for a multi-rank worker;
+    /// * 404 — it names something that does not exist: an unknown worker id, or a model no
+    ///   worker serves (as OpenAI answers an unknown model);
+    /// * 503 — nothing can take it now: overloaded, or no worker matches the allow-list, rank or
+    ///   taints (a fleet/configuration condition, possibly temporary);
+    /// * 500 — a non-finite cost (a bug or corrupt state).
+    pub fn http_status(&self) -> u32 {
+        match self {
+            RouteError::PinRequired
+            | RouteError::PinnedRankInvalid { .. }
+            | RouteError::PinnedRankRequired { .. } => 400,
+            RouteError::PinnedWorkerUnknown { .. } => 404,
+            RouteError::NoCompatibleWorker {
+                reason: Incompatibility::ModelNotServed { .. },
+            } => 404,
+            RouteError::PinnedWorkerOverloaded { .. }
+            | RouteError::AllWorkersOverloaded { .. }
+            | RouteError::NoCompatibleWorker { .. } => 503,
+            RouteError::NonFiniteCost { .. } => 500,
+        }
+    }
+
+    /// A stable snake_case name for stats (`rejected.<kind>`) and the JSON error `type`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RouteError::PinRequired => "pin_required",
+            RouteError::PinnedWorkerUnknown { .. } => "pinned_worker_unknown",
+            RouteError::PinnedRankInvalid { .. } => "pinned_rank_invalid",
+            RouteError::PinnedRankRequired { .. } => "pinned_rank_required",
+            RouteError::PinnedWorkerOverloaded { .. } => "pinned_worker_overloaded",
+            RouteError::AllWorkersOverloaded { .. } => "all_workers_overloaded",
+            RouteError::NoCompatibleWorker { .. } => "no_compatible_worker",
+            RouteError::NonFiniteCost { .. } => "non_finite_cost",
+        }
+    }
+
+    /// `Retry-After` seconds for overload rejections (load drains within about a second).
+    pub fn retry_after_secs(&self) -> Option<u32> {
+        match self {
+            RouteError::PinnedWorkerOverloaded { .. } | RouteError::AllWorkersOverloaded { .. } => {
+                Some(1)
+            }
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for RouteError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RouteError::PinRequired => write!(
+                f,
+                "routing mode is direct: the request must name a worker (nvext.backend_instance_id or x-worker-instance-id)"
+            ),
+            RouteError::PinnedWorkerUnknown { worker_id } => {
+                write!(f, "pinned worker {worker_id} is not configured")
+            }
+            RouteError::PinnedRankInvalid {
+                worker_id,
+                dp_rank,
+                dp_start,
+                dp_size,
+            } => write!(
+                f,
+                "pinned dp_rank {dp_rank} is outside worker {worker_id}'s ranks [{dp_start}, {})",
+                u64::from(*dp_start) + u64::from(*dp_size)
+            ),
+            RouteError::PinnedRankRequired {
+                worker_id,
+                dp_start,
+                dp_size,
+            } => write!(
+                f,
+                "worker {worker_id} owns {dp_size} DP ranks starting at {dp_start}: pin one with nvext.dp_rank or x-dp-rank"
+            ),
+            RouteError::PinnedWorkerOverloaded { worker_id } => {
+                write!(f, "pinned worker {worker_id} is over its busy thresholds")
+            }
+            RouteError::AllWorkersOverloaded { eligible } => {
+                write!(f, "all {eligible} eligible worker slots are over their busy thresholds")
+            }
+            RouteError::NoCompatibleWorker { reason } => match reason {
+                Incompatibility::AllowList { allowed } => {
+                    write!(f, "no configured worker is in nvext.allowed_worker_ids {allowed:?}")
+                }
+                Incompatibility::PinnedOutsideAllowList { worker_id } => {
+                    write!(f, "pinned worker {worker_id} is not in nvext.allowed_worker_ids")
+                }
+                Incompatibility::NoSlotWithRank { dp_rank } => {
+                    write!(f, "no configured worker owns dp_rank {dp_rank}")
+                }
+                Incompatibility::ModelNotServed { model } => {
+                    write!(f, "no eligible worker serves model \"{model}\"")
+                }
+                Incompatibility::MissingTaints { taints } => {
+                    write!(f, "no eligible worker carries all required taints {taints:?}")
+                }
+            },
+            RouteError::NonFiniteCost { slot, cost } => {
+                write!(f, "internal error: cost of slot {slot} is not finite ({cost})")
+            }
+        }
+    }
+}
+
+impl std::error::Error for RouteError {}
+
+/// Input tokens of a request: its token ids, else `ceil(text_chars / 4)`; saturates at u32::MAX.
+pub fn isl_tokens(request: &LlmRequest) -> u32 {
+    let n = match &request.token_ids {
+        Some(ids) => ids.len(),
+        None => request.text_chars.div_ceil(CHARS_PER_TOKEN_ESTIMATE),
+    };
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// `ceil(isl_tokens / block_size)`: the value for [`RouteInput::prompt_blocks`].
+pub fn prompt_blocks(config: &Config, request: &LlmRequest) -> u32 {
+    isl_tokens(request).div_ceil(config.block_size.max(1))
+}
+
+/// Chooses a slot for one request; see the module docs.
+pub fn decide(
+    config: &Config,
+    input: &RouteInput,
+    state: &mut SelectorState,
+) -> Result<Decision, RouteError> {
+    let request = input.request;
+    let pin = Pin::merge(input.header_pin, request.pin);
+    if config.mode == RoutingMode::Direct && pin.worker_id.is_none() {
+        return Err(RouteError::PinRequired);
+    }
+    let candidates = filters::eligible_slots(config, request, pin, input.load)?;
+
+    let has_tokens = request.token_ids.is_some();
+    let isl = isl_tokens(request);
+    let overlap_of = |slot: SlotIdx| -> Overlap {
+        let i = usize::from(slot);
+        if !has_tokens || input.stale_slots.get(i).copied().unwrap_or(false) {
+            return Overlap::default();
+        }
+        input.overlaps.get(i).copied().unwrap_or_default()
+    };
+    let load_of = |slot: SlotIdx| {
+        input
+            .load
+            .get(usize::from(slot))
+            .copied()
+            .unwrap_or_default()
+    };
+
+    let mut scores: Vec<(SlotIdx, f64)> = Vec::new();
+    let rng = &mut state.rng;
+    let chosen = match config.mode {
+        RoutingMode::Kv => {
+            scores.reserve(candidates.len());
+            for &slot in &candidates {
+                let multiplier = match config.worker_of_slot(slot) {
+                    Some(w) if !request.preferred_taints.is_empty() => {
+                        cost::preferred_taint_multiplier(&w.taints, &request.preferred_taints)
+                    }
+                    _ => 1.0,
+                };
+                let inputs = CostInputs {
+                    isl_tokens: isl,
+                    prompt_blocks: input.prompt_blocks,
+                    overlap: overlap_of(slot),
+                    load: load_of(slot),
+                    preferred_multiplier: multiplier,
+                };
+                let c = cost::slot_cost(&config.cost, config.block_size, &inputs)
+                    .map_err(|e| RouteError::NonFiniteCost { slot, cost: e.cost })?;
+                scores.push((slot, c.cost));
+            }
+            let costs: Vec<f64> = scores.iter().map(|(_, c)| *c).collect();
+            select::pick_by_cost(&costs, config.router_temperature, rng)
+                .and_then(|i| scores.get(i).map(|(s, _)| *s))
+        }
+        RoutingMode::Random => select::random(&candidates, rng),
+        RoutingMode::RoundRobin => select::round_robin(&candidates, &mut state.round_robin_counter),
+        // The pin filter left exactly the pinned slot.
+        RoutingMode::Direct => candidates.first().copied(),
+        RoutingMode::LeastLoaded => select::least_loaded(&candidates, input.load, rng),
+        RoutingMode::PowerOfTwo => select::power_of_two(&candidates, input.load, rng),
+        RoutingMode::DeviceAwareWeighted => {
+            select::device_aware_weighted(config, &candidates, input.load, rng)
+        }
+    };
+    // eligible_slots never returns an empty set, so every mode picks; stay total anyway.
+    let slot = chosen.ok_or(RouteError::AllWorkersOverloaded { eligible: 0 })?;
+
+    let reason = match (config.mode, pin.worker_id.is_some()) {
+        (RoutingMode::Direct, _) => Reason::Direct,
+        (_, true) => Reason::Pinned,
+        (RoutingMode::Kv, false) if has_tokens => Reason::Kv,
+        (RoutingMode::Kv, false) => Reason::KvTextOnly,
+        (RoutingMode::Random, false) => Reason::Random,
+        (RoutingMode::RoundRobin, false) => Reason::RoundRobin,
+        (RoutingMode::LeastLoaded, false) => Reason::LeastLoaded,
+        (RoutingMode::PowerOfTwo, false) => Reason::PowerOfTwo,
+        (RoutingMode::DeviceAwareWeighted, false) => Reason::DeviceAwareWeighted,
+    };
+
+    let fallbacks = if pin.worker_id.is_some() {
+        Vec::new()
+    } else {
+        fallbacks(config, slot, &candidates, &scores, input.load)
+    };
+
+    let overlap = overlap_of(slot);
+    let cached_tokens = u64::from(overlap.device_blocks) * u64::from(config.block_size);
+    let prefill_tokens = u64::from(isl).saturating_sub(cached_tokens) as u32;
+    Ok(Decision {
+        slot,
+        fallbacks,
+        overlap,
+        cost: scores.iter().find(|(s, _)| *s == slot).map(|(_, c)| *c),
+        scores,
+        prefill_tokens,
+        prompt_blocks: cost::new_decode_blocks(input.prompt_blocks, &overlap),
+        isl_tokens: isl,
+        reason,
+    })
+}
+
+fn fallbacks(
+    config: &Config,
+    chosen: SlotIdx,
+    candidates: &[SlotIdx],
+    scores: &[(SlotIdx, f64)],
+    load: &[SlotLoad],
+) -> Vec<SlotIdx> {
+    if config.fallback_count == 0 {
+        return Vec::new();
+    }
+    let mut ranked: Vec<(SlotIdx, f64)> = if scores.is_empty() {
+        candidates
+            .iter()
+            .map(|s| {
+                (
+                    *s,
+                    load.get(usize::from(*s))
+                        .map_or(0.0, |l| f64::from(l.active_requests)),
+                )
+            })
+            .collect()
+    } else {
+        scores.to_vec()
+    };
+    ranked.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
+    let address = |s: SlotIdx| config.worker_of_slot(s).map(|w| w.address);
+    let mut used = vec![address(chosen)];
+    let mut out = Vec::new();
+    for (slot, _) in ranked {
+        if out.len() >= config.fallback_count {
+            break;
+        }
+        let a = address(slot);
+        if a.is_some() && !used.contains(&a) {
+            used.push(a);
+            out.push(slot);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+#[allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn config(extra: &str, workers: &str) -> Config {
+        let sep = if extra.is_empty() { "" } else { "," };
+        let json = format!("{{{extra}{sep} \"workers\": [{workers}]}}");
+        Config::from_json(json.as_bytes()).unwrap()
+    }
+
+    const THREE: &str = r#"{"id": 1, "address": "10.0.0.1:8000"},
+                           {"id": 2, "address": "10.0.0.2:8000"},
+                           {"id": 3, "address": "10.0.0.3:8000"}"#;
+
+    fn tokens(n: u32) -> LlmRequest {
+        LlmRequest {
+            token_ids: Some((0..n).collect()),
+            ..LlmRequest::default()
+        }
+    }
+
+    fn dev(blocks: u32) -> Overlap {
+        Overlap {
+            device_blocks: blocks,
+            ..Overlap::default()
+        }
+    }
+
+    fn decode_load(blocks: &[f64]) -> Vec<SlotLoad> {
+        blocks
+            .iter()
+            .map(|b| SlotLoad {
+                decode_blocks: *b,
+                ..SlotLoad::default()
+            })
+            .collect()
+    }
+
+    fn active_load(active: &[u32]) -> Vec<SlotLoad> {
+        active
+            .iter()
+            .map(|a| SlotLoad {
+                active_requests: *a,
+                ..SlotLoad::default()
+            })
+            .collect()
+    }
+
+    fn route(
+        c: &Config,
+        req: &LlmRequest,
+        overlaps: &[Overlap],
+        load: &[SlotLoad],
+        seed: u64,
+    ) -> Result<Decision, RouteError> {
+        let input = RouteInput {
+            request: req,
+            header_pin: Pin::default(),
+            prompt_blocks: prompt_blocks(c, req),
+            overlaps,
+            load,
+            stale_slots: &[],
+        };
+        decide(c, &input, &mut SelectorState::new(seed))
+    }
+
+    /// REFERENCE / Dynamo docs worked example: block size 16, 160-token prompt (raw prefill 10
+    /// blocks everywhere), device overlaps 2/5/8, decode 10/5/9 including this request. The
+    /// request adds its blocks not already on the device (8/5/2), so the slots' existing decode
+    /// loads are 2/0/7. Costs 8+10 = 18, 5+5 = 10, 2+9 = 11: worker 2 wins.
+    #[test]
+    fn worked_example() {
+        let c = config(r#""block_size": 16"#, THREE);
+        let req = tokens(160);
+        let d = route(
+            &c,
+            &req,
+            &[dev(2), dev(5), dev(8)],
+            &decode_load(&[2.0, 0.0, 7.0]),
+            1,
+        )
+        .unwrap();
+        assert_eq!(d.scores, vec![(0, 18.0), (1, 10.0), (2, 11.0)]);
+        assert_eq!(d.slot, 1);
+        assert_eq!(c.workers[usize::from(d.slot)].id, 2);
+        assert_eq!(d.cost, Some(10.0));
+        assert_eq!(d.reason, Reason::Kv);
+        assert_eq!(d.overlap, dev(5));
+        assert_eq!(d.isl_tokens, 160);
+        assert_eq!(d.prefill_tokens, 160 - 5 * 16);
+        assert_eq!(d.prompt_blocks, 5);
+        // Fallbacks by cost: worker 3 (11) then worker 1 (18).
+        assert_eq!(d.fallbacks, vec![2, 0]);
+    }
+
+    #[test]
+    fn host_and_disk_credits_change_the_choice() {
+        let c = config(r#""block_size": 16"#, THREE);
+        let req = tokens(160);
+        // Slot 0: 8 host blocks -> credit 6 -> 4 + 10 = 14. Slot 1: 8 disk -> credit 2 -> 8 + 10 = 18.
+        // Slot 2: nothing -> 10 + 10 = 20.
+        let overlaps = [
+            Overlap {
+                host_blocks: 8,
+                ..Overlap::default()
+            },
+            Overlap {
+                disk_blocks: 8,
+                ..Overlap::default()
+            },
+            Overlap::default(),
+        ];
+        let d = route(&c, &req, &overlaps, &[], 1).unwrap();
+        assert_eq!(d.scores, vec![(0, 14.0), (1, 18.0), (2, 20.0)]);
+        assert_eq!(d.slot, 0);
+        // Host blocks still need prefill compute booked? No: only device blocks are "cached".
+        assert_eq!(d.prefill_tokens, 160);
+    }
+
+    #[test]
+    fn ties_are_broken_randomly_across_seeds() {
+        let c = config("", THREE);
+        let req = tokens(128);
+        let load = decode_load(&[5.0, 0.0, 0.0]);
+        let mut seen = [0u32; 3];
+        for seed in 0..400 {
+            seen[usize::from(route(&c, &req, &[], &load, seed).unwrap().slot)] += 1;
+        }
+        assert_eq!(seen[0], 0);
+        assert!(seen[1] > 150 && seen[2] > 150, "{seen:?}");
+    }
+
+    #[test]
+    fn temperature_samples_by_softmax() {
+        let c = config(r#""router_temperature": 0.5"#, THREE);
+        let req = tokens(64);
+        // One-block prompt, zero overlap: costs 1 + decode = 10, 15, 20 (normalised 0, .5, 1).
+        let load = decode_load(&[9.0, 14.0, 19.0]);
+        let mut state = SelectorState::new(3);
+        let mut counts = [0u32; 3];
+        let n = 20_000;
+        for _ in 0..n {
+            let input = RouteInput {
+                request: &req,
+                header_pin: Pin::default(),
+                prompt_blocks: 1,
+                overlaps: &[],
+                load: &load,
+                stale_slots: &[],
+            };
+            counts[usize::from(decide(&c, &input, &mut state).unwrap().slot)] += 1;
+        }
+        let w = [1.0, (-1.0f64).exp(), (-2.0f64).exp()];
+        let s: f64 = w.iter().sum();
+        for i in 0..3 {
+            let f = f64::from(counts[i]) / f64::from(n);
+            assert!(
+                (f - w[i] / s).abs() < 0.015,
+                "slot {i}: {f} vs {}",
+                w[i] / s
+            );
+        }
+    }
+
+    #[test]
+    fn text_only_requests_route_on_load_with_zero_overlap() {
+        let c = config(r#""block_size": 16"#, THREE);
+        let req = LlmRequest {
+            text_chars: 641,
+            ..LlmRequest::default()
+        };
+        assert_eq!(isl_tokens(&req), 161);
+        assert_eq!(prompt_blocks(&c, &req), 11);
+        // Slot 0 would win on overlap, but text-only requests get none.
+        let d = route(
+            &c,
+            &req,
+            &[dev(10), dev(0), dev(0)],
+            &decode_load(&[1.0, 3.0, 0.5]),
+            1,
+        )
+        .unwrap();
+        assert_eq!(d.slot, 2);
+        assert_eq!(d.reason, Reason::KvTextOnly);
+        assert_eq!(d.overlap, Overlap::default());
+        assert_eq!(d.prefill_tokens, 161);
+        assert_eq!(d.prompt_blocks, 11);
+    }
+
+    #[test]
+    fn stale_slots_lose_their_overlap() {
+        let c = config(r#""block_size": 16"#, THREE);
+        let req = tokens(160);
+        let input = RouteInput {
+            request: &req,
+            header_pin: Pin::default(),
+            prompt_blocks: 10,
+            overlaps: &[dev(10), dev(0), dev(0)],
+            load: &decode_load(&[5.0, 1.0, 2.0]),
+            stale_slots: &[true, false, false],
+        };
+        // Slot 0 would cost 0 + 5 + 0 = 5 with its overlap; stale, it costs 10 + 5 + 10 = 25.
+        let d = decide(&c, &input, &mut SelectorState::new(1)).unwrap();
+        assert_eq!(d.slot, 1);
+        assert_eq!(d.scores[0], (0, 25.0));
+        assert_eq!(d.overlap, Overlap::default());
+    }
+
+    #[test]
+    fn preferred_taints_tilt_the_choice() {
+        let workers = r#"{"id": 1, "address": "10.0.0.1:8000"},
+                         {"id": 2, "address": "10.0.0.2:8000", "taints": ["fast"]}"#;
+        let c = config(r#""block_size": 16"#, workers);
+        let mut req = tokens(160);
+        // Costs 20 vs 22 without preference; 22 * exp(-tanh(1)) = 10.27 with.
+        let load = decode_load(&[0.0, 2.0]);
+        assert_eq!(route(&c, &req, &[], &load, 1).unwrap().slot, 0);
+        req.preferred_taints = vec![("fast".to_string(), 1.0)];
+        let d = route(&c, &req, &[], &load, 1).unwrap();
+        assert_eq!(d.slot, 1);
+        assert!((d.cost.unwrap() - 22.0 * (-(1.0f64).tanh()).exp()).abs() < 1e-9);
+        assert_eq!(d.scores[0], (0, 20.0));
+    }
+
+    #[test]
+    fn non_finite_cost_is_an_error() {
+        let c = config("", THREE);
+        let load = vec![
+            SlotLoad::default(),
+            SlotLoad {
+                prefill_tokens: f64::NAN,
+                ..SlotLoad::default()
+            },
+            SlotLoad::default(),
+        ];
+        let e = route(&c, &tokens(10), &[], &load, 1).unwrap_err();
+        assert!(matches!(e, RouteError::NonFiniteCost { slot: 1, .. }));
+        assert_eq!(e.http_status(), 500);
+    }
+
+    // ---- filters -------------------------------------------------------------------------
+
+    #[test]
+    fn allow_list_restricts_candidates() {
+        let c = config("", THREE);
+        let mut req = tokens(64);
+        req.allowed_worker_ids = Some(vec![3, 99]);
+        for seed in 0..20 {
+            assert_eq!(route(&c, &req, &[], &[], seed).unwrap().slot, 2);
+        }
+        req.allowed_worker_ids = Some(vec![99]);
+        let e = route(&c, &req, &[], &[], 1).unwrap_err();
+        assert!(matches!(
+            e,
+            RouteError::NoCompatibleWorker {
+                reason: Incompatibility::AllowList { .. }
+            }
+        ));
+        assert_eq!(e.http_status(), 503);
+        req.allowed_worker_ids = Some(vec![1]);
+        req.pin.worker_id = Some(2);
+        assert_eq!(
+            route(&c, &req, &[], &[], 1).unwrap_err(),
+            RouteError::NoCompatibleWorker {
+                reason: Incompatibility::PinnedOutsideAllowList { worker_id: 2 }
+            }
+        );
+    }
+
+    #[test]
+    fn pins_select_exactly_their_slot_and_skip_fallbacks() {
+        let workers = r#"{"id": 1, "address": "10.0.0.1:8000"},
+                         {"id": 2, "address": "10.0.0.2:8000", "dp_start": 4, "dp_size": 2}"#;
+        let c = config("", workers);
+        let mut req = tokens(64);
+        req.pin = Pin {
+            worker_id: Some(2),
+            dp_rank: Some(5),
+        };
+        // Worker 1 is far cheaper but the pin wins.
+        let load = decode_load(&[0.0, 50.0, 50.0]);
+        let d = route(&c, &req, &[], &load, 1).unwrap();
+        assert_eq!((d.slot, d.reason), (2, Reason::Pinned));
+        assert!(d.fallbacks.is_empty());
+
+        req.pin.dp_rank = Some(6);
+        let e = route(&c, &req, &[], &load, 1).unwrap_err();
+        assert_eq!(
+            e,
+            RouteError::PinnedRankInvalid {
+                worker_id: 2,
+                dp_rank: 6,
+                dp_start: 4,
+                dp_size: 2
+            }
+        );
+        assert_eq!(e.http_status(), 400);
+        assert!(e.to_string().contains("[4, 6)"), "{e}");
+
+        req.pin.dp_rank = None;
+        let e = route(&c, &req, &[], &load, 1).unwrap_err();
+        assert!(matches!(
+            e,
+            RouteError::PinnedRankRequired { worker_id: 2, .. }
+        ));
+        assert_eq!(e.http_status(), 400);
+
+        // A single-rank worker needs no rank.
+        req.pin = Pin {
+            worker_id: Some(1),
+            dp_rank: None,
+        };
+        assert_eq!(route(&c, &req, &[], &load, 1).unwrap().slot, 0);
+
+        req.pin.worker_id = Some(42);
+        let e = route(&c, &req, &[], &load, 1).unwrap_err();
+        assert_eq!(e, RouteError::PinnedWorkerUnknown { worker_id: 42 });
+        assert_eq!(e.http_status(), 404);
+
+        // A rank alone keeps the slots with that rank.
+        req.pin = Pin {
+            worker_id: None,
+            dp_rank: Some(4),
+        };
+        let d = route(&c, &req, &[], &load, 1).unwrap();
+        assert_eq!((d.slot, d.reason), (1, Reason::Kv));
+        req.pin.dp_rank = Some(9);
+        assert_eq!(
+            route(&c, &req, &[], &load, 1).unwrap_err(),
+            RouteError::NoCompatibleWorker {
+                reason: Incompatibility::NoSlotWithRank { dp_rank: 9 }
+            }
+        );
+    }
+
+    #[test]
+    fn header_pin_overrides_body_pin() {
+        let c = config("", THREE);
+        let mut req = tokens(64);
+        req.pin.worker_id = Some(1);
+        let input = RouteInput {
+            request: &req,
+            header_pin: Pin {
+                worker_id: Some(3),
+                dp_rank: None,
+            },
+            prompt_blocks: 1,
+            overlaps: &[],
+            load: &[],
+            stale_slots: &[],
+        };
+        let d = decide(&c, &input, &mut SelectorState::new(1)).unwrap();
+        assert_eq!(d.slot, 2);
+    }
+
+    #[test]
+    fn model_and_required_taints_filter() {
+        let workers = r#"{"id": 1, "address": "10.0.0.1:8000", "models": ["a"], "taints": ["x"]},
+                         {"id": 2, "address": "10.0.0.2:8000", "models": ["b"], "taints": ["x", "y"]},
+                         {"id": 3, "address": "10.0.0.3:8000", "taints": ["y"]}"#;
+        let c = config("", workers);
+        let mut req = tokens(64);
+        req.model = Some("b".to_string());
+        let slots: Vec<SlotIdx> = (0..50)
+            .map(|s| route(&c, &req, &[], &[], s).unwrap().slot)
+            .collect();
+        assert!(slots.iter().all(|s| *s == 1 || *s == 2));
+        assert!(slots.contains(&1) && slots.contains(&2));
+        req.required_taints = vec!["x".to_string()];
+        assert_eq!(route(&c, &req, &[], &[], 1).unwrap().slot, 1);
+        req.required_taints = vec!["x".to_string(), "z".to_string()];
+        let e = route(&c, &req, &[], &[], 1).unwrap_err();
+        assert!(matches!(
+            e,
+            RouteError::NoCompatibleWorker {
+                reason: Incompatibility::MissingTaints { .. }
+            }
+        ));
+        req.required_taints.clear();
+        req.model = Some("c".to_string());
+        // Worker 3 serves any model.
+        assert_eq!(route(&c, &req, &[], &[], 1).unwrap().slot, 2);
+        let c2 = config(
+            "",
+            r#"{"id": 1, "address": "10.0.0.1:8000", "models": ["a"]}"#,
+        );
+        let e = route(&c2, &req, &[], &[], 1).unwrap_err();
+        assert_eq!(
+            e,
+            RouteError::NoCompatibleWorker {
+                reason: Incompatibility::ModelNotServed {
+                    model: "c".to_string()
+                }
+            }
+        );
+        assert_eq!(e.http_status(), 404);
+    }
+
+    #[test]
+    fn busy_thresholds_exclude_and_reject() {
+        let workers = r#"{"id": 1, "address": "10.0.0.1:8000", "kv_capacity_blocks": 100, "max_num_batched_tokens": 1000},
+                         {"id": 2, "address": "10.0.0.2:8000", "kv_capacity_blocks": 100, "max_num_batched_tokens": 1000}"#;
+        let c = config(r#""busy": {"decode_blocks_fraction": 0.8}"#, workers);
+        let req = tokens(64);
+        // Slot 0 is cheaper on cost but over 80% of its KV capacity.
+        let load = vec![
+            SlotLoad {
+                decode_blocks: 81.0,
+                ..SlotLoad::default()
+            },
+            SlotLoad {
+                decode_blocks: 80.0,
+                prefill_tokens: 100_000.0,
+                ..SlotLoad::default()
+            },
+        ];
+        let d = route(&c, &req, &[dev(1), dev(0)], &load, 1).unwrap();
+        assert_eq!(d.slot, 1);
+        assert!(d.fallbacks.is_empty(), "the busy slot is no fallback");
+
+        let both = decode_load(&[90.0, 95.0]);
+        let e = route(&c, &req, &[], &both, 1).unwrap_err();
+        assert_eq!(e, RouteError::AllWorkersOverloaded { eligible: 2 });
+        assert_eq!((e.http_status(), e.retry_after_secs()), (503, Some(1)));
+        let mut pinned = req.clone();
+        pinned.pin.worker_id = Some(1);
+        let e = route(&c, &pinned, &[], &both, 1).unwrap_err();
+        assert_eq!(e, RouteError::PinnedWorkerOverloaded { worker_id: 1 });
+        assert_eq!((e.http_status(), e.retry_after_secs()), (503, Some(1)));
+
+        let prefill = |p: f64| SlotLoad {
+            prefill_tokens: p,
+            ..SlotLoad::default()
+        };
+        let c = config(r#""busy": {"prefill_tokens": 500}"#, workers);
+        assert_eq!(
+            route(&c, &req, &[], &[prefill(501.0), prefill(500.0)], 1)
+                .unwrap()
+                .slot,
+            1
+        );
+        let c = config(r#""busy": {"prefill_tokens_fraction": 0.5}"#, workers);
+        assert_eq!(
+            route(&c, &req, &[], &[prefill(400.0), prefill(501.0)], 1)
+                .unwrap()
+                .slot,
+            0
+        );
+    }
+
+    // ---- basic modes ----------------------------------------------------------------------
+
+    fn distribution(c: &Config, load: &[SlotLoad], n: usize) -> (Vec<u32>, Reason) {
+        let req = tokens(64);
+        let mut state = SelectorState::new(11);
+        let mut counts = vec![0u32; c.num_slots()];
+        let mut reason = Reason::Kv;
+        for _ in 0..n {
+            let input = RouteInput {
+                request: &req,
+                header_pin: Pin::default(),
+                prompt_blocks: 1,
+                overlaps: &[],
+                load,
+                stale_slots: &[],
+            };
+            let d = decide(c, &input, &mut state).unwrap();
+            assert!(d.scores.is_empty() && d.cost.is_none());
+            counts[usize::from(d.slot)] += 1;
+            reason = d.reason;
+        }
+        (counts, reason)
+    }
+
+    #[test]
+    fn random_mode_is_uniform() {
+        let c = config(r#""mode": "random""#, THREE);
+        let (counts, reason) = distribution(&c, &active_load(&[100, 0, 0]), 30_000);
+        assert_eq!(reason, Reason::Random);
+        for k in counts {
+            assert!((9_300..10_700).contains(&k), "{k}");
+        }
+    }
+
+    #[test]
+    fn round_robin_mode_cycles_exactly() {
+        let c = config(r#""mode": "round-robin""#, THREE);
+        let req = tokens(64);
+        let mut state = SelectorState::new(0);
+        let picks: Vec<SlotIdx> = (0..6)
+            .map(|_| {
+                let input = RouteInput {
+                    request: &req,
+                    header_pin: Pin::default(),
+                    prompt_blocks: 1,
+                    overlaps: &[],
+                    load: &[],
+                    stale_slots: &[],
+                };
+                decide(&c, &input, &mut state).unwrap().slot
+            })
+            .collect();
+        assert_eq!(picks, vec![0, 1, 2, 0, 1, 2]);
+        let (counts, reason) = distribution(&c, &[], 300);
+        assert_eq!((counts, reason), (vec![100, 100, 100], Reason::RoundRobin));
+    }
+
+    #[test]
+    fn direct_mode_requires_a_pin() {
+        let c = config(r#""mode": "direct""#, THREE);
+        let mut req = tokens(64);
+        let e = route(&c, &req, &[], &[], 1).unwrap_err();
+        assert_eq!(e, RouteError::PinRequired);
+        assert_eq!(e.http_status(), 400);
+        req.pin.worker_id = Some(3);
+        let d = route(&c, &req, &[], &[], 1).unwrap();
+        assert_eq!((d.slot, d.reason), (2, Reason::Direct));
+    }
+
+    #[test]
+    fn least_loaded_mode_splits_ties_and_avoids_load() {
+        let c = config(r#""mode": "least-loaded""#, THREE);
+        let (counts, reason) = distribution(&c, &active_load(&[2, 1, 1]), 10_000);
+        assert_eq!(reason, Reason::LeastLoaded);
+        assert_eq!(counts[0], 0);
+        assert!((4_500..5_500).contains(&counts[1]), "{counts:?}");
+    }
+
+    #[test]
+    fn power_of_two_mode_distribution() {
+        let c = config(r#""mode": "power-of-two""#, THREE);
+        let (counts, reason) = distribution(&c, &active_load(&[0, 5, 9]), 30_000);
+        assert_eq!(reason, Reason::PowerOfTwo);
+        // Least loaded wins 2 of the 3 pairs, the middle one 1 of 3, the most loaded never.
+        assert_eq!(counts[2], 0);
+        assert!((19_400..20_600).contains(&counts[0]), "{counts:?}");
+    }
+
+    #[test]
+    fn device_aware_weighted_mode() {
+        let workers = r#"{"id": 1, "address": "10.0.0.1:8000", "device": "cpu"},
+                         {"id": 2, "address": "10.0.0.2:8000", "device": "gpu"},
+                         {"id": 3, "address": "10.0.0.3:8000", "device": "gpu"}"#;
+        let c = config(
+            r#""mode": "device-aware-weighted", "device_ratio": 8"#,
+            workers,
+        );
+        // CPU: 1 / (1 * 1) = 1; GPU: (7 + 8) / (2 * 8) = 0.94 -> GPU group, least loaded = slot 1.
+        let (counts, reason) = distribution(&c, &active_load(&[1, 7, 8]), 100);
+        assert_eq!(reason, Reason::DeviceAwareWeighted);
+        assert_eq!(counts, vec![0, 100, 0]);
+        // GPU: (9 + 8) / 16 = 1.06 > 1 -> the CPU worker.
+        let (counts, _) = distribution(&c, &active_load(&[1, 9, 8]), 100);
+        assert_eq!(counts, vec![100, 0, 0]);
+        // One class only: plain least-loaded.
+        let gpus = config(r#""mode": "device-aware-weighted""#, THREE);
+        let (counts, _) = distribution(&gpus, &active_load(&[3, 2, 1]), 100);
+        assert_eq!(counts, vec![0, 0, 100]);
+    }
+
+    #[test]
+    fn fallbacks_skip_same_address_and_respect_the_count() {
+        let workers = r#"{"id": 1, "address": "10.0.0.1:8000", "dp_size": 2},
+                         {"id": 2, "address": "10.0.0.2:8000"},
+                         {"id": 3, "address": "10.0.0.3:8000"},
+                         {"id": 4, "address": "10.0.0.4:8000"}"#;
+        let c = config(r#""fallback_count": 2, "block_size": 16"#, workers);
+        let req = tokens(16);
+        // Slots 0,1 (worker 1) cheapest, then 4, 3, 2.
+        let load = decode_load(&[0.0, 0.5, 9.0, 8.0, 7.0]);
+        let d = route(&c, &req, &[], &load, 1).unwrap();
+        assert_eq!(d.slot, 0);
+        assert_eq!(d.fallbacks, vec![4, 3]);
+        let c0 = config(r#""fallback_count": 0"#, workers);
+        assert!(route(&c0, &req, &[], &load, 1)
+            .unwrap()
+            .fallbacks
+            .is_empty());
+    }
+
+    #[test]
+    fn reasons_have_stable_names() {
+        assert_eq!(Reason::Kv.as_str(), "kv");
+        assert_eq!(Reason::KvTextOnly.as_str(), "kv-text-only");
+        assert_eq!(Reason::Pinned.as_str(), "pinned");
+        assert_eq!(Reason::RoundRobin.as_str(), "round-robin");
+        assert_eq!(
+            Reason::DeviceAwareWeighted.as_str(),
+            "device-aware-weighted"
+        );
+    }
+}

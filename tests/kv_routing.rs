@@ -19,13 +19,24 @@ fn kv_envoy(workers: &[Worker], extra: Value) -> Envoy {
 
 /// A streamed request pinned to `worker` that emits its first token at once and then stays in
 /// flight for `hold_ms`: it loads the worker with its prompt blocks as decode load.
-fn hold_decode(envoy: &Envoy, worker: u64, prompt: &[u32], hold_ms: u64) -> http::StreamingResponse {
+fn hold_decode(
+    envoy: &Envoy,
+    worker: u64,
+    prompt: &[u32],
+    hold_ms: u64,
+) -> http::StreamingResponse {
     let body = json!({"model": "mock", "prompt": prompt, "stream": true, "max_tokens": 2,
         "nvext": {"backend_instance_id": worker},
         "mock": {"chunks": 2, "chunk_interval_ms": hold_ms}});
     let mut stream = http::request_streaming(
-        &envoy.listener, "POST", "/v1/completions", &[("content-type", "application/json")],
-        body.to_string().as_bytes(), Duration::from_secs(60)).expect("held request");
+        &envoy.listener,
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        body.to_string().as_bytes(),
+        Duration::from_secs(60),
+    )
+    .expect("held request");
     assert_eq!(stream.status, 200);
     let first = stream.next_event().expect("first chunk");
     assert!(first.is_some(), "first token arrives before the hold");
@@ -43,11 +54,17 @@ fn seed_worked_example() {
         publish(worker, vec![vllm_stored(cached, BLOCK, None, 100, "GPU")]);
     }
     let probe = completion(&prompt);
-    assert!(wait_for_overlap(&envoy, &probe, 8, Duration::from_secs(5)), "events reached the index");
-    // Decode loads 10, 5 and 9 blocks held by in-flight requests (past their first token).
+    assert!(
+        wait_for_overlap(&envoy, &probe, 8, Duration::from_secs(5)),
+        "events reached the index"
+    );
+    // Decode loads of 10, 5 and 9 blocks, counted as Dynamo does: the blocks of requests in
+    // flight (2, 0 and 7, past their first token) plus this request's blocks each worker does not
+    // hold yet (8, 5 and 2).
     let _held: Vec<_> = workers
         .iter()
-        .zip([10u32, 5, 9])
+        .zip([2u32, 0, 7])
+        .filter(|(_, blocks)| *blocks > 0)
         .enumerate()
         .map(|(i, (w, blocks))| hold_decode(&envoy, w.id, &tokens(50_000 + 1000 * i as u32, blocks * BLOCK), 8000))
         .collect();
@@ -67,13 +84,23 @@ fn stored_attracts_and_removed_or_cleared_takes_the_credit_away() {
     let envoy = kv_envoy(&workers, json!({}));
     let prompt = tokens(7, 8 * BLOCK);
     let body = completion(&prompt);
-    publish(&workers[1], vec![vllm_stored(&prompt, BLOCK, None, 500, "GPU")]);
+    publish(
+        &workers[1],
+        vec![vllm_stored(&prompt, BLOCK, None, 500, "GPU")],
+    );
     assert!(wait_for_overlap(&envoy, &body, 8, Duration::from_secs(5)));
     for _ in 0..5 {
-        assert_eq!(route(&envoy, &body).0, 2, "the worker holding the prefix wins");
+        assert_eq!(
+            route(&envoy, &body).0,
+            2,
+            "the worker holding the prefix wins"
+        );
     }
     // Remove the last 4 blocks: 4 remain.
-    publish(&workers[1], vec![vllm_removed(&[504, 505, 506, 507], "GPU")]);
+    publish(
+        &workers[1],
+        vec![vllm_removed(&[504, 505, 506, 507], "GPU")],
+    );
     let deadline = Instant::now() + Duration::from_secs(5);
     let mut overlap = 8;
     while overlap != 4 && Instant::now() < deadline {
@@ -93,10 +120,26 @@ fn dynamo_shaped_events_route_too() {
     let workers = echo_workers(2, BLOCK);
     let envoy = kv_envoy(&workers, json!({}));
     let prompt = tokens(300, 6 * BLOCK);
-    let locals = envoy_kv_router::hashing::local_block_hashes(&prompt, BLOCK, envoy_kv_router::hashing::hash_seed(None));
-    let blocks: Vec<Value> = locals.iter().enumerate().map(|(i, h)| json!({"block_hash": 9000 + i, "tokens_hash": h.0})).collect();
-    publish(&workers[0], vec![json!({"dp_rank": 0, "data": {"stored": {"parent_hash": null, "blocks": blocks}}})]);
-    assert!(wait_for_overlap(&envoy, &completion(&prompt), 6, Duration::from_secs(5)));
+    let locals = envoy_kv_router::hashing::local_block_hashes(
+        &prompt,
+        BLOCK,
+        envoy_kv_router::hashing::hash_seed(None),
+    );
+    let blocks: Vec<Value> = locals
+        .iter()
+        .enumerate()
+        .map(|(i, h)| json!({"block_hash": 9000 + i, "tokens_hash": h.0}))
+        .collect();
+    publish(
+        &workers[0],
+        vec![json!({"dp_rank": 0, "data": {"stored": {"parent_hash": null, "blocks": blocks}}})],
+    );
+    assert!(wait_for_overlap(
+        &envoy,
+        &completion(&prompt),
+        6,
+        Duration::from_secs(5)
+    ));
     assert_eq!(route(&envoy, &completion(&prompt)).0, 1);
 }
 
@@ -109,10 +152,13 @@ fn host_and_disk_tiers_earn_partial_credit() {
         let prompt = tokens(40, 10 * BLOCK);
         let device = &prompt[..(2 * BLOCK) as usize];
         let slower = &prompt[(2 * BLOCK) as usize..(6 * BLOCK) as usize];
-        publish(&workers[0], vec![
-            vllm_stored(device, BLOCK, None, 1, "GPU"),
-            vllm_stored(slower, BLOCK, Some(2), 3, medium),
-        ]);
+        publish(
+            &workers[0],
+            vec![
+                vllm_stored(device, BLOCK, None, 1, "GPU"),
+                vllm_stored(slower, BLOCK, Some(2), 3, medium),
+            ],
+        );
         let body = completion(&prompt);
         let deadline = Instant::now() + Duration::from_secs(5);
         let (mut worker, mut resp) = (0, None);
@@ -128,9 +174,16 @@ fn host_and_disk_tiers_earn_partial_credit() {
         let resp = resp.expect("worker 1 became cheaper");
         let c = costs(&resp);
         let credit = c[&2] - c[&1];
-        assert!((credit - (2.0 + 4.0 * weight)).abs() < 1e-6, "{medium}: credit {credit}, costs {c:?}");
+        assert!(
+            (credit - (2.0 + 4.0 * weight)).abs() < 1e-6,
+            "{medium}: credit {credit}, costs {c:?}"
+        );
         assert_eq!(worker, 1);
-        assert_eq!(resp.header("x-kv-router-overlap-blocks"), Some("2"), "device prefix only");
+        assert_eq!(
+            resp.header("x-kv-router-overlap-blocks"),
+            Some("2"),
+            "device prefix only"
+        );
     }
 }
 
@@ -143,7 +196,10 @@ fn ties_at_temperature_zero_are_broken_at_random() {
         let (w, _, _) = route(&envoy, &completion(&tokens(i * 1000, 4 * BLOCK)));
         counts[(w - 1) as usize] += 1;
     }
-    assert!(counts[0] >= 5 && counts[1] >= 5, "both tied workers picked: {counts:?}");
+    assert!(
+        counts[0] >= 5 && counts[1] >= 5,
+        "both tied workers picked: {counts:?}"
+    );
 }
 
 #[test]
@@ -151,7 +207,10 @@ fn temperature_spreads_selection_by_softmax() {
     let workers = echo_workers(2, BLOCK);
     let envoy = kv_envoy(&workers, json!({"router_temperature": 1.0}));
     let prompt = tokens(77, 8 * BLOCK);
-    publish(&workers[0], vec![vllm_stored(&prompt, BLOCK, None, 1, "GPU")]);
+    publish(
+        &workers[0],
+        vec![vllm_stored(&prompt, BLOCK, None, 1, "GPU")],
+    );
     let body = completion(&prompt);
     assert!(wait_for_overlap(&envoy, &body, 8, Duration::from_secs(5)));
     // Two candidates: normalised costs 0 and 1, so p(best) = 1 / (1 + e^-1) = 0.731.
@@ -166,10 +225,21 @@ fn two_envoys_fed_by_the_same_workers_agree() {
     let workers = echo_workers(3, BLOCK);
     let a = kv_envoy(&workers, json!({}));
     let b = kv_envoy(&workers, json!({}));
-    let prompts: Vec<Vec<u32>> = (0..9).map(|i| tokens(10_000 * (i + 1), 6 * BLOCK)).collect();
+    let prompts: Vec<Vec<u32>> = (0..9)
+        .map(|i| tokens(10_000 * (i + 1), 6 * BLOCK))
+        .collect();
     for (i, prompt) in prompts.iter().enumerate() {
         let owner = &workers[i % 3];
-        publish(owner, vec![vllm_stored(&prompt[..(3 + i % 3) * BLOCK as usize], BLOCK, None, 100 * i as u64, "GPU")]);
+        publish(
+            owner,
+            vec![vllm_stored(
+                &prompt[..(3 + i % 3) * BLOCK as usize],
+                BLOCK,
+                None,
+                100 * i as u64,
+                "GPU",
+            )],
+        );
     }
     let last = completion(&prompts[8]);
     assert!(wait_for_overlap(&a, &last, 5, Duration::from_secs(5)));
@@ -193,12 +263,24 @@ fn stored_event_counts_for_routing_quickly() {
         let prompt = tokens(900_000 + round * 10_000, 4 * BLOCK);
         let body = completion(&prompt);
         let start = Instant::now();
-        publish(&workers[1], vec![vllm_stored(&prompt, BLOCK, None, 1000 * u64::from(round), "GPU")]);
+        publish(
+            &workers[1],
+            vec![vllm_stored(
+                &prompt,
+                BLOCK,
+                None,
+                1000 * u64::from(round),
+                "GPU",
+            )],
+        );
         assert!(wait_for_overlap(&envoy, &body, 4, Duration::from_secs(5)));
         delays.push(start.elapsed().as_millis());
     }
     delays.sort();
-    println!("stored-to-routable delay ms: {delays:?} (median {})", delays[2]);
+    println!(
+        "stored-to-routable delay ms: {delays:?} (median {})",
+        delays[2]
+    );
     // The default poll (100 ms) and tick (50 ms) bound it near 150 ms; the slack absorbs a busy CI machine.
     assert!(delays[2] < 1000, "median {} ms", delays[2]);
 }
@@ -209,21 +291,33 @@ fn bad_event_pages_are_rejected_and_change_nothing() {
     let envoy = kv_envoy(&workers, json!({}));
     let prompt = tokens(5, 6 * BLOCK);
     let body = completion(&prompt);
-    publish(&workers[0], vec![vllm_stored(&prompt, BLOCK, None, 1, "GPU")]);
+    publish(
+        &workers[0],
+        vec![vllm_stored(&prompt, BLOCK, None, 1, "GPU")],
+    );
     assert!(wait_for_overlap(&envoy, &body, 6, Duration::from_secs(5)));
     for fault in ["malformed", "oversized", "wrong_block_size"] {
         let before = envoy.router_stat("events.pages_rejected");
-        let resp = workers[0].admin("/admin/events_fault", &json!({"mode": fault})).expect("fault");
+        let resp = workers[0]
+            .admin("/admin/events_fault", &json!({"mode": fault}))
+            .expect("fault");
         assert_eq!(resp.status, 200);
         publish(&workers[0], vec![vllm_removed(&[1, 2, 3, 4, 5, 6], "GPU")]);
         assert!(
-            envoy.wait_for(Duration::from_secs(5), |e| e.router_stat("events.pages_rejected") > before),
+            envoy.wait_for(Duration::from_secs(5), |e| e
+                .router_stat("events.pages_rejected")
+                > before),
             "{fault}: rejected"
         );
         let (worker, overlap, _) = route(&envoy, &body);
         assert_eq!((worker, overlap), (1, 6), "{fault}: the index is unchanged");
-        assert!(http::get(&envoy.admin, "/ready").is_ok_and(|r| r.status == 200), "{fault}: envoy alive");
-        workers[0].admin("/admin/events_fault", &json!({"mode": "none"})).expect("fault off");
+        assert!(
+            http::get(&envoy.admin, "/ready").is_ok_and(|r| r.status == 200),
+            "{fault}: envoy alive"
+        );
+        workers[0]
+            .admin("/admin/events_fault", &json!({"mode": "none"}))
+            .expect("fault off");
         // The page that was refused is fetched again and now applies: the removal lands.
         let deadline = Instant::now() + Duration::from_secs(5);
         let mut overlap = 6;
@@ -231,7 +325,10 @@ fn bad_event_pages_are_rejected_and_change_nothing() {
             overlap = route(&envoy, &body).1;
         }
         assert_eq!(overlap, 0, "{fault}: recovered");
-        publish(&workers[0], vec![vllm_stored(&prompt, BLOCK, None, 1, "GPU")]);
+        publish(
+            &workers[0],
+            vec![vllm_stored(&prompt, BLOCK, None, 1, "GPU")],
+        );
         assert!(wait_for_overlap(&envoy, &body, 6, Duration::from_secs(5)));
     }
     assert!(envoy.router_stat("events.block_size_mismatch") >= 1);
@@ -244,16 +341,27 @@ fn a_gap_in_event_ids_triggers_a_resync_from_the_dump() {
     let envoy = kv_envoy(&workers, json!({}));
     let prompt = tokens(11, 5 * BLOCK);
     let body = completion(&prompt);
-    publish(&workers[0], vec![vllm_stored(&prompt, BLOCK, None, 1, "GPU")]);
+    publish(
+        &workers[0],
+        vec![vllm_stored(&prompt, BLOCK, None, 1, "GPU")],
+    );
     assert!(wait_for_overlap(&envoy, &body, 5, Duration::from_secs(5)));
     let resyncs = envoy.router_stat("events.resyncs");
     // Events are lost; the worker's dump says only the first 2 blocks remain.
-    workers[0].admin("/admin/drop_events", &json!({"count": 3})).expect("drop");
+    workers[0]
+        .admin("/admin/drop_events", &json!({"count": 3}))
+        .expect("drop");
     let dump = json!({"block_size": BLOCK, "last_event_id": 4,
         "events": [vllm_stored(&prompt[..(2 * BLOCK) as usize], BLOCK, None, 1, "GPU")]});
     workers[0].admin("/admin/dump", &dump).expect("dump");
-    publish(&workers[0], vec![json!({"type": "BlockRemoved", "block_hashes": [99], "medium": "GPU"})]);
-    assert!(envoy.wait_for(Duration::from_secs(5), |e| e.router_stat("events.resyncs") > resyncs));
+    publish(
+        &workers[0],
+        vec![json!({"type": "BlockRemoved", "block_hashes": [99], "medium": "GPU"})],
+    );
+    assert!(
+        envoy.wait_for(Duration::from_secs(5), |e| e.router_stat("events.resyncs")
+            > resyncs)
+    );
     let deadline = Instant::now() + Duration::from_secs(5);
     let mut overlap = 5;
     while overlap != 2 && Instant::now() < deadline {
@@ -268,14 +376,34 @@ fn a_worker_whose_events_fail_goes_stale_and_loses_its_blocks() {
     let envoy = kv_envoy(&workers, json!({"events": {"stale_after_ms": 600}}));
     let prompt = tokens(21, 4 * BLOCK);
     let body = completion(&prompt);
-    publish(&workers[0], vec![vllm_stored(&prompt, BLOCK, None, 1, "GPU")]);
+    publish(
+        &workers[0],
+        vec![vllm_stored(&prompt, BLOCK, None, 1, "GPU")],
+    );
     assert!(wait_for_overlap(&envoy, &body, 4, Duration::from_secs(5)));
-    workers[0].admin("/admin/events_fault", &json!({"mode": "http_500"})).expect("fault");
-    assert!(envoy.wait_for(Duration::from_secs(5), |e| e.router_stat("workers.stale") == 1));
-    assert_eq!(route(&envoy, &body).1, 0, "a stale worker's blocks no longer count");
-    workers[0].admin("/admin/events_fault", &json!({"mode": "none"})).expect("fault off");
-    assert!(envoy.wait_for(Duration::from_secs(5), |e| e.router_stat("workers.stale") == 0));
-    assert!(wait_for_overlap(&envoy, &body, 4, Duration::from_secs(5)), "re-synced from the dump");
+    workers[0]
+        .admin("/admin/events_fault", &json!({"mode": "http_500"}))
+        .expect("fault");
+    assert!(
+        envoy.wait_for(Duration::from_secs(5), |e| e.router_stat("workers.stale")
+            == 1)
+    );
+    assert_eq!(
+        route(&envoy, &body).1,
+        0,
+        "a stale worker's blocks no longer count"
+    );
+    workers[0]
+        .admin("/admin/events_fault", &json!({"mode": "none"}))
+        .expect("fault off");
+    assert!(
+        envoy.wait_for(Duration::from_secs(5), |e| e.router_stat("workers.stale")
+            == 0)
+    );
+    assert!(
+        wait_for_overlap(&envoy, &body, 4, Duration::from_secs(5)),
+        "re-synced from the dump"
+    );
 }
 
 #[test]

@@ -26,10 +26,18 @@ fn total_load(envoy: &Envoy) -> (u64, u64) {
     let stats = envoy.stats();
     let load: u64 = stats
         .iter()
-        .filter(|(k, _)| k.starts_with("wasmcustom.kv_router.worker.") && (k.ends_with(".active_requests") || k.ends_with(".prefill_tokens") || k.ends_with(".decode_blocks")))
+        .filter(|(k, _)| {
+            k.starts_with("wasmcustom.kv_router.worker.")
+                && (k.ends_with(".active_requests")
+                    || k.ends_with(".prefill_tokens")
+                    || k.ends_with(".decode_blocks"))
+        })
         .map(|(_, v)| *v)
         .sum();
-    let entries = stats.get("wasmcustom.kv_router.load.active_entries").copied().unwrap_or(u64::MAX);
+    let entries = stats
+        .get("wasmcustom.kv_router.load.active_entries")
+        .copied()
+        .unwrap_or(u64::MAX);
     (load, entries)
 }
 
@@ -45,7 +53,10 @@ fn distribution(envoy: &Envoy, n: u32, body: impl Fn(u32) -> Value) -> HashMap<u
 #[test]
 fn load_returns_to_zero_after_a_thousand_mixed_requests() {
     let workers = echo_workers(3, BLOCK);
-    let envoy = envoy_with(&workers, json!({"mode": "kv", "load": {"track_output_blocks": true}}));
+    let envoy = envoy_with(
+        &workers,
+        json!({"mode": "kv", "load": {"track_output_blocks": true}}),
+    );
     let listener = envoy.listener.clone();
     let threads: Vec<_> = (0..8u32)
         .map(|t| {
@@ -80,7 +91,11 @@ fn load_returns_to_zero_after_a_thousand_mixed_requests() {
         t.join().expect("client thread");
     }
     let settled = envoy.wait_for(Duration::from_secs(10), |e| total_load(e) == (0, 0));
-    assert!(settled, "load left after all requests ended: {:?}", total_load(&envoy));
+    assert!(
+        settled,
+        "load left after all requests ended: {:?}",
+        total_load(&envoy)
+    );
     assert_eq!(envoy.router_stat("load.release_failed"), 0);
 }
 
@@ -93,18 +108,37 @@ fn a_long_prefill_repels_requests_until_its_first_token() {
         "nvext": {"backend_instance_id": 1}, "mock": {"first_token_delay_ms": 2000, "chunks": 2, "chunk_interval_ms": 3000}});
     let listener = envoy.listener.clone();
     let long = std::thread::spawn(move || {
-        let mut s = http::request_streaming(&listener, "POST", "/v1/completions", &[], body.to_string().as_bytes(), Duration::from_secs(20)).expect("long");
+        let mut s = http::request_streaming(
+            &listener,
+            "POST",
+            "/v1/completions",
+            &[],
+            body.to_string().as_bytes(),
+            Duration::from_secs(20),
+        )
+        .expect("long");
         let _ = s.next_event();
         std::thread::sleep(Duration::from_millis(200));
         s.abort();
     });
     std::thread::sleep(Duration::from_millis(300));
-    let during = distribution(&envoy, 10, |i| completion(&tokens(10_000 * (i + 1), 4 * BLOCK)));
-    assert_eq!(during.get(&1), None, "worker 1 is busy prefilling: {during:?}");
+    let during = distribution(&envoy, 10, |i| {
+        completion(&tokens(10_000 * (i + 1), 4 * BLOCK))
+    });
+    assert_eq!(
+        during.get(&1),
+        None,
+        "worker 1 is busy prefilling: {during:?}"
+    );
     long.join().expect("long request");
     assert!(envoy.wait_for(Duration::from_secs(5), |e| total_load(e) == (0, 0)));
-    let after = distribution(&envoy, 20, |i| completion(&tokens(20_000 * (i + 1), 4 * BLOCK)));
-    assert!(after.get(&1).copied().unwrap_or(0) > 0, "worker 1 gets requests again: {after:?}");
+    let after = distribution(&envoy, 20, |i| {
+        completion(&tokens(20_000 * (i + 1), 4 * BLOCK))
+    });
+    assert!(
+        after.get(&1).copied().unwrap_or(0) > 0,
+        "worker 1 gets requests again: {after:?}"
+    );
 }
 
 #[test]
@@ -153,7 +187,10 @@ fn device_aware_weighted_sends_about_ratio_to_one() {
     let workers = vec![gpu, cpu];
     let list = json!([{"id": 1, "address": workers[0].addr, "device": "gpu"},
                       {"id": 2, "address": workers[1].addr, "device": "cpu"}]);
-    let envoy = envoy_with(&workers, json!({"mode": "device-aware-weighted", "device_ratio": 4.0, "workers": list}));
+    let envoy = envoy_with(
+        &workers,
+        json!({"mode": "device-aware-weighted", "device_ratio": 4.0, "workers": list}),
+    );
     // Concurrent held requests: the in-flight ratio follows the weights (4:1).
     let held: Vec<_> = (0..25)
         .map(|i| {
@@ -167,7 +204,10 @@ fn device_aware_weighted_sends_about_ratio_to_one() {
     let gpu_count = held.iter().flatten().filter(|(w, _)| *w == 1).count();
     let cpu_count = held.iter().flatten().filter(|(w, _)| *w == 2).count();
     assert_eq!(gpu_count + cpu_count, 25);
-    assert!((19..=21).contains(&gpu_count), "gpu {gpu_count} cpu {cpu_count}");
+    assert!(
+        (19..=21).contains(&gpu_count),
+        "gpu {gpu_count} cpu {cpu_count}"
+    );
 }
 
 #[test]
@@ -187,13 +227,28 @@ fn allow_list_limits_candidates() {
 fn header_pins_only_when_allowed() {
     let workers = echo_workers(2, BLOCK);
     let off = envoy_with(&workers, json!({"mode": "round-robin"}));
-    let on = envoy_with(&workers, json!({"mode": "round-robin", "allow_client_pinning": true}));
+    let on = envoy_with(
+        &workers,
+        json!({"mode": "round-robin", "allow_client_pinning": true}),
+    );
     let body = completion(&tokens(1, 20)).to_string();
     let mut seen_off = HashMap::new();
     for _ in 0..6 {
-        let r = off.send("/v1/completions", &[("x-worker-instance-id", "2")], body.as_bytes()).expect("req");
+        let r = off
+            .send(
+                "/v1/completions",
+                &[("x-worker-instance-id", "2")],
+                body.as_bytes(),
+            )
+            .expect("req");
         *seen_off.entry(served_by(&r).unwrap_or(0)).or_insert(0) += 1;
-        let r = on.send("/v1/completions", &[("x-worker-instance-id", "2")], body.as_bytes()).expect("req");
+        let r = on
+            .send(
+                "/v1/completions",
+                &[("x-worker-instance-id", "2")],
+                body.as_bytes(),
+            )
+            .expect("req");
         assert_eq!(served_by(&r), Some(2), "the header pins when allowed");
     }
     assert_eq!(seen_off.len(), 2, "ignored when not allowed: {seen_off:?}");
@@ -204,7 +259,10 @@ fn pin_errors_are_distinct() {
     let workers = echo_workers(2, BLOCK);
     let list = json!([{"id": 1, "address": workers[0].addr, "dp_size": 2},
                       {"id": 2, "address": workers[1].addr, "kv_capacity_blocks": 10}]);
-    let envoy = envoy_with(&workers, json!({"mode": "kv", "workers": list, "busy": {"decode_blocks_fraction": 0.5}}));
+    let envoy = envoy_with(
+        &workers,
+        json!({"mode": "kv", "workers": list, "busy": {"decode_blocks_fraction": 0.5}}),
+    );
     let pinned = |id: u64, rank: Option<u32>| {
         let mut b = completion(&tokens(1, 20));
         b["nvext"] = json!({"backend_instance_id": id, "dp_rank": rank});
@@ -221,7 +279,15 @@ fn pin_errors_are_distinct() {
     // Worker 2 (10 blocks of capacity, busy above 5) gets a 7-block request held in flight.
     let body = json!({"model": "m", "prompt": tokens(1, 7 * BLOCK), "stream": true, "max_tokens": 2,
         "nvext": {"backend_instance_id": 2}, "mock": {"chunks": 2, "chunk_interval_ms": 3000}});
-    let mut held = http::request_streaming(&envoy.listener, "POST", "/v1/completions", &[], body.to_string().as_bytes(), Duration::from_secs(20)).expect("held");
+    let mut held = http::request_streaming(
+        &envoy.listener,
+        "POST",
+        "/v1/completions",
+        &[],
+        body.to_string().as_bytes(),
+        Duration::from_secs(20),
+    )
+    .expect("held");
     let _ = held.next_event();
     let overloaded = pinned(2, None);
     assert_eq!(overloaded.status, 503, "{}", overloaded.text());
@@ -232,18 +298,32 @@ fn pin_errors_are_distinct() {
 #[test]
 fn all_workers_overloaded_is_a_503_with_retry_after() {
     let workers = echo_workers(1, BLOCK);
-    let envoy = envoy_with(&workers, json!({"mode": "kv", "busy": {"prefill_tokens": 100}}));
+    let envoy = envoy_with(
+        &workers,
+        json!({"mode": "kv", "busy": {"prefill_tokens": 100}}),
+    );
     let body = json!({"model": "m", "prompt": tokens(1, 20 * BLOCK), "stream": true, "max_tokens": 2,
         "mock": {"first_token_delay_ms": 3000}});
     let listener = envoy.listener.clone();
     let long = std::thread::spawn(move || {
-        let _ = http::request(&listener, "POST", "/v1/completions", &[], body.to_string().as_bytes(), Duration::from_secs(10));
+        let _ = http::request(
+            &listener,
+            "POST",
+            "/v1/completions",
+            &[],
+            body.to_string().as_bytes(),
+            Duration::from_secs(10),
+        );
     });
     std::thread::sleep(Duration::from_millis(400));
-    let resp = envoy.post_json("/v1/completions", &completion(&tokens(5, 20))).expect("request");
+    let resp = envoy
+        .post_json("/v1/completions", &completion(&tokens(5, 20)))
+        .expect("request");
     assert_eq!(resp.status, 503, "{}", resp.text());
     assert!(resp.header("retry-after").is_some());
-    assert!(resp.json().expect("json")["error"]["message"].as_str().is_some());
+    assert!(resp.json().expect("json")["error"]["message"]
+        .as_str()
+        .is_some());
     long.join().expect("long");
 }
 
@@ -254,11 +334,33 @@ fn required_taints_and_models_filter_workers() {
                       {"id": 2, "address": workers[1].addr, "taints": ["h100"], "models": ["llama"]},
                       {"id": 3, "address": workers[2].addr, "models": ["qwen"]}]);
     let envoy = envoy_with(&workers, json!({"mode": "round-robin", "workers": list}));
-    let counts = distribution(&envoy, 8, |i| json!({"model": "llama", "prompt": tokens(i, 20), "nvext": {"required_taints": ["h100"]}}));
-    assert_eq!(counts.keys().copied().collect::<Vec<_>>(), vec![2], "{counts:?}");
-    let counts = distribution(&envoy, 6, |i| json!({"model": "qwen", "prompt": tokens(i, 20)}));
+    let counts = distribution(
+        &envoy,
+        8,
+        |i| json!({"model": "llama", "prompt": tokens(i, 20), "nvext": {"required_taints": ["h100"]}}),
+    );
+    assert_eq!(
+        counts.keys().copied().collect::<Vec<_>>(),
+        vec![2],
+        "{counts:?}"
+    );
+    let counts = distribution(
+        &envoy,
+        6,
+        |i| json!({"model": "qwen", "prompt": tokens(i, 20)}),
+    );
     assert_eq!(counts.keys().copied().collect::<Vec<_>>(), vec![3]);
-    let none = envoy.post_json("/v1/completions", &json!({"model": "mistral", "prompt": tokens(1, 20)})).expect("request");
-    assert_eq!(none.status, 503, "{}", none.text());
+    let none = envoy
+        .post_json(
+            "/v1/completions",
+            &json!({"model": "mistral", "prompt": tokens(1, 20)}),
+        )
+        .expect("request");
+    assert_eq!(
+        none.status,
+        404,
+        "an unserved model is not found: {}",
+        none.text()
+    );
     assert!(none.text().contains("mistral") || none.text().contains("model"));
 }

@@ -16,14 +16,20 @@ fn body_pin_steers_each_request_and_client_destination_is_ignored() {
         let resp = envoy
             .send(
                 "/v1/completions",
-                &[("content-type", "application/json"), ("x-gateway-destination-endpoint", &other.addr)],
+                &[
+                    ("content-type", "application/json"),
+                    ("x-gateway-destination-endpoint", &other.addr),
+                ],
                 body.to_string().as_bytes(),
             )
             .expect("request");
         assert_eq!(resp.status, 200, "{}", resp.text());
         assert_eq!(served_by(&resp), Some(pinned.id));
         let seen = resp.json().expect("json");
-        assert_eq!(seen["received_headers"]["x-gateway-destination-endpoint"].as_str(), Some(pinned.addr.as_str()));
+        assert_eq!(
+            seen["received_headers"]["x-gateway-destination-endpoint"].as_str(),
+            Some(pinned.addr.as_str())
+        );
     }
 }
 
@@ -33,7 +39,9 @@ fn chat_completions_are_steered_too() {
     let envoy = start_envoy(&workers, filter_config(&workers, json!({"mode": "direct"})));
     let body = json!({"model": "mock", "messages": [{"role": "user", "content": "hi"}],
                       "nvext": {"backend_instance_id": 2}});
-    let resp = envoy.post_json("/v1/chat/completions", &body).expect("request");
+    let resp = envoy
+        .post_json("/v1/chat/completions", &body)
+        .expect("request");
     assert_eq!(resp.status, 200);
     assert_eq!(served_by(&resp), Some(2));
 }
@@ -41,7 +49,10 @@ fn chat_completions_are_steered_too() {
 #[test]
 fn original_dst_cluster_gets_a_single_address() {
     let workers = echo_workers(2, 16);
-    let config = filter_config(&workers, json!({"mode": "direct", "destination_format": "original_dst"}));
+    let config = filter_config(
+        &workers,
+        json!({"mode": "direct", "destination_format": "original_dst"}),
+    );
     let envoy = start_envoy_with(&workers, config, |o| o.steering = Steering::OriginalDst);
     let mut body = completion(&tokens(1, 40));
     body["nvext"] = json!({"backend_instance_id": 2});
@@ -49,16 +60,24 @@ fn original_dst_cluster_gets_a_single_address() {
     assert_eq!(resp.status, 200, "{}", resp.text());
     assert_eq!(served_by(&resp), Some(2));
     let seen = resp.json().expect("json");
-    assert_eq!(seen["received_headers"]["x-gateway-destination-endpoint"].as_str(), Some(workers[1].addr.as_str()));
+    assert_eq!(
+        seen["received_headers"]["x-gateway-destination-endpoint"].as_str(),
+        Some(workers[1].addr.as_str())
+    );
 }
 
 #[test]
 fn round_robin_spreads_requests_over_workers() {
     let workers = echo_workers(3, 16);
-    let envoy = start_envoy(&workers, filter_config(&workers, json!({"mode": "round-robin"})));
+    let envoy = start_envoy(
+        &workers,
+        filter_config(&workers, json!({"mode": "round-robin"})),
+    );
     let mut seen = HashSet::new();
     for i in 0..12 {
-        let resp = envoy.post_json("/v1/completions", &completion(&tokens(i, 8))).expect("request");
+        let resp = envoy
+            .post_json("/v1/completions", &completion(&tokens(i, 8)))
+            .expect("request");
         assert_eq!(resp.status, 200);
         assert_eq!(resp.header("x-kv-router-reason"), Some("round-robin"));
         seen.extend(served_by(&resp));
@@ -71,9 +90,16 @@ fn malformed_json_is_routed_by_the_fallback_rule_with_a_reason() {
     let workers = echo_workers(2, 16);
     let envoy = start_envoy(&workers, filter_config(&workers, json!({})));
     let resp = envoy
-        .send("/v1/completions", &[("content-type", "application/json")], b"{\"prompt\": [1, 2,")
+        .send(
+            "/v1/completions",
+            &[("content-type", "application/json")],
+            b"{\"prompt\": [1, 2,",
+        )
         .expect("request");
-    assert_eq!(resp.header("x-kv-router-reason"), Some("fallback:invalid_json"));
+    assert_eq!(
+        resp.header("x-kv-router-reason"),
+        Some("fallback:invalid_json")
+    );
     assert!(served_by(&resp).is_some(), "a worker answered");
     assert!(envoy.router_stat("fallback.invalid_json") >= 1);
 }
@@ -83,7 +109,10 @@ fn empty_body_is_routed_by_the_fallback_rule_with_a_reason() {
     let workers = echo_workers(2, 16);
     let envoy = start_envoy(&workers, filter_config(&workers, json!({})));
     let resp = envoy.send("/v1/completions", &[], b"").expect("request");
-    assert_eq!(resp.header("x-kv-router-reason"), Some("fallback:empty_body"));
+    assert_eq!(
+        resp.header("x-kv-router-reason"),
+        Some("fallback:empty_body")
+    );
     assert!(served_by(&resp).is_some());
     assert!(envoy.router_stat("fallback.empty_body") >= 1);
 }
@@ -91,22 +120,32 @@ fn empty_body_is_routed_by_the_fallback_rule_with_a_reason() {
 #[test]
 fn body_over_the_filter_limit_is_routed_by_the_fallback_rule() {
     let workers = echo_workers(2, 16);
-    let envoy = start_envoy(&workers, filter_config(&workers, json!({"max_body_bytes": 4096})));
+    let envoy = start_envoy(
+        &workers,
+        filter_config(&workers, json!({"max_body_bytes": 4096})),
+    );
     let body = completion(&tokens(0, 4000));
     let resp = envoy.post_json("/v1/completions", &body).expect("request");
-    assert_eq!(resp.header("x-kv-router-reason"), Some("fallback:body_too_large"));
+    assert_eq!(
+        resp.header("x-kv-router-reason"),
+        Some("fallback:body_too_large")
+    );
     assert!(served_by(&resp).is_some());
 }
 
 #[test]
 fn body_over_envoys_buffer_limit_gets_413_not_a_hang() {
     let workers = echo_workers(1, 16);
-    let envoy = start_envoy_with(&workers, filter_config(&workers, json!({})), |o| o.buffer_limit_bytes = 64 * 1024);
+    let envoy = start_envoy_with(&workers, filter_config(&workers, json!({})), |o| {
+        o.buffer_limit_bytes = 64 * 1024
+    });
     let body = completion(&tokens(0, 40_000));
     let resp = envoy.post_json("/v1/completions", &body).expect("request");
     assert_eq!(resp.status, 413);
     // The filter survives: the next request is routed normally.
-    let resp = envoy.post_json("/v1/completions", &completion(&tokens(0, 32))).expect("request");
+    let resp = envoy
+        .post_json("/v1/completions", &completion(&tokens(0, 32)))
+        .expect("request");
     assert_eq!(resp.status, 200);
 }
 
@@ -118,7 +157,10 @@ fn batched_prompt_is_a_clear_400() {
     let resp = envoy.post_json("/v1/completions", &body).expect("request");
     assert_eq!(resp.status, 400);
     let error = resp.json().expect("json error body");
-    assert!(error["error"]["message"].as_str().unwrap_or("").contains("batched"));
+    assert!(error["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .contains("batched"));
 }
 
 #[test]
@@ -128,12 +170,23 @@ fn other_paths_pass_through_without_the_client_destination() {
     let mut seen = HashSet::new();
     for _ in 0..8 {
         let resp = envoy
-            .send("/v1/models", &[("x-gateway-destination-endpoint", &workers[0].addr)], b"")
+            .send(
+                "/v1/models",
+                &[("x-gateway-destination-endpoint", &workers[0].addr)],
+                b"",
+            )
             .expect("request");
-        assert!(resp.header("x-kv-router-reason").is_none(), "not routed by the filter");
+        assert!(
+            resp.header("x-kv-router-reason").is_none(),
+            "not routed by the filter"
+        );
         seen.extend(served_by(&resp));
     }
-    assert_eq!(seen.len(), 2, "the client's destination header was dropped: both workers served");
+    assert_eq!(
+        seen.len(),
+        2,
+        "the client's destination header was dropped: both workers served"
+    );
 }
 
 #[test]
@@ -141,7 +194,9 @@ fn invalid_configuration_is_refused_with_the_field_named() {
     let workers = echo_workers(1, 16);
     let config = filter_config(&workers, json!({"cost": {"overlap_score_credit": 1.5}}));
     let opts = EnvoyOptions::new(config, vec![workers[0].addr.clone()]);
-    let err = Envoy::start(&opts).err().expect("envoy must refuse the plugin");
+    let err = Envoy::start(&opts)
+        .err()
+        .expect("envoy must refuse the plugin");
     assert!(err.to_string().contains("overlap_score_credit"), "{err}");
 }
 
@@ -154,6 +209,10 @@ fn shipped_envoy_configs_validate() {
             .current_dir(&root)
             .output()
             .expect("run envoy");
-        assert!(out.status.success(), "{file}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{file}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }

@@ -12,8 +12,11 @@ use super::root::{worker_id, VmState};
 use crate::config::{Config, DestinationFormat, PrefillLoadModel};
 use crate::hashing::prompt_sequence_hashes;
 use crate::load::{output_milli_blocks, predicted_prefill_ms};
-use crate::request::{parse_header_pin, parse_request, Endpoint, LlmRequest, Pin, RequestError, HEADER_DP_RANK, HEADER_WORKER_ID};
-use crate::router::{decide, Decision, RouteError, RouteInput};
+use crate::request::{
+    parse_header_pin, parse_request, Endpoint, LlmRequest, Pin, RequestError, HEADER_DP_RANK,
+    HEADER_WORKER_ID,
+};
+use crate::router::{decide, prompt_blocks, Decision, RouteInput};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 use std::cell::RefCell;
@@ -108,14 +111,18 @@ impl RequestContext {
                     RequestError::InvalidJson { .. } | RequestError::NotAnObject => "invalid_json",
                     _ => "invalid_field",
                 };
-                log::debug!("kv-router: cannot read the request ({err}); routing by the fallback rule");
+                log::debug!(
+                    "kv-router: cannot read the request ({err}); routing by the fallback rule"
+                );
                 self.fallback(&mut vm, &config, why);
                 return Action::Continue;
             }
         };
         let now = host::now_ms();
         let hashes = match &request.token_ids {
-            Some(tokens) => prompt_sequence_hashes(tokens, config.block_size, request.lora_name.as_deref()),
+            Some(tokens) => {
+                prompt_sequence_hashes(tokens, config.block_size, request.lora_name.as_deref())
+            }
             None => Vec::new(),
         };
         let mut overlaps = std::mem::take(&mut vm.overlaps);
@@ -126,7 +133,7 @@ impl RequestContext {
         }
         let load = load_store::read(&config).view(now);
         let stale = vm.stale_slots();
-        let prompt_blocks = u32::try_from(hashes.len()).unwrap_or(u32::MAX);
+        let prompt_blocks = prompt_blocks(&config, &request);
         let input = RouteInput {
             request: &request,
             header_pin: self.header_pin,
@@ -145,12 +152,24 @@ impl RequestContext {
             Err(err) => {
                 vm.metrics.inc(&format!("rejected.{}", err.kind()));
                 log::debug!("kv-router: request rejected: {err}");
-                reject(err.http_status(), err.kind(), &err.to_string(), err.retry_after_secs())
+                reject(
+                    err.http_status(),
+                    err.kind(),
+                    &err.to_string(),
+                    err.retry_after_secs(),
+                )
             }
         }
     }
 
-    fn steer(&mut self, vm: &mut VmState, config: &Config, decision: &Decision, now: u64, request: &LlmRequest) {
+    fn steer(
+        &mut self,
+        vm: &mut VmState,
+        config: &Config,
+        decision: &Decision,
+        now: u64,
+        request: &LlmRequest,
+    ) {
         let Some(slot) = config.slots.get(usize::from(decision.slot)) else {
             self.fallback(vm, config, "no_decision");
             return;
@@ -173,21 +192,37 @@ impl RequestContext {
             }
         }
         let reason = decision.reason.as_str();
-        host::set_header(MapType::HttpRequestHeaders, &config.destination_header, Some(&destination));
+        host::set_header(
+            MapType::HttpRequestHeaders,
+            &config.destination_header,
+            Some(&destination),
+        );
         host::set_header(MapType::HttpRequestHeaders, REASON_HEADER, Some(reason));
         if worker.dp_size > 1 {
-            host::set_header(MapType::HttpRequestHeaders, HEADER_DP_RANK, Some(&slot.dp_rank.to_string()));
+            host::set_header(
+                MapType::HttpRequestHeaders,
+                HEADER_DP_RANK,
+                Some(&slot.dp_rank.to_string()),
+            );
         }
 
         let key = vm.new_request_key();
         let expected_ms = match config.load.prefill_load_model {
-            PrefillLoadModel::Polynomial => {
-                Some(predicted_prefill_ms(&config.load.prefill_time_ms_poly, decision.prefill_tokens))
-            }
+            PrefillLoadModel::Polynomial => Some(predicted_prefill_ms(
+                &config.load.prefill_time_ms_poly,
+                decision.prefill_tokens,
+            )),
             PrefillLoadModel::None => None,
         };
         let booked = load_store::update(config, |table| {
-            table.admit(key, decision.slot, decision.prefill_tokens, decision.prompt_blocks, expected_ms, now);
+            table.admit(
+                key,
+                decision.slot,
+                decision.prefill_tokens,
+                decision.prompt_blocks,
+                expected_ms,
+                now,
+            );
             Some(())
         });
         if booked.is_some() {
@@ -195,7 +230,10 @@ impl RequestContext {
                 key,
                 stream: request.stream,
                 first_token_seen: false,
-                isl_tokens: request.token_ids.as_ref().map_or(0, |t| u32::try_from(t.len()).unwrap_or(u32::MAX)),
+                isl_tokens: request
+                    .token_ids
+                    .as_ref()
+                    .map_or(0, |t| u32::try_from(t.len()).unwrap_or(u32::MAX)),
                 osl_hint: request.osl_hint_tokens,
                 generated_tokens: 0,
                 output_milli_blocks: 0,
@@ -207,7 +245,8 @@ impl RequestContext {
         vm.metrics.inc(&format!("routed.{reason}"));
         let overlap_blocks = decision.overlap.device_blocks;
         vm.metrics.add("overlap_blocks", u64::from(overlap_blocks));
-        vm.metrics.histogram("overlap_blocks_per_request", u64::from(overlap_blocks));
+        vm.metrics
+            .histogram("overlap_blocks_per_request", u64::from(overlap_blocks));
         if config.response_headers {
             let costs = (!decision.scores.is_empty()).then(|| {
                 decision
@@ -215,7 +254,12 @@ impl RequestContext {
                     .iter()
                     .filter_map(|(slot, cost)| {
                         let s = config.slots.get(usize::from(*slot))?;
-                        Some(format!("{}/{}={:.3}", worker_id(config, s.worker), s.dp_rank, cost))
+                        Some(format!(
+                            "{}/{}={:.3}",
+                            worker_id(config, s.worker),
+                            s.dp_rank,
+                            cost
+                        ))
                     })
                     .collect::<Vec<_>>()
                     .join(",")
@@ -235,7 +279,11 @@ impl RequestContext {
         let pick = usize::try_from(vm.new_request_key() % count as u64).unwrap_or(0);
         let reason = format!("fallback:{why}");
         if let Some(worker) = config.workers.get(pick) {
-            host::set_header(MapType::HttpRequestHeaders, &config.destination_header, Some(&worker.address_text));
+            host::set_header(
+                MapType::HttpRequestHeaders,
+                &config.destination_header,
+                Some(&worker.address_text),
+            );
             if config.response_headers {
                 self.outcome = Some(Outcome {
                     worker: worker.id.to_string(),
@@ -250,7 +298,9 @@ impl RequestContext {
     }
 
     fn first_token(&mut self) {
-        let Some(booking) = self.booking.as_mut() else { return };
+        let Some(booking) = self.booking.as_mut() else {
+            return;
+        };
         if booking.first_token_seen {
             return;
         }
@@ -265,20 +315,31 @@ impl RequestContext {
     /// Counts generated tokens from SSE chunks and books output blocks as they cross boundaries.
     fn track_output(&mut self, chunk: &[u8]) {
         let Some(config) = self.config() else { return };
-        let Some(booking) = self.booking.as_mut() else { return };
+        let Some(booking) = self.booking.as_mut() else {
+            return;
+        };
         let events = count_sse_tokens(chunk);
         if events == 0 {
             return;
         }
         booking.generated_tokens = booking.generated_tokens.saturating_add(events);
-        let milli = output_milli_blocks(booking.isl_tokens, booking.generated_tokens, config.block_size, booking.osl_hint);
+        let milli = output_milli_blocks(
+            booking.isl_tokens,
+            booking.generated_tokens,
+            config.block_size,
+            booking.osl_hint,
+        );
         // Write only on a visible change (a boundary, or 5% of a block of weight), not every token.
-        if milli.abs_diff(booking.output_milli_blocks) < 50 && !(milli == 0 && booking.output_milli_blocks > 0) {
+        if milli.abs_diff(booking.output_milli_blocks) < 50
+            && !(milli == 0 && booking.output_milli_blocks > 0)
+        {
             return;
         }
         booking.output_milli_blocks = milli;
         let key = booking.key;
-        load_store::update(&config, |table| table.set_output_milli_blocks(key, milli).then_some(()));
+        load_store::update(&config, |table| {
+            table.set_output_milli_blocks(key, milli).then_some(())
+        });
     }
 }
 
@@ -296,8 +357,9 @@ fn count_sse_tokens(chunk: &[u8]) -> u32 {
     count
 }
 
-fn reject(status: u32, kind: &str, message: &str, retry_after_secs: Option<u64>) -> Action {
-    let body = serde_json::json!({"error": {"message": message, "type": kind, "code": status}}).to_string();
+fn reject(status: u32, kind: &str, message: &str, retry_after_secs: Option<u32>) -> Action {
+    let body = serde_json::json!({"error": {"message": message, "type": kind, "code": status}})
+        .to_string();
     let retry = retry_after_secs.map(|s| s.to_string());
     let mut headers = vec![("content-type", "application/json"), (REASON_HEADER, kind)];
     if let Some(retry) = retry.as_deref() {
@@ -315,7 +377,11 @@ impl HttpContext for RequestContext {
             return Action::Continue;
         };
         // Clients never choose their upstream: drop any destination they sent, on every path.
-        host::set_header(MapType::HttpRequestHeaders, &config.destination_header, None);
+        host::set_header(
+            MapType::HttpRequestHeaders,
+            &config.destination_header,
+            None,
+        );
         let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
         self.endpoint = Endpoint::from_path(&path, &config.llm_paths);
         if self.endpoint.is_none() {
@@ -361,15 +427,27 @@ impl HttpContext for RequestContext {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         if let Some(outcome) = &self.outcome {
-            host::set_header(MapType::HttpResponseHeaders, "x-kv-router-worker", Some(&outcome.worker));
+            host::set_header(
+                MapType::HttpResponseHeaders,
+                "x-kv-router-worker",
+                Some(&outcome.worker),
+            );
             host::set_header(
                 MapType::HttpResponseHeaders,
                 "x-kv-router-overlap-blocks",
                 Some(&outcome.overlap_blocks.to_string()),
             );
-            host::set_header(MapType::HttpResponseHeaders, REASON_HEADER, Some(&outcome.reason));
+            host::set_header(
+                MapType::HttpResponseHeaders,
+                REASON_HEADER,
+                Some(&outcome.reason),
+            );
             if let Some(costs) = &outcome.costs {
-                host::set_header(MapType::HttpResponseHeaders, "x-kv-router-costs", Some(costs));
+                host::set_header(
+                    MapType::HttpResponseHeaders,
+                    "x-kv-router-costs",
+                    Some(costs),
+                );
             }
         }
         // A non-streamed response arrives whole: its headers mark the end of prefill.
@@ -394,9 +472,13 @@ impl HttpContext for RequestContext {
     }
 
     fn on_log(&mut self) {
-        let Some(booking) = self.booking.take() else { return };
+        let Some(booking) = self.booking.take() else {
+            return;
+        };
         let Some(config) = self.config() else { return };
-        let released = load_store::update(&config, |table| table.release(booking.key).then_some(()));
+        let released = load_store::update(&config, |table| {
+            table.release_at(booking.key, host::now_ms()).then_some(())
+        });
         if released.is_none() {
             if let Ok(mut vm) = self.vm.try_borrow_mut() {
                 vm.metrics.inc("load.release_failed");

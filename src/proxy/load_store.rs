@@ -17,7 +17,7 @@ pub fn init(config: &Config) {
 
 pub fn read(config: &Config) -> LoadTable {
     let (bytes, _) = host::shared_get(LOAD_KEY);
-    LoadTable::decode(bytes.as_deref().unwrap_or_default(), config.slots.len())
+    LoadTable::decode_or_fresh(bytes.as_deref().unwrap_or_default(), config.slots.len()).0
 }
 
 /// Applies `edit` atomically; an edit that returns `None` changed nothing and writes nothing.
@@ -25,7 +25,8 @@ pub fn read(config: &Config) -> LoadTable {
 pub fn update<R>(config: &Config, mut edit: impl FnMut(&mut LoadTable) -> Option<R>) -> Option<R> {
     for _ in 0..CAS_ATTEMPTS {
         let (bytes, cas) = host::shared_get(LOAD_KEY);
-        let mut table = LoadTable::decode(bytes.as_deref().unwrap_or_default(), config.slots.len());
+        let mut table =
+            LoadTable::decode_or_fresh(bytes.as_deref().unwrap_or_default(), config.slots.len()).0;
         let result = edit(&mut table)?;
         if host::shared_set(LOAD_KEY, &table.encode(), cas).is_ok() {
             return Some(result);

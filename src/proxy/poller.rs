@@ -55,7 +55,8 @@ impl Poller {
         self.next_due_ms.resize(workers, 0);
         let mut failed = 0;
         for worker in 0..workers {
-            let (Some(busy), Some(due)) = (self.busy.get(worker), self.next_due_ms.get(worker)) else {
+            let (Some(busy), Some(due)) = (self.busy.get(worker), self.next_due_ms.get(worker))
+            else {
                 continue;
             };
             if *busy || *due > now_ms {
@@ -79,7 +80,11 @@ impl Poller {
         };
         let path = match kind {
             CallKind::Events { after } => {
-                let sep = if config.events.path.contains('?') { '&' } else { '?' };
+                let sep = if config.events.path.contains('?') {
+                    '&'
+                } else {
+                    '?'
+                };
                 format!("{}{}after={}", config.events.path, sep, after)
             }
             CallKind::Dump => config.events.dump_path.clone(),

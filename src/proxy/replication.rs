@@ -199,10 +199,18 @@ impl Replica {
         }
     }
 
-    fn apply_event(&mut self, config: &Config, worker: u16, event: &IndexEvent, report: &mut SyncReport) {
+    fn apply_event(
+        &mut self,
+        config: &Config,
+        worker: u16,
+        event: &IndexEvent,
+        report: &mut SyncReport,
+    ) {
         let slots: Vec<SlotIdx> = match event {
             IndexEvent::Cleared { dp_rank: None } => config.worker_slots(worker).collect(),
-            IndexEvent::Cleared { dp_rank: Some(rank) }
+            IndexEvent::Cleared {
+                dp_rank: Some(rank),
+            }
             | IndexEvent::Stored { dp_rank: rank, .. }
             | IndexEvent::Removed { dp_rank: rank, .. } => {
                 config.slot_of(worker, *rank).into_iter().collect()

@@ -78,7 +78,13 @@ impl RouterRoot {
 }
 
 impl Context for RouterRoot {
-    fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _: usize) {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _: usize,
+    ) {
         let Some(state) = &self.state else { return };
         let Ok(mut vm) = state.try_borrow_mut() else {
             return;
@@ -98,7 +104,9 @@ impl Context for RouterRoot {
             log::debug!(
                 "kv-router: event fetch from worker {} failed: {}",
                 worker_id(&vm.config, call.worker),
-                status.as_deref().unwrap_or("no response (connect failure or timeout)")
+                status
+                    .as_deref()
+                    .unwrap_or("no response (connect failure or timeout)")
             );
             return;
         }
@@ -124,7 +132,7 @@ impl VmState {
                 return;
             }
         };
-        let reported = page.load.clone();
+        let reported = page.load;
         let workers = config.workers.len();
         let fingerprint = self.fingerprint;
         match call.kind {
@@ -143,7 +151,7 @@ impl VmState {
                     w.cursor = Some(last);
                     w.last_ok_ms = now;
                     w.stale = false;
-                    w.reported = reported.clone();
+                    w.reported = reported;
                     true
                 });
                 if appended {
@@ -169,7 +177,11 @@ impl VmState {
                     self.poller.dispatch(&config, worker, CallKind::Dump, now);
                     return;
                 }
-                let events: Vec<_> = page.events.into_iter().filter(|e| e.event_id > after).collect();
+                let events: Vec<_> = page
+                    .events
+                    .into_iter()
+                    .filter(|e| e.event_id > after)
+                    .collect();
                 let cursor = events.last().map_or(after, |e| e.event_id);
                 let more = page.last_event_id > cursor;
                 let count = events.len() as u64;
@@ -183,7 +195,7 @@ impl VmState {
                     w.cursor = Some(cursor);
                     w.last_ok_ms = now;
                     w.stale = false;
-                    w.reported = reported.clone();
+                    w.reported = reported;
                     true
                 };
                 if events.is_empty() {
@@ -213,7 +225,11 @@ impl VmState {
         self.metrics.inc("events.pages_rejected");
         if let EventError::BlockSizeMismatch { .. } = err {
             self.metrics.inc("events.block_size_mismatch");
-            let warned = self.block_size_warned.get(usize::from(worker)).copied().unwrap_or(false);
+            let warned = self
+                .block_size_warned
+                .get(usize::from(worker))
+                .copied()
+                .unwrap_or(false);
             if !warned {
                 error!(
                     "kv-router: worker {id}: {err}. Its KV events are ignored until the filter's block_size matches the engine's KV block size."
@@ -246,7 +262,9 @@ impl VmState {
     fn tick(&mut self) {
         let now = host::now_ms();
         let config = Rc::clone(&self.config);
-        let lease_ms = (config.events.poll_interval_ms * 5).max(config.tick_ms * 10).max(1000);
+        let lease_ms = (config.events.poll_interval_ms * 5)
+            .max(config.tick_ms * 10)
+            .max(1000);
         let leader = hold_lease(self.nonce, now, lease_ms);
         self.sync_replica();
         if !leader {
@@ -306,19 +324,32 @@ impl VmState {
         let config = Rc::clone(&self.config);
         let reaped = load_store::reap(&config, now);
         self.metrics.add("load.reaped", reaped as u64);
-        self.metrics.gauge("index.entries", self.replica.index.entries() as u64);
+        self.metrics
+            .gauge("index.entries", self.replica.index.entries() as u64);
         let stale = self.replica.head.workers.iter().filter(|w| w.stale).count();
         self.metrics.gauge("workers.stale", stale as u64);
         let table = load_store::read(&config);
         for (slot_idx, load) in table.view(now).iter().enumerate() {
-            let Some(slot) = config.slots.get(slot_idx) else { continue };
+            let Some(slot) = config.slots.get(slot_idx) else {
+                continue;
+            };
             let id = worker_id(&config, slot.worker);
             let name = format!("worker.{id}.rank.{}", slot.dp_rank);
-            self.metrics.gauge(&format!("{name}.active_requests"), u64::from(load.active_requests));
-            self.metrics.gauge(&format!("{name}.prefill_tokens"), load.prefill_tokens.ceil() as u64);
-            self.metrics.gauge(&format!("{name}.decode_blocks"), load.decode_blocks.ceil() as u64);
+            self.metrics.gauge(
+                &format!("{name}.active_requests"),
+                u64::from(load.active_requests),
+            );
+            self.metrics.gauge(
+                &format!("{name}.prefill_tokens"),
+                load.prefill_tokens.ceil() as u64,
+            );
+            self.metrics.gauge(
+                &format!("{name}.decode_blocks"),
+                load.decode_blocks.ceil() as u64,
+            );
         }
-        self.metrics.gauge("load.active_entries", table.active_entries() as u64);
+        self.metrics
+            .gauge("load.active_entries", table.active_entries() as u64);
     }
 }
 
@@ -328,14 +359,8 @@ fn is_gap(page: &EventPage, after: u64) -> bool {
     if page.first_event_id.is_some_and(|first| first > after + 1) || page.last_event_id < after {
         return true;
     }
-    let mut expected = after + 1;
-    for event in page.events.iter().filter(|e| e.event_id > after) {
-        if event.event_id != expected {
-            return true;
-        }
-        expected += 1;
-    }
-    false
+    let new_events = page.events.iter().filter(|e| e.event_id > after);
+    (after + 1..).zip(new_events).any(|(expected, e)| e.event_id != expected)
 }
 
 pub fn worker_id(config: &Config, worker: u16) -> u64 {
@@ -355,7 +380,11 @@ impl RootContext for RouterRoot {
         };
         let fingerprint = xxh3_64_with_seed(&bytes, 0);
         let nonce = xxh3_64_with_seed(
-            &[host::now_nanos().to_le_bytes(), u64::from(self.context_id).to_le_bytes()].concat(),
+            &[
+                host::now_nanos().to_le_bytes(),
+                u64::from(self.context_id).to_le_bytes(),
+            ]
+            .concat(),
             fingerprint,
         );
         let workers = config.workers.len();

@@ -8,12 +8,16 @@ use serde_json::{json, Value};
 /// `count` echo-mode workers (ids 1..=count) with the given block size.
 pub fn echo_workers(count: u64, block_size: u32) -> Vec<Worker> {
     let block = block_size.to_string();
-    Worker::spawn_many(count, &["--mode", "echo", "--block-size", &block]).expect("start mock workers")
+    Worker::spawn_many(count, &["--mode", "echo", "--block-size", &block])
+        .expect("start mock workers")
 }
 
 /// A filter configuration listing `workers`, merged with `extra` (top-level keys override).
 pub fn filter_config(workers: &[Worker], extra: Value) -> Value {
-    let list: Vec<Value> = workers.iter().map(|w| json!({"id": w.id, "address": w.addr})).collect();
+    let list: Vec<Value> = workers
+        .iter()
+        .map(|w| json!({"id": w.id, "address": w.addr}))
+        .collect();
     let mut config = json!({"workers": list, "response_headers": true});
     if let (Some(target), Some(extra)) = (config.as_object_mut(), extra.as_object()) {
         for (key, value) in extra {
@@ -27,7 +31,11 @@ pub fn start_envoy(workers: &[Worker], config: Value) -> Envoy {
     start_envoy_with(workers, config, |_| {})
 }
 
-pub fn start_envoy_with(workers: &[Worker], config: Value, tune: impl FnOnce(&mut EnvoyOptions)) -> Envoy {
+pub fn start_envoy_with(
+    workers: &[Worker],
+    config: Value,
+    tune: impl FnOnce(&mut EnvoyOptions),
+) -> Envoy {
     let mut opts = EnvoyOptions::new(config, workers.iter().map(|w| w.addr.clone()).collect());
     tune(&mut opts);
     Envoy::start(&opts).expect("start envoy")
@@ -49,7 +57,13 @@ pub fn tokens(start: u32, count: u32) -> Vec<u32> {
 }
 
 /// vLLM-shaped "stored" event for `tokens` (whole blocks), engine hashes `first_hash..`.
-pub fn vllm_stored(tokens: &[u32], block_size: u32, parent: Option<u64>, first_hash: u64, medium: &str) -> Value {
+pub fn vllm_stored(
+    tokens: &[u32],
+    block_size: u32,
+    parent: Option<u64>,
+    first_hash: u64,
+    medium: &str,
+) -> Value {
     let blocks = tokens.len() as u64 / u64::from(block_size);
     let hashes: Vec<u64> = (first_hash..first_hash + blocks).collect();
     json!({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
@@ -62,7 +76,9 @@ pub fn vllm_removed(hashes: &[u64], medium: &str) -> Value {
 
 /// Appends events to a mock worker's event buffer (the filter polls them).
 pub fn publish(worker: &Worker, events: Vec<Value>) {
-    let resp = worker.admin("/admin/events", &Value::Array(events)).expect("publish events");
+    let resp = worker
+        .admin("/admin/events", &Value::Array(events))
+        .expect("publish events");
     assert_eq!(resp.status, 200, "publish: {}", resp.text());
 }
 
@@ -71,7 +87,10 @@ pub fn route(envoy: &Envoy, body: &Value) -> (u64, u32, http::Response) {
     let resp = envoy.post_json("/v1/completions", body).expect("request");
     assert_eq!(resp.status, 200, "{}", resp.text());
     let worker = served_by(&resp).expect("x-worker-id");
-    let overlap = resp.header("x-kv-router-overlap-blocks").and_then(|v| v.parse().ok()).unwrap_or(0);
+    let overlap = resp
+        .header("x-kv-router-overlap-blocks")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
     (worker, overlap, resp)
 }
 
@@ -89,7 +108,12 @@ pub fn costs(resp: &http::Response) -> std::collections::BTreeMap<u64, f64> {
 }
 
 /// Probes with `body` until the router reports at least `blocks` overlap (or `limit` passes).
-pub fn wait_for_overlap(envoy: &Envoy, body: &Value, blocks: u32, limit: std::time::Duration) -> bool {
+pub fn wait_for_overlap(
+    envoy: &Envoy,
+    body: &Value,
+    blocks: u32,
+    limit: std::time::Duration,
+) -> bool {
     let deadline = std::time::Instant::now() + limit;
     while std::time::Instant::now() < deadline {
         if route(envoy, body).1 >= blocks {

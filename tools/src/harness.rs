@@ -31,7 +31,10 @@ pub fn envoy_bin() -> PathBuf {
 
 /// `KV_ROUTER_WASM`, default `target/envoy_kv_router.wasm` (built by `make build`).
 pub fn wasm_path() -> PathBuf {
-    path_from_env("KV_ROUTER_WASM", workspace_root().join("target/envoy_kv_router.wasm"))
+    path_from_env(
+        "KV_ROUTER_WASM",
+        workspace_root().join("target/envoy_kv_router.wasm"),
+    )
 }
 
 /// `MOCK_WORKER_BIN`, default the newest of `target/{release,debug}/mock-worker`.
@@ -40,7 +43,8 @@ pub fn mock_worker_bin() -> PathBuf {
         return PathBuf::from(path);
     }
     let root = workspace_root();
-    let candidates = ["target/release/mock-worker", "target/debug/mock-worker"].map(|p| root.join(p));
+    let candidates =
+        ["target/release/mock-worker", "target/debug/mock-worker"].map(|p| root.join(p));
     candidates
         .iter()
         .filter_map(|p| Some((p.metadata().ok()?.modified().ok()?, p.clone())))
@@ -104,7 +108,9 @@ impl Worker {
         }
         let Some(addr) = line.trim().strip_prefix("listening ").map(str::to_string) else {
             process.kill();
-            return Err(std::io::Error::other(format!("mock-worker did not start: {line:?}")));
+            return Err(std::io::Error::other(format!(
+                "mock-worker did not start: {line:?}"
+            )));
         };
         Ok(Worker { id, addr, process })
     }
@@ -164,7 +170,9 @@ impl EnvoyOptions {
 static INSTANCE: AtomicU64 = AtomicU64::new(0);
 
 fn scratch_dir() -> std::io::Result<PathBuf> {
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
     let n = INSTANCE.fetch_add(1, Ordering::Relaxed);
     let dir = std::env::temp_dir().join(format!("ekr-{}-{n}-{nanos}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -273,7 +281,11 @@ impl Envoy {
             .arg(&config_path)
             .arg("--admin-address-path")
             .arg(&admin_path)
-            .args(["--use-dynamic-base-id", "--concurrency", &opts.concurrency.to_string()])
+            .args([
+                "--use-dynamic-base-id",
+                "--concurrency",
+                &opts.concurrency.to_string(),
+            ])
             .args(["-l", opts.log_level, "--component-log-level", "wasm:info"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -293,7 +305,10 @@ impl Envoy {
         let deadline = Instant::now() + limit;
         while Instant::now() < deadline {
             if !self.process.is_running() {
-                return Err(std::io::Error::other(format!("envoy exited:\n{}", self.log_tail(40))));
+                return Err(std::io::Error::other(format!(
+                    "envoy exited:\n{}",
+                    self.log_tail(40)
+                )));
             }
             if self.admin.is_empty() {
                 if let Ok(addr) = std::fs::read_to_string(admin_path) {
@@ -311,24 +326,50 @@ impl Envoy {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        Err(std::io::Error::other(format!("envoy not ready in time:\n{}", self.log_tail(40))))
+        Err(std::io::Error::other(format!(
+            "envoy not ready in time:\n{}",
+            self.log_tail(40)
+        )))
     }
 
     /// The LLM listener's bound address, from `/listeners?format=json`.
     fn listener_address(&self) -> Option<String> {
-        let body = http::get(&self.admin, "/listeners?format=json").ok()?.json().ok()?;
+        let body = http::get(&self.admin, "/listeners?format=json")
+            .ok()?
+            .json()
+            .ok()?;
         let listener = body["listener_statuses"].as_array()?.first()?;
         let socket = &listener["local_address"]["socket_address"];
-        Some(format!("{}:{}", socket["address"].as_str()?, socket["port_value"].as_u64()?))
+        Some(format!(
+            "{}:{}",
+            socket["address"].as_str()?,
+            socket["port_value"].as_u64()?
+        ))
     }
 
     /// Sends a request through Envoy's listener.
-    pub fn send(&self, path: &str, headers: &[(&str, &str)], body: &[u8]) -> std::io::Result<http::Response> {
-        http::request(&self.listener, "POST", path, headers, body, Duration::from_secs(30))
+    pub fn send(
+        &self,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> std::io::Result<http::Response> {
+        http::request(
+            &self.listener,
+            "POST",
+            path,
+            headers,
+            body,
+            Duration::from_secs(30),
+        )
     }
 
     pub fn post_json(&self, path: &str, body: &Value) -> std::io::Result<http::Response> {
-        self.send(path, &[("content-type", "application/json")], body.to_string().as_bytes())
+        self.send(
+            path,
+            &[("content-type", "application/json")],
+            body.to_string().as_bytes(),
+        )
     }
 
     /// Every stat as `name -> value` (counters and gauges).
@@ -348,7 +389,10 @@ impl Envoy {
 
     /// One of the filter's stats (`wasmcustom.kv_router.<name>`), 0 when not yet defined.
     pub fn router_stat(&self, name: &str) -> u64 {
-        self.stats().get(&format!("wasmcustom.kv_router.{name}")).copied().unwrap_or(0)
+        self.stats()
+            .get(&format!("wasmcustom.kv_router.{name}"))
+            .copied()
+            .unwrap_or(0)
     }
 
     /// Polls `cond` every 25 ms until it holds or `limit` passes.
@@ -384,7 +428,11 @@ impl Drop for Envoy {
     fn drop(&mut self) {
         self.process.kill();
         if std::thread::panicking() {
-            eprintln!("--- envoy log ({}) ---\n{}", self.dir.display(), self.log_tail(60));
+            eprintln!(
+                "--- envoy log ({}) ---\n{}",
+                self.dir.display(),
+                self.log_tail(60)
+            );
         } else {
             let _ = std::fs::remove_dir_all(&self.dir);
         }

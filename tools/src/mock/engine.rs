@@ -1,0 +1,1103 @@
+//! Engine mode: a vLLM-like simulator after Dynamo's mocker (REFERENCE.md section 3).
+//!
+//! [`EngineCore`] is the deterministic model (no clocks, no threads): a waiting queue, continuous
+//! batching with chunked prefill (at most `max_seqs` running, at most `max_batched_tokens` tokens
+//! per step: one per decoding sequence, the rest for prefill chunks in arrival order), a paged
+//! [`KvCache`] with prefix reuse, and preemption (the newest running sequence) when decode runs
+//! out of blocks. [`EngineCore::step`] plans and applies one batch and says how long it takes:
+//!
+//! * prefill ms = 4.21e-7 T^2 + 0.0152 T + 16.5, T = new tokens in the batch (host-tier hits count
+//!   as `host_reload_weight` of a token each); no prefill tokens => no prefill term;
+//! * decode ms = max(1, -25.74 u^2 + 54.01 u + 5.74), u = active KV fraction during the step,
+//!   added when any sequence decodes (samples a token without prefill work);
+//! * the sum is divided by `speedup` and multiplied by `slowdown` (8 for a CPU device).
+//!
+//! A sequence's first token is sampled by the step that finishes its prefill (a fully cached
+//! prompt has no prefill: its first token comes from a decode-only step). [`Engine`] runs the core
+//! on a thread in real time, streams tokens to request handlers over channels, and keeps the
+//! bounded KV event log (vLLM-shaped events) and the dump.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use super::event_log::EventLog;
+use super::kv_cache::{block_hashes, chain_hash, BlockHash, CacheEvent, KvCache};
+use super::openai::VOCAB;
+use crate::http::lock;
+use crate::util::splitmix64;
+
+/// Prefill time in ms for `new_tokens` uncached tokens in one batch (0 for none).
+pub fn prefill_ms(new_tokens: f64) -> f64 {
+    if new_tokens <= 0.0 {
+        return 0.0;
+    }
+    4.21e-7 * new_tokens * new_tokens + 0.0152 * new_tokens + 16.5
+}
+
+/// Decode step time in ms at KV fill fraction `u`.
+pub fn decode_ms(u: f64) -> f64 {
+    (-25.74 * u * u + 54.01 * u + 5.74).max(1.0)
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub block_size: usize,
+    pub kv_blocks: usize,
+    pub host_kv_blocks: usize,
+    pub max_seqs: usize,
+    pub max_batched_tokens: usize,
+    pub speedup: f64,
+    /// Multiplies every step time (1 for a GPU, 8 for a CPU device).
+    pub slowdown: f64,
+    /// Fraction of the KV cache kept free when admitting while others run.
+    pub watermark: f64,
+    /// Prefill cost of a host-tier hit token relative to a new token.
+    pub host_reload_weight: f64,
+    pub dp_rank: u32,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            block_size: 64,
+            kv_blocks: 16384,
+            host_kv_blocks: 0,
+            max_seqs: 256,
+            max_batched_tokens: 8192,
+            speedup: 1.0,
+            slowdown: 1.0,
+            watermark: 0.01,
+            host_reload_weight: 0.25,
+            dp_rank: 0,
+        }
+    }
+}
+
+pub type ReqId = u64;
+
+/// What a request's handler receives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Output {
+    /// The `index`-th generated token (0-based).
+    Token {
+        id: ReqId,
+        token: u32,
+        index: usize,
+    },
+    Finished {
+        id: ReqId,
+        usage: Usage,
+    },
+    Failed {
+        id: ReqId,
+        message: String,
+    },
+}
+
+impl Output {
+    pub fn id(&self) -> ReqId {
+        match self {
+            Output::Token { id, .. } | Output::Finished { id, .. } | Output::Failed { id, .. } => {
+                *id
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens found in the cache (device or host) at first admission.
+    pub cached_tokens: usize,
+}
+
+/// What one step did.
+#[derive(Debug, Clone, Default)]
+pub struct StepOutcome {
+    pub duration_ms: f64,
+    /// New (uncached) tokens computed by prefill chunks.
+    pub prefill_tokens: usize,
+    /// Host-tier hit tokens reloaded.
+    pub reload_tokens: usize,
+    /// Sequences that sampled a token without prefill work.
+    pub decode_seqs: usize,
+    /// Active KV fraction during the step (after its allocations).
+    pub kv_usage: f64,
+    pub outputs: Vec<Output>,
+}
+
+impl StepOutcome {
+    pub fn is_idle(&self) -> bool {
+        self.prefill_tokens == 0 && self.decode_seqs == 0 && self.outputs.is_empty()
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Counters {
+    pub requests_completed: u64,
+    pub prefix_queries_tokens: u64,
+    pub prefix_hit_tokens: u64,
+    pub prefix_host_hit_tokens: u64,
+    pub prefill_tokens: u64,
+    pub generated_tokens: u64,
+    pub preemptions: u64,
+    pub steps: u64,
+}
+
+#[derive(Debug)]
+struct Seq {
+    id: ReqId,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    max_tokens: usize,
+    generated: usize,
+    /// Tokens whose KV is computed.
+    computed: usize,
+    /// Tokens to compute before sampling (set at admission).
+    target: usize,
+    /// Cached blocks this sequence references, in order (its first `held.len()` full blocks).
+    held: Vec<BlockHash>,
+    /// Allocated, not yet cached blocks.
+    private: usize,
+    cached_tokens: usize,
+    admitted_before: bool,
+}
+
+impl Seq {
+    fn needs_prefill(&self) -> bool {
+        self.computed < self.target
+    }
+}
+
+#[derive(Debug)]
+pub struct EngineCore {
+    cfg: EngineConfig,
+    cache: KvCache,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    aborted: HashSet<ReqId>,
+    next_id: ReqId,
+    pub counters: Counters,
+}
+
+fn release_all(cache: &mut KvCache, seq: &mut Seq) {
+    for h in seq.held.drain(..) {
+        cache.release(h);
+    }
+    cache.free_private(seq.private);
+    seq.private = 0;
+    seq.computed = 0;
+    seq.target = 0;
+}
+
+/// Caches the full blocks now computed that the sequence does not hold yet.
+fn commit_full_blocks(cache: &mut KvCache, seq: &mut Seq, block_size: usize) {
+    let full = seq.computed / block_size;
+    while seq.held.len() < full && seq.private > 0 {
+        let i = seq.held.len();
+        let Some(tokens) = seq.tokens.get(i * block_size..(i + 1) * block_size) else {
+            return;
+        };
+        let parent = seq.held.last().copied();
+        let h = chain_hash(parent, tokens);
+        cache.commit(h, parent, tokens);
+        seq.private -= 1;
+        seq.held.push(h);
+    }
+}
+
+fn blocks_for(tokens: usize, block_size: usize) -> usize {
+    tokens.div_ceil(block_size)
+}
+
+impl EngineCore {
+    pub fn new(cfg: EngineConfig) -> Self {
+        let cache = KvCache::new(cfg.block_size, cfg.kv_blocks, cfg.host_kv_blocks);
+        EngineCore {
+            cfg,
+            cache,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            aborted: HashSet::new(),
+            next_id: 1,
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Active KV fraction (blocks held by sequences / capacity).
+    pub fn kv_usage(&self) -> f64 {
+        if self.cfg.kv_blocks == 0 {
+            return 0.0;
+        }
+        self.cache.active_blocks() as f64 / self.cfg.kv_blocks as f64
+    }
+
+    /// Queues a request. Fails if it could never fit in the KV cache.
+    pub fn submit(&mut self, tokens: Vec<u32>, max_tokens: usize) -> Result<ReqId, String> {
+        if tokens.is_empty() {
+            return Err("empty prompt".into());
+        }
+        let max_tokens = max_tokens.max(1);
+        let need = blocks_for(tokens.len() + max_tokens, self.cfg.block_size);
+        if need > self.cfg.kv_blocks {
+            return Err(format!(
+                "prompt of {} tokens plus {max_tokens} output tokens needs {need} KV blocks; the cache has {}",
+                tokens.len(),
+                self.cfg.kv_blocks
+            ));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.waiting.push_back(Seq {
+            id,
+            prompt_len: tokens.len(),
+            tokens,
+            max_tokens,
+            generated: 0,
+            computed: 0,
+            target: 0,
+            held: Vec::new(),
+            private: 0,
+            cached_tokens: 0,
+            admitted_before: false,
+        });
+        Ok(id)
+    }
+
+    /// Cancels a request (its blocks are released at the next step; no output follows).
+    pub fn abort(&mut self, id: ReqId) {
+        self.aborted.insert(id);
+    }
+
+    fn reap_aborted(&mut self) {
+        if self.aborted.is_empty() {
+            return;
+        }
+        let aborted = std::mem::take(&mut self.aborted);
+        self.waiting.retain(|s| !aborted.contains(&s.id));
+        let cache = &mut self.cache;
+        self.running.retain_mut(|s| {
+            if aborted.contains(&s.id) {
+                release_all(cache, s);
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    /// Fails every request and empties the cache (one AllBlocksCleared event).
+    pub fn reset(&mut self) -> Vec<Output> {
+        let mut out = Vec::new();
+        for mut s in self.running.drain(..) {
+            release_all(&mut self.cache, &mut s);
+            out.push(Output::Failed {
+                id: s.id,
+                message: "engine reset".into(),
+            });
+        }
+        for s in self.waiting.drain(..) {
+            out.push(Output::Failed {
+                id: s.id,
+                message: "engine reset".into(),
+            });
+        }
+        self.aborted.clear();
+        self.cache.clear();
+        out
+    }
+
+    /// Admits a waiting sequence: takes its cached prefix and allocates the rest of its blocks.
+    fn try_admit(&mut self, seq: &mut Seq, reload_tokens: &mut usize) -> bool {
+        let bs = self.cfg.block_size;
+        let hashes = block_hashes(&seq.tokens, bs);
+        let (dev, _) = self.cache.match_prefix(&hashes);
+        for h in hashes.iter().take(dev) {
+            self.cache.acquire(*h);
+        }
+        let total = blocks_for(seq.tokens.len(), bs);
+        let need = total - dev;
+        let watermark = if self.running.is_empty() {
+            0
+        } else {
+            (self.cfg.watermark * self.cfg.kv_blocks as f64).ceil() as usize
+        };
+        if !self.cache.make_room(need + watermark) {
+            for h in hashes.iter().take(dev) {
+                self.cache.release(*h);
+            }
+            return false;
+        }
+        // Evictions may have pushed some host hits out; count them again.
+        let (dev2, host) = self.cache.match_prefix(&hashes);
+        debug_assert_eq!(dev, dev2);
+        seq.held = hashes.iter().take(dev).copied().collect();
+        for h in hashes.iter().skip(dev).take(host) {
+            if !self.cache.reload(*h) {
+                break;
+            }
+            seq.held.push(*h);
+        }
+        let host = seq.held.len() - dev;
+        seq.private = total - seq.held.len();
+        let ok = self.cache.alloc_private(seq.private);
+        debug_assert!(ok);
+        seq.computed = (seq.held.len() * bs).min(seq.tokens.len());
+        seq.target = seq.tokens.len();
+        *reload_tokens += host * bs;
+        if !seq.admitted_before {
+            seq.admitted_before = true;
+            seq.cached_tokens = seq.computed.min(seq.prompt_len);
+            self.counters.prefix_queries_tokens += seq.prompt_len as u64;
+            self.counters.prefix_hit_tokens += (dev * bs).min(seq.prompt_len) as u64;
+            self.counters.prefix_host_hit_tokens += (host * bs) as u64;
+        }
+        true
+    }
+
+    fn preempt_last(&mut self) -> Option<ReqId> {
+        let mut s = self.running.pop()?;
+        release_all(&mut self.cache, &mut s);
+        self.counters.preemptions += 1;
+        let id = s.id;
+        self.waiting.push_front(s);
+        Some(id)
+    }
+
+    /// Plans and applies one batch. `None` when there is nothing to do.
+    pub fn step(&mut self) -> Option<StepOutcome> {
+        self.reap_aborted();
+        if !self.has_work() {
+            return None;
+        }
+        let bs = self.cfg.block_size;
+        let mut budget = self.cfg.max_batched_tokens.max(1);
+        let mut decodes: Vec<ReqId> = Vec::new();
+        let mut prefills: Vec<(ReqId, usize)> = Vec::new();
+        let mut reload_tokens = 0usize;
+
+        // 1. Running sequences that decode: one token each, growing their blocks (preempting the
+        //    newest sequences when the cache is full).
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let Some(seq) = self.running.get(i) else {
+                break;
+            };
+            if seq.needs_prefill() {
+                i += 1;
+                continue;
+            }
+            let need =
+                blocks_for(seq.tokens.len(), bs).saturating_sub(seq.held.len() + seq.private);
+            let id = seq.id;
+            let mut got = need == 0;
+            while !got {
+                if self.cache.make_room(need) && self.cache.alloc_private(need) {
+                    if let Some(s) = self.running.get_mut(i) {
+                        s.private += need;
+                    }
+                    got = true;
+                } else if self.preempt_last() == Some(id) {
+                    break;
+                }
+            }
+            if got {
+                decodes.push(id);
+                budget -= 1;
+                i += 1;
+            }
+        }
+        // 2. Running sequences still in prefill, in arrival order.
+        for seq in &self.running {
+            if budget == 0 {
+                break;
+            }
+            if seq.needs_prefill() {
+                let chunk = (seq.target - seq.computed).min(budget);
+                prefills.push((seq.id, chunk));
+                budget -= chunk;
+            }
+        }
+        // 3. Admissions.
+        while budget > 0 && self.running.len() < self.cfg.max_seqs.max(1) {
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            if !self.try_admit(&mut seq, &mut reload_tokens) {
+                self.waiting.push_front(seq);
+                break;
+            }
+            if seq.needs_prefill() {
+                let chunk = (seq.target - seq.computed).min(budget);
+                prefills.push((seq.id, chunk));
+                budget -= chunk;
+            } else {
+                decodes.push(seq.id);
+                budget -= 1;
+            }
+            self.running.push(seq);
+        }
+
+        // KV fill during this step (after this step's allocations).
+        let kv_usage = self.kv_usage();
+        let prefill_tokens: usize = prefills.iter().map(|(_, c)| c).sum();
+        let effective = prefill_tokens as f64 + self.cfg.host_reload_weight * reload_tokens as f64;
+        let mut ms = prefill_ms(effective);
+        if !decodes.is_empty() {
+            ms += decode_ms(kv_usage);
+        }
+        let duration_ms = ms / self.cfg.speedup.max(1e-9) * self.cfg.slowdown.max(1e-9);
+
+        // Apply.
+        let mut outputs = Vec::new();
+        let chunks: HashMap<ReqId, usize> = prefills.iter().copied().collect();
+        let decoding: HashSet<ReqId> = decodes.iter().copied().collect();
+        let mut finished: Vec<ReqId> = Vec::new();
+        for seq in &mut self.running {
+            let sample = if let Some(&c) = chunks.get(&seq.id) {
+                seq.computed += c;
+                commit_full_blocks(&mut self.cache, seq, bs);
+                !seq.needs_prefill()
+            } else if decoding.contains(&seq.id) {
+                seq.computed = seq.tokens.len();
+                commit_full_blocks(&mut self.cache, seq, bs);
+                true
+            } else {
+                false
+            };
+            if !sample {
+                continue;
+            }
+            let pos = seq.tokens.len() as u64;
+            let token =
+                (splitmix64(seq.id.wrapping_mul(0x1_0000_0001) ^ pos) % u64::from(VOCAB)) as u32;
+            seq.tokens.push(token);
+            outputs.push(Output::Token {
+                id: seq.id,
+                token,
+                index: seq.generated,
+            });
+            seq.generated += 1;
+            self.counters.generated_tokens += 1;
+            if seq.generated >= seq.max_tokens {
+                finished.push(seq.id);
+                outputs.push(Output::Finished {
+                    id: seq.id,
+                    usage: Usage {
+                        prompt_tokens: seq.prompt_len,
+                        completion_tokens: seq.generated,
+                        cached_tokens: seq.cached_tokens,
+                    },
+                });
+            }
+        }
+        if !finished.is_empty() {
+            let cache = &mut self.cache;
+            self.running.retain_mut(|s| {
+                if finished.contains(&s.id) {
+                    release_all(cache, s);
+                    false
+                } else {
+                    true
+                }
+            });
+            self.counters.requests_completed += finished.len() as u64;
+        }
+        self.counters.prefill_tokens += prefill_tokens as u64;
+        self.counters.steps += 1;
+        Some(StepOutcome {
+            duration_ms,
+            prefill_tokens,
+            reload_tokens,
+            decode_seqs: decodes.len(),
+            kv_usage,
+            outputs,
+        })
+    }
+
+    /// Takes the cache events recorded since the last call.
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.cache.take_events()
+    }
+}
+
+/// A cache event in vLLM's JSON shape (without `event_id`).
+pub fn event_json(ev: &CacheEvent, block_size: usize, dp_rank: u32) -> Value {
+    match ev {
+        CacheEvent::Stored {
+            tier,
+            parent,
+            hashes,
+            token_ids,
+        } => json!({
+            "type": "BlockStored",
+            "dp_rank": dp_rank,
+            "block_hashes": hashes,
+            "parent_block_hash": parent,
+            "token_ids": token_ids,
+            "block_size": block_size,
+            "lora_name": null,
+            "medium": tier.medium(),
+        }),
+        CacheEvent::Removed { tier, hashes } => json!({
+            "type": "BlockRemoved",
+            "dp_rank": dp_rank,
+            "block_hashes": hashes,
+            "medium": tier.medium(),
+        }),
+        CacheEvent::Cleared => json!({"type": "AllBlocksCleared", "dp_rank": dp_rank}),
+    }
+}
+
+/// Live counters for `/metrics` and the event page's `load`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EngineMetrics {
+    pub counters: Counters,
+    pub num_waiting: usize,
+    pub num_running: usize,
+    pub kv_usage: f64,
+    pub device_blocks: usize,
+    pub host_blocks: usize,
+    pub last_event_id: u64,
+}
+
+struct Inner {
+    core: EngineCore,
+    log: EventLog,
+    subs: HashMap<ReqId, Sender<Output>>,
+}
+
+impl Inner {
+    fn publish_events(&mut self) {
+        let bs = self.core.cfg.block_size;
+        let rank = self.core.cfg.dp_rank;
+        for ev in self.core.take_events() {
+            self.log.push(event_json(&ev, bs, rank));
+        }
+    }
+
+    fn deliver(&mut self, outputs: Vec<Output>) {
+        for out in outputs {
+            let id = out.id();
+            let last = !matches!(out, Output::Token { .. });
+            let gone = match self.subs.get(&id) {
+                Some(tx) => tx.send(out).is_err(),
+                None => false,
+            };
+            if gone {
+                self.core.abort(id);
+            }
+            if gone || last {
+                self.subs.remove(&id);
+            }
+        }
+    }
+}
+
+/// The simulator running in real time on its own thread.
+pub struct Engine {
+    inner: Mutex<Inner>,
+    wake: Condvar,
+    block_size: usize,
+}
+
+impl Engine {
+    /// Starts the engine thread. `event_capacity` bounds the event buffer.
+    pub fn start(cfg: EngineConfig, event_capacity: usize) -> Arc<Engine> {
+        let engine = Arc::new(Engine {
+            block_size: cfg.block_size,
+            inner: Mutex::new(Inner {
+                core: EngineCore::new(cfg),
+                log: EventLog::new(event_capacity),
+                subs: HashMap::new(),
+            }),
+            wake: Condvar::new(),
+        });
+        let e = Arc::clone(&engine);
+        std::thread::Builder::new()
+            .name("mock-engine".into())
+            .spawn(move || e.run())
+            .map_err(|err| eprintln!("mock-worker: cannot start the engine thread: {err}"))
+            .ok();
+        engine
+    }
+
+    fn run(&self) {
+        loop {
+            let started = Instant::now();
+            let outcome = {
+                let mut g = lock(&self.inner);
+                loop {
+                    if let Some(o) = g.core.step() {
+                        g.publish_events();
+                        break o;
+                    }
+                    g = self.wake.wait(g).unwrap_or_else(|p| p.into_inner());
+                }
+            };
+            if outcome.is_idle() {
+                // Waiting requests that cannot be admitted yet: poll gently.
+                std::thread::sleep(Duration::from_millis(2));
+                continue;
+            }
+            let end = started + Duration::from_secs_f64(outcome.duration_ms.max(0.0) / 1000.0);
+            let now = Instant::now();
+            if end > now {
+                std::thread::sleep(end - now);
+            }
+            lock(&self.inner).deliver(outcome.outputs);
+        }
+    }
+
+    /// Queues a request; its outputs arrive on the returned channel.
+    pub fn submit(
+        &self,
+        tokens: Vec<u32>,
+        max_tokens: usize,
+    ) -> Result<(ReqId, Receiver<Output>), String> {
+        let (tx, rx) = channel();
+        let mut g = lock(&self.inner);
+        let id = g.core.submit(tokens, max_tokens)?;
+        g.subs.insert(id, tx);
+        drop(g);
+        self.wake.notify_all();
+        Ok((id, rx))
+    }
+
+    pub fn abort(&self, id: ReqId) {
+        let mut g = lock(&self.inner);
+        g.core.abort(id);
+        g.subs.remove(&id);
+        drop(g);
+        self.wake.notify_all();
+    }
+
+    /// Fails in-flight requests and empties the cache (AllBlocksCleared).
+    pub fn reset(&self) {
+        let mut g = lock(&self.inner);
+        let outs = g.core.reset();
+        g.publish_events();
+        g.deliver(outs);
+    }
+
+    pub fn metrics(&self) -> EngineMetrics {
+        let g = lock(&self.inner);
+        EngineMetrics {
+            counters: g.core.counters,
+            num_waiting: g.core.num_waiting(),
+            num_running: g.core.num_running(),
+            kv_usage: g.core.kv_usage(),
+            device_blocks: g.core.cache().device_count(),
+            host_blocks: g.core.cache().host_count(),
+            last_event_id: g.log.last_id(),
+        }
+    }
+
+    /// `{"num_waiting", "num_running", "kv_usage"}`.
+    pub fn load(&self) -> Value {
+        let m = self.metrics();
+        json!({"num_waiting": m.num_waiting, "num_running": m.num_running, "kv_usage": m.kv_usage})
+    }
+
+    /// The event page (DESIGN.md) including `load`.
+    pub fn events_page(&self, after: u64) -> Value {
+        let g = lock(&self.inner);
+        let mut page = g.log.page(after, self.block_size);
+        page["load"] = json!({
+            "num_waiting": g.core.num_waiting(),
+            "num_running": g.core.num_running(),
+            "kv_usage": g.core.kv_usage(),
+        });
+        page
+    }
+
+    /// The whole cache as BlockStored events, parents first, one block each; `event_id`s inside
+    /// a dump are positional (1..) and carry no meaning.
+    pub fn dump(&self) -> Value {
+        let g = lock(&self.inner);
+        let bs = self.block_size;
+        let rank = g.core.cfg.dp_rank;
+        let events: Vec<Value> = g
+            .core
+            .cache()
+            .snapshot()
+            .into_iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let mut e = event_json(
+                    &CacheEvent::Stored {
+                        tier: b.tier,
+                        parent: b.parent,
+                        hashes: vec![b.hash],
+                        token_ids: b.tokens,
+                    },
+                    bs,
+                    rank,
+                );
+                e["event_id"] = json!(i + 1);
+                e
+            })
+            .collect();
+        json!({"block_size": bs, "last_event_id": g.log.last_id(), "events": events})
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::kv_cache::Tier;
+    use super::*;
+
+    fn cfg(kv_blocks: usize) -> EngineConfig {
+        EngineConfig {
+            block_size: 4,
+            kv_blocks,
+            max_seqs: 8,
+            max_batched_tokens: 64,
+            ..EngineConfig::default()
+        }
+    }
+
+    fn prompt(seed: u32, len: usize) -> Vec<u32> {
+        (0..len as u32).map(|i| seed * 10_000 + i).collect()
+    }
+
+    fn run_to_completion(core: &mut EngineCore) -> Vec<StepOutcome> {
+        let mut steps = Vec::new();
+        while let Some(o) = core.step() {
+            steps.push(o);
+            assert!(steps.len() < 10_000);
+        }
+        steps
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9 * b.abs().max(1.0)
+    }
+
+    #[test]
+    fn timing_polynomials() {
+        assert!(close(prefill_ms(0.0), 0.0));
+        assert!(close(prefill_ms(1000.0), 4.21e-7 * 1e6 + 15.2 + 16.5));
+        assert!(close(
+            prefill_ms(8192.0),
+            4.21e-7 * 8192.0 * 8192.0 + 0.0152 * 8192.0 + 16.5
+        ));
+        assert!(close(decode_ms(0.0), 5.74));
+        assert!(close(decode_ms(0.5), -25.74 * 0.25 + 27.005 + 5.74));
+        assert!(close(decode_ms(1.0), -25.74 + 54.01 + 5.74));
+        assert!(close(decode_ms(3.0), 1.0)); // clamped
+    }
+
+    #[test]
+    fn step_times_match_the_model() {
+        let mut core = EngineCore::new(EngineConfig {
+            speedup: 2.0,
+            ..cfg(100)
+        });
+        core.submit(prompt(1, 40), 2).unwrap();
+        // Step 1: prefill of 40 new tokens, nothing decoding, cache empty.
+        let s1 = core.step().unwrap();
+        assert_eq!(s1.prefill_tokens, 40);
+        assert_eq!(s1.decode_seqs, 0);
+        assert!(close(s1.duration_ms, prefill_ms(40.0) / 2.0));
+        assert!(matches!(s1.outputs[0], Output::Token { index: 0, .. }));
+        // Step 2: decode at u = 11 blocks (40 prompt + 1 sampled token => 11 blocks) / 100.
+        let s2 = core.step().unwrap();
+        assert_eq!(s2.prefill_tokens, 0);
+        assert_eq!(s2.decode_seqs, 1);
+        assert!(close(s2.kv_usage, 11.0 / 100.0), "{}", s2.kv_usage);
+        assert!(close(s2.duration_ms, decode_ms(0.11) / 2.0));
+        assert!(matches!(s2.outputs[1], Output::Finished { .. }));
+        assert!(core.step().is_none());
+    }
+
+    #[test]
+    fn chunked_prefill_respects_token_budget() {
+        let mut core = EngineCore::new(EngineConfig {
+            max_batched_tokens: 16,
+            ..cfg(100)
+        });
+        core.submit(prompt(1, 40), 1).unwrap();
+        let steps = run_to_completion(&mut core);
+        let chunks: Vec<usize> = steps.iter().map(|s| s.prefill_tokens).collect();
+        assert_eq!(chunks, vec![16, 16, 8]);
+        assert!(steps[2]
+            .outputs
+            .iter()
+            .any(|o| matches!(o, Output::Finished { .. })));
+    }
+
+    #[test]
+    fn fully_cached_prompt_skips_prefill() {
+        let mut core = EngineCore::new(cfg(100));
+        let p = prompt(7, 32); // 8 full blocks
+        core.submit(p.clone(), 1).unwrap();
+        run_to_completion(&mut core);
+        core.submit(p.clone(), 3).unwrap();
+        let s = core.step().unwrap();
+        assert_eq!(s.prefill_tokens, 0);
+        assert_eq!(s.decode_seqs, 1);
+        assert!(close(s.duration_ms, decode_ms(s.kv_usage)));
+        let steps = run_to_completion(&mut core);
+        let usage = steps
+            .iter()
+            .flat_map(|s| &s.outputs)
+            .find_map(|o| match o {
+                Output::Finished { usage, .. } => Some(*usage),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(usage.cached_tokens, 32);
+        assert_eq!(usage.completion_tokens, 3);
+        // Partially cached: only the uncached tail is prefilled.
+        let mut q = p[..24].to_vec();
+        q.extend(prompt(8, 10));
+        core.submit(q, 1).unwrap();
+        assert_eq!(core.step().unwrap().prefill_tokens, 10);
+        assert_eq!(core.counters.prefix_hit_tokens, 32 + 24);
+    }
+
+    #[test]
+    fn events_only_for_newly_cached_full_blocks() {
+        let mut core = EngineCore::new(cfg(100));
+        let p = prompt(1, 10); // 2 full blocks + 2 tokens
+        core.submit(p.clone(), 1).unwrap();
+        run_to_completion(&mut core);
+        let ev = core.take_events();
+        assert_eq!(ev.len(), 1);
+        match &ev[0] {
+            CacheEvent::Stored {
+                tier,
+                parent,
+                hashes,
+                token_ids,
+            } => {
+                assert_eq!(*tier, Tier::Device);
+                assert_eq!(*parent, None);
+                assert_eq!(hashes.len(), 2);
+                assert_eq!(token_ids, &p[..8]);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        // The same prompt again: no new full block, no event.
+        core.submit(p.clone(), 1).unwrap();
+        run_to_completion(&mut core);
+        assert!(core.take_events().is_empty());
+        // Decode fills blocks with generated tokens: those are stored too, chained on the prompt.
+        core.submit(prompt(2, 4), 6).unwrap();
+        run_to_completion(&mut core);
+        let ev = core.take_events();
+        let stored: usize = ev
+            .iter()
+            .map(|e| match e {
+                CacheEvent::Stored { hashes, .. } => hashes.len(),
+                _ => 0,
+            })
+            .sum();
+        // 4 prompt + 6 generated tokens: 9 have KV computed => 2 full blocks.
+        assert_eq!(stored, 2);
+    }
+
+    #[test]
+    fn eviction_under_pressure_emits_removed_leaf_first() {
+        let mut core = EngineCore::new(EngineConfig {
+            watermark: 0.0,
+            ..cfg(8)
+        });
+        let a = prompt(1, 16); // 4 blocks
+        core.submit(a.clone(), 1).unwrap();
+        run_to_completion(&mut core);
+        let a_hashes = block_hashes(&a, 4);
+        core.take_events();
+        core.submit(prompt(2, 24), 2).unwrap(); // 6 blocks, then 1 for the decoded token
+        run_to_completion(&mut core);
+        let ev = core.take_events();
+        let removed: Vec<BlockHash> = ev
+            .iter()
+            .flat_map(|e| match e {
+                CacheEvent::Removed { hashes, .. } => hashes.clone(),
+                _ => vec![],
+            })
+            .collect();
+        // 7 slots needed, 4 free: a's last three blocks go, deepest first.
+        assert_eq!(removed, vec![a_hashes[3], a_hashes[2], a_hashes[1]]);
+        assert_eq!(core.cache().match_prefix(&a_hashes), (1, 0));
+    }
+
+    #[test]
+    fn batching_limits_and_oversized_requests() {
+        let mut core = EngineCore::new(EngineConfig {
+            max_seqs: 2,
+            ..cfg(100)
+        });
+        for i in 0..3 {
+            core.submit(prompt(i, 8), 5).unwrap();
+        }
+        core.step().unwrap();
+        assert_eq!((core.num_running(), core.num_waiting()), (2, 1));
+        assert!(core.submit(prompt(9, 400), 1).is_err());
+        assert!(core.submit(vec![], 1).is_err());
+        let steps = run_to_completion(&mut core);
+        let finished = steps
+            .iter()
+            .flat_map(|s| &s.outputs)
+            .filter(|o| matches!(o, Output::Finished { .. }))
+            .count();
+        assert_eq!(finished, 3);
+        assert_eq!(core.cache().active_blocks(), 0);
+    }
+
+    #[test]
+    fn preemption_when_decode_runs_out_of_blocks() {
+        let mut core = EngineCore::new(EngineConfig {
+            watermark: 0.0,
+            ..cfg(6)
+        });
+        // Two sequences of 2 blocks each that want to grow to 3 blocks each: 6 blocks total, plus
+        // the sampled tokens' blocks => someone is preempted and recomputed; all finish.
+        core.submit(prompt(1, 8), 4).unwrap();
+        core.submit(prompt(2, 8), 4).unwrap();
+        let steps = run_to_completion(&mut core);
+        let finished = steps
+            .iter()
+            .flat_map(|s| &s.outputs)
+            .filter(|o| matches!(o, Output::Finished { .. }))
+            .count();
+        assert_eq!(finished, 2);
+        assert_eq!(core.cache().active_blocks(), 0);
+    }
+
+    #[test]
+    fn abort_and_reset_release_everything() {
+        let mut core = EngineCore::new(cfg(100));
+        let id = core.submit(prompt(1, 8), 100).unwrap();
+        core.step().unwrap();
+        core.abort(id);
+        assert!(core.step().is_none());
+        assert_eq!(core.cache().active_blocks(), 0);
+        core.submit(prompt(2, 8), 100).unwrap();
+        core.step().unwrap();
+        core.take_events();
+        let outs = core.reset();
+        assert!(matches!(outs[0], Output::Failed { .. }));
+        assert_eq!(core.take_events(), vec![CacheEvent::Cleared]);
+        assert_eq!(core.cache().device_count(), 0);
+        assert_eq!(core.cache().active_blocks(), 0);
+    }
+
+    #[test]
+    fn host_tier_hits_are_reloaded_at_a_cost() {
+        let mut core = EngineCore::new(EngineConfig {
+            host_kv_blocks: 16,
+            watermark: 0.0,
+            ..cfg(8)
+        });
+        let a = prompt(1, 16);
+        core.submit(a.clone(), 1).unwrap();
+        run_to_completion(&mut core);
+        core.submit(prompt(2, 28), 1).unwrap(); // pushes a to the host
+        run_to_completion(&mut core);
+        let a_hashes = block_hashes(&a, 4);
+        let (dev, host) = core.cache().match_prefix(&a_hashes);
+        assert!(host > 0, "dev {dev} host {host}");
+        core.submit(a.clone(), 1).unwrap();
+        let s = core.step().unwrap();
+        assert_eq!(s.reload_tokens, host * 4);
+        let expected = prefill_ms(((4 - dev - host) * 4) as f64 + 0.25 * (host * 4) as f64)
+            + if s.decode_seqs > 0 {
+                decode_ms(s.kv_usage)
+            } else {
+                0.0
+            };
+        assert!(close(s.duration_ms, expected));
+        assert!(core.counters.prefix_host_hit_tokens > 0);
+    }
+
+    #[test]
+    fn vllm_event_json_shape() {
+        let e = event_json(
+            &CacheEvent::Stored {
+                tier: Tier::Device,
+                parent: Some(5),
+                hashes: vec![u64::MAX],
+                token_ids: vec![1, 2],
+            },
+            4,
+            0,
+        );
+        assert_eq!(e["type"], "BlockStored");
+        assert_eq!(e["block_hashes"][0].as_u64(), Some(u64::MAX));
+        assert_eq!(e["parent_block_hash"], 5);
+        assert_eq!(e["medium"], "GPU");
+        assert_eq!(e["block_size"], 4);
+        let r = event_json(
+            &CacheEvent::Removed {
+                tier: Tier::Host,
+                hashes: vec![1],
+            },
+            4,
+            0,
+        );
+        assert_eq!(r["medium"], "CPU");
+    }
+
+    #[test]
+    fn engine_thread_streams_tokens_and_events() {
+        let engine = Engine::start(
+            EngineConfig {
+                speedup: 100.0,
+                ..cfg(100)
+            },
+            100,
+        );
+        let (_, rx) = engine.submit(prompt(1, 12), 3).unwrap();
+        let mut tokens = 0;
+        loop {
+            match rx.recv_timeout(Duration::from_secs(5)).unwrap() {
+                Output::Token { .. } => tokens += 1,
+                Output::Finished { usage, .. } => {
+                    assert_eq!(usage.completion_tokens, 3);
+                    break;
+                }
+                Output::Failed { message, .. } => panic!("{message}"),
+            }
+        }
+        assert_eq!(tokens, 3);
+        let page = engine.events_page(0);
+        assert_eq!(page["block_size"], 4);
+        assert!(page["last_event_id"].as_u64().unwrap() >= 1);
+        assert_eq!(page["events"][0]["type"], "BlockStored");
+        let dump = engine.dump();
+        assert_eq!(dump["events"].as_array().unwrap().len(), 3);
+        engine.reset();
+        let page = engine.events_page(0);
+        let last = page["events"].as_array().unwrap().last().unwrap().clone();
+        assert_eq!(last["type"], "AllBlocksCleared");
+        assert!(engine.dump()["events"].as_array().unwrap().is_empty());
+    }
+}

@@ -1,0 +1,210 @@
+//! A bounded, id-numbered buffer of KV events, served by `GET /kv/events?after=N`.
+//!
+//! Invariants: ids are assigned consecutively from 1; the buffer holds a contiguous id range
+//! `first_id..=last_id` (empty when `first_id == last_id + 1`); dropping the oldest events (capacity)
+//! or skipping ids (a simulated loss) moves `first_id` forward, which tells the poller it missed
+//! events and must re-sync from the dump.
+
+use std::collections::VecDeque;
+
+use serde_json::{json, Value};
+
+/// Most events in a page returned by [`EventLog::page`].
+pub const MAX_PAGE_EVENTS: usize = 1000;
+/// A page stops growing once its events' JSON reaches this size (it always holds at least one
+/// event): vLLM-shaped stored events carry their token ids and can be tens of KiB each.
+pub const MAX_PAGE_BYTES: usize = 1 << 20;
+/// Default bound on the JSON size of all buffered events.
+pub const DEFAULT_MAX_BUFFER_BYTES: usize = 64 << 20;
+
+#[derive(Debug)]
+pub struct EventLog {
+    buf: VecDeque<(u64, Value, usize)>,
+    next_id: u64,
+    first_id: u64,
+    capacity: usize,
+    max_bytes: usize,
+    bytes: usize,
+}
+
+impl EventLog {
+    /// A log of at most `capacity` events and [`DEFAULT_MAX_BUFFER_BYTES`] of JSON.
+    pub fn new(capacity: usize) -> Self {
+        Self::with_limits(capacity, DEFAULT_MAX_BUFFER_BYTES)
+    }
+
+    /// A log of at most `capacity` events and `max_bytes` of JSON (the newest event always stays).
+    pub fn with_limits(capacity: usize, max_bytes: usize) -> Self {
+        EventLog {
+            buf: VecDeque::new(),
+            next_id: 1,
+            first_id: 1,
+            capacity: capacity.max(1),
+            max_bytes,
+            bytes: 0,
+        }
+    }
+
+    /// Appends an event, setting its `event_id` (inside `event` for Dynamo's wrapped shape).
+    pub fn push(&mut self, mut event: Value) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        set_event_id(&mut event, id);
+        let bytes = serde_json::to_string(&event).map_or(0, |s| s.len());
+        self.buf.push_back((id, event, bytes));
+        self.bytes += bytes;
+        while self.buf.len() > self.capacity || (self.bytes > self.max_bytes && self.buf.len() > 1)
+        {
+            if let Some((_, _, b)) = self.buf.pop_front() {
+                self.bytes -= b;
+            }
+        }
+        self.first_id = self.buf.front().map_or(self.next_id, |(id, _, _)| *id);
+        id
+    }
+
+    /// Consumes `count` ids without buffering them and forgets everything older: a gap.
+    pub fn skip(&mut self, count: u64) {
+        self.buf.clear();
+        self.bytes = 0;
+        self.next_id += count;
+        self.first_id = self.next_id;
+    }
+
+    /// The oldest buffered id (`last_id + 1` when empty).
+    pub fn first_id(&self) -> u64 {
+        self.first_id
+    }
+
+    /// The newest id assigned (0 before any event).
+    pub fn last_id(&self) -> u64 {
+        self.next_id - 1
+    }
+
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    /// Buffered events in id order.
+    pub fn iter(&self) -> impl Iterator<Item = &Value> {
+        self.buf.iter().map(|(_, e, _)| e)
+    }
+
+    /// Up to `max` buffered events with id > `after`, stopping once `max_bytes` of JSON is
+    /// reached (at least one event if any).
+    pub fn events_after(&self, after: u64, max: usize, max_bytes: usize) -> Vec<Value> {
+        let start = after.saturating_add(1).max(self.first_id);
+        let skip = usize::try_from(start - self.first_id).unwrap_or(usize::MAX);
+        let mut total = 0usize;
+        let mut out = Vec::new();
+        for (_, e, bytes) in self.buf.iter().skip(skip).take(max) {
+            if !out.is_empty() && total + bytes > max_bytes {
+                break;
+            }
+            total += bytes;
+            out.push(e.clone());
+        }
+        out
+    }
+
+    /// The page body of DESIGN.md's event endpoint (without `load`).
+    pub fn page(&self, after: u64, block_size: usize) -> Value {
+        json!({
+            "block_size": block_size,
+            "first_event_id": self.first_id(),
+            "last_event_id": self.last_id(),
+            "events": self.events_after(after, MAX_PAGE_EVENTS, MAX_PAGE_BYTES),
+        })
+    }
+}
+
+fn set_event_id(event: &mut Value, id: u64) {
+    if let Some(obj) = event.as_object_mut() {
+        let wrapped = !obj.contains_key("data")
+            && !obj.contains_key("type")
+            && obj.get("event").is_some_and(Value::is_object);
+        if wrapped {
+            if let Some(inner) = obj.get_mut("event").and_then(Value::as_object_mut) {
+                inner.insert("event_id".into(), json!(id));
+            }
+        } else {
+            obj.insert("event_id".into(), json!(id));
+        }
+    }
+}
+
+/// Whether an event (any DESIGN.md shape) is a "stored" event.
+pub fn is_stored_event(event: &Value) -> bool {
+    if event["type"] == "BlockStored" {
+        return true;
+    }
+    let data = if event.get("data").is_some() {
+        &event["data"]
+    } else {
+        &event["event"]["data"]
+    };
+    data.get("stored").is_some()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(events: &[Value]) -> Vec<u64> {
+        events
+            .iter()
+            .map(|e| e["event_id"].as_u64().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn ids_pages_capacity_and_gaps() {
+        let mut log = EventLog::new(3);
+        assert_eq!((log.first_id(), log.last_id()), (1, 0));
+        for _ in 0..2 {
+            log.push(json!({"type": "AllBlocksCleared"}));
+        }
+        assert_eq!(ids(&log.events_after(0, 10, usize::MAX)), vec![1, 2]);
+        assert_eq!(ids(&log.events_after(1, 10, usize::MAX)), vec![2]);
+        assert!(log.events_after(2, 10, usize::MAX).is_empty());
+        log.push(json!({"data": "cleared"}));
+        log.push(json!({"data": "cleared"}));
+        assert_eq!((log.first_id(), log.last_id()), (2, 4));
+        assert_eq!(ids(&log.events_after(0, 10, usize::MAX)), vec![2, 3, 4]);
+        assert_eq!(ids(&log.events_after(2, 1, usize::MAX)), vec![3]);
+        log.skip(5);
+        assert_eq!((log.first_id(), log.last_id()), (10, 9));
+        assert!(log.is_empty());
+        assert_eq!(log.push(json!({"type": "BlockRemoved"})), 10);
+        let page = log.page(4, 64);
+        assert_eq!(page["first_event_id"], 10);
+        assert_eq!(page["last_event_id"], 10);
+        assert_eq!(page["block_size"], 64);
+        // The byte budget cuts pages but always returns one event.
+        log.push(json!({"type": "BlockStored", "token_ids": vec![1; 100]}));
+        assert_eq!(log.events_after(0, 10, 1).len(), 1);
+        assert_eq!(log.events_after(0, 10, usize::MAX).len(), 2);
+        // The buffer's byte bound drops the oldest events.
+        let mut small = EventLog::with_limits(100, 250);
+        for _ in 0..3 {
+            small.push(json!({"type": "BlockStored", "token_ids": vec![1; 40]}));
+        }
+        assert_eq!((small.first_id(), small.last_id(), small.len()), (3, 3, 1));
+    }
+
+    #[test]
+    fn wrapped_events_get_inner_ids() {
+        let mut log = EventLog::new(10);
+        log.push(json!({"worker_id": 1, "event": {"data": {"stored": {"blocks": []}}}}));
+        let e = &log.events_after(0, 1, usize::MAX)[0];
+        assert_eq!(e["event"]["event_id"], 1);
+        assert!(e.get("event_id").is_none());
+        assert!(is_stored_event(e));
+        assert!(is_stored_event(&json!({"type": "BlockStored"})));
+        assert!(!is_stored_event(&json!({"data": "cleared"})));
+    }
+}
