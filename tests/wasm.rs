@@ -12,6 +12,7 @@
     clippy::indexing_slicing
 )]
 
+use envoy_kv_router::config::Config;
 use envoy_kv_router::events::{
     decode_log_batch, encode_log_batch, parse_dump, parse_event_page, IndexEvent, LogRecord,
     NumberedEvent, ReportedLoad,
@@ -20,7 +21,9 @@ use envoy_kv_router::hashing::{
     hash_seed, local_block_hashes, prompt_sequence_hashes, sequence_hashes, DYNAMO_HASH_SEED,
 };
 use envoy_kv_router::index::{IndexError, KvIndex};
-use envoy_kv_router::request::{parse_request, Endpoint};
+use envoy_kv_router::load::LoadTable;
+use envoy_kv_router::request::{parse_request, Endpoint, Pin};
+use envoy_kv_router::router::{decide, prompt_blocks, Reason, RouteInput, SelectorState};
 use envoy_kv_router::types::{
     ExternalBlockHash, LocalBlockHash, Overlap, SequenceHash, SlotIdx, StorageTier,
 };
@@ -188,6 +191,11 @@ fn parse_u64s(values: &[String]) -> Vec<u64> {
 }
 
 const MAX_PAGE: usize = 1 << 20;
+
+/// `router_random_ties_are_the_same_sequence_on_every_target`'s picks, computed natively.
+const PINNED_TIE_PICKS: [u16; 24] = [
+    2, 4, 0, 2, 2, 1, 1, 3, 0, 4, 4, 1, 4, 2, 0, 0, 0, 2, 0, 4, 0, 4, 2, 1,
+];
 
 both! {
 
@@ -564,6 +572,99 @@ fn request_token_ids_and_pins_keep_full_width() {
     assert_eq!((chat.token_ids, chat.text_chars), (None, 9));
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Routing: the cost worked example, end to end
+// ---------------------------------------------------------------------------------------------
+
+fn router_worked_example_end_to_end() {
+    // Dynamo's documented example: block size 16, a 160-token prompt (10 blocks), device
+    // overlaps 2/5/8, existing decode loads 2/0/7 (10/5/9 with this request's new blocks).
+    // Costs 8+10 = 18, 5+5 = 10, 2+9 = 11: worker 2 wins, then 3, then 1.
+    let config = Config::from_json(
+        br#"{"block_size": 16, "workers": [
+              {"id": 1, "address": "10.0.0.1:8000"},
+              {"id": 4294967298, "address": "10.0.0.2:8000"},
+              {"id": 3, "address": "10.0.0.3:8000"}]}"#,
+    )
+    .unwrap();
+    let ids: Vec<u32> = (0..160u32).map(|i| u32::MAX - i * 7919).collect();
+    let body = format!(r#"{{"model": "m", "prompt": {ids:?}, "max_tokens": 16}}"#);
+    let request = parse_request(body.as_bytes(), Endpoint::Completions).unwrap();
+    assert_eq!(request.token_ids.as_deref(), Some(&ids[..]));
+
+    // The workers' caches, as events, in the index.
+    let locals = local_block_hashes(&ids, 16, DYNAMO_HASH_SEED);
+    let seqs = prompt_sequence_hashes(&ids, 16, None);
+    let mut index = KvIndex::new(config.num_slots(), 1000);
+    for (slot, n) in [(0u16, 2usize), (1, 5), (2, 8)] {
+        let event = IndexEvent::Stored {
+            dp_rank: 0,
+            tier: StorageTier::Device,
+            parent: None,
+            blocks: (0..n)
+                .map(|i| (ExternalBlockHash(u64::MAX - i as u64), locals[i]))
+                .collect(),
+        };
+        index.apply(slot, &event).unwrap();
+    }
+    let overlaps = overlaps(&index, &seqs);
+    assert_eq!(overlaps, vec![ov(2, 0, 0), ov(5, 0, 0), ov(8, 0, 0)]);
+
+    // Requests in flight past their prefill: 2 decode blocks on slot 0, 7 on slot 2. The table
+    // goes through its shared-data codec, as it would between Envoy threads.
+    let mut table = LoadTable::new(config.num_slots());
+    assert!(table.admit(u64::MAX, 0, 0, 2, None, 1_000));
+    assert!(table.admit(1 << 40, 2, 0, 7, None, 1_000));
+    let table = LoadTable::decode(&table.encode(), config.num_slots()).unwrap();
+    let load = table.view(1_000);
+    let decode: Vec<f64> = load.iter().map(|l| l.decode_blocks).collect();
+    assert_eq!(decode, vec![2.0, 0.0, 7.0]);
+    assert!(load.iter().all(|l| l.prefill_tokens == 0.0));
+
+    let input = RouteInput {
+        request: &request,
+        header_pin: Pin::default(),
+        prompt_blocks: prompt_blocks(&config, &request),
+        overlaps: &overlaps,
+        load: &load,
+        stale_slots: &[],
+    };
+    assert_eq!(input.prompt_blocks, 10);
+    let d = decide(&config, &input, &mut SelectorState::new(1)).unwrap();
+    assert_eq!(d.scores, vec![(0, 18.0), (1, 10.0), (2, 11.0)]);
+    assert_eq!((d.slot, d.cost, d.reason), (1, Some(10.0), Reason::Kv));
+    assert_eq!(config.workers[usize::from(d.slot)].id, 4_294_967_298);
+    assert_eq!(d.overlap, ov(5, 0, 0));
+    assert_eq!((d.isl_tokens, d.prefill_tokens, d.prompt_blocks), (160, 80, 5));
+    assert_eq!(d.fallbacks, vec![2, 0]);
+}
+
+fn router_random_ties_are_the_same_sequence_on_every_target() {
+    // Equal costs everywhere: the pick comes from the seeded RNG. Pinned values (computed
+    // natively) must come out identically on wasm32, or replicas would diverge by platform.
+    let config = Config::from_json(
+        br#"{"workers": [
+              {"id": 1, "address": "10.0.0.1:8000"}, {"id": 2, "address": "10.0.0.2:8000"},
+              {"id": 3, "address": "10.0.0.3:8000"}, {"id": 4, "address": "10.0.0.4:8000"},
+              {"id": 5, "address": "10.0.0.5:8000"}]}"#,
+    )
+    .unwrap();
+    let request = parse_request(br#"{"prompt": [1, 2, 3]}"#, Endpoint::Completions).unwrap();
+    let input = RouteInput {
+        request: &request,
+        header_pin: Pin::default(),
+        prompt_blocks: prompt_blocks(&config, &request),
+        overlaps: &[],
+        load: &[],
+        stale_slots: &[],
+    };
+    let mut state = SelectorState::new(0x5eed);
+    let picks: Vec<u16> = (0..24)
+        .map(|_| decide(&config, &input, &mut state).unwrap().slot)
+        .collect();
+    assert_eq!(picks, PINNED_TIE_PICKS.to_vec());
+}
 }
 
 // Written out by hand: `#[ignore]` passed through `macro_rules!` is not seen by
