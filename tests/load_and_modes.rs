@@ -257,7 +257,7 @@ fn header_pins_only_when_allowed() {
 #[test]
 fn pin_errors_are_distinct() {
     let workers = echo_workers(2, BLOCK);
-    let list = json!([{"id": 1, "address": workers[0].addr, "dp_size": 2},
+    let list = json!([{"id": 1, "address": workers[0].addr, "dp_size": 2, "kv_capacity_blocks": 1000},
                       {"id": 2, "address": workers[1].addr, "kv_capacity_blocks": 10}]);
     let envoy = envoy_with(
         &workers,

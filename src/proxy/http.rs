@@ -125,6 +125,10 @@ impl RequestContext {
             }
             None => Vec::new(),
         };
+        // Events the poller appended since this thread's last tick count at once.
+        if !hashes.is_empty() && vm.replica.is_behind() {
+            vm.sync_replica();
+        }
         let mut overlaps = std::mem::take(&mut vm.overlaps);
         if hashes.is_empty() {
             overlaps.clear();

@@ -20,6 +20,9 @@ use serde::{Deserialize, Serialize};
 pub const LOG_SLOTS: u64 = 64;
 const SNAPSHOT_EVERY: u64 = LOG_SLOTS / 2;
 const HEAD_KEY: &str = "ekr.log.head";
+/// The last appended batch number alone (8 bytes), so that the request path can tell cheaply
+/// whether this VM's replica is behind.
+const SEQ_KEY: &str = "ekr.log.seq";
 const SNAPSHOT_KEY: &str = "ekr.snapshot";
 const APPEND_ATTEMPTS: usize = 8;
 
@@ -97,6 +100,16 @@ impl Replica {
             fingerprint,
             head: LogHead::default(),
         }
+    }
+
+    /// Whether the log holds batches this replica has not applied (one 8-byte shared-data get).
+    pub fn is_behind(&self) -> bool {
+        let (bytes, _) = host::shared_get(SEQ_KEY);
+        let latest = bytes
+            .as_deref()
+            .and_then(|b| b.try_into().ok())
+            .map_or(0, u64::from_le_bytes);
+        latest > self.applied_seq
     }
 
     /// Applies every batch appended since the last sync.
@@ -317,7 +330,12 @@ fn append_inner(
         };
         // A missing key has no CAS; Envoy treats 0 as "unconditional", so creation can race once.
         match host::shared_set(HEAD_KEY, &encoded, cas) {
-            Ok(()) => return true,
+            Ok(()) => {
+                if batch.is_some() {
+                    let _ = host::shared_set(SEQ_KEY, &head.seq.to_le_bytes(), None);
+                }
+                return true;
+            }
             Err(_) => continue,
         }
     }

@@ -244,7 +244,7 @@ impl VmState {
     }
 
     /// Applies new log batches and records what happened.
-    fn sync_replica(&mut self) {
+    pub fn sync_replica(&mut self) {
         let config = Rc::clone(&self.config);
         let report = self.replica.sync(&config);
         self.metrics.add("events.applied", report.events_applied);
@@ -360,7 +360,9 @@ fn is_gap(page: &EventPage, after: u64) -> bool {
         return true;
     }
     let new_events = page.events.iter().filter(|e| e.event_id > after);
-    (after + 1..).zip(new_events).any(|(expected, e)| e.event_id != expected)
+    (after + 1..)
+        .zip(new_events)
+        .any(|(expected, e)| e.event_id != expected)
 }
 
 pub fn worker_id(config: &Config, worker: u16) -> u64 {

@@ -1,6 +1,7 @@
 //! Shared set-up for the integration tests: mock workers and an Envoy in front of them.
 #![allow(dead_code)]
 
+#[allow(unused_imports)]
 pub use envoy_kv_router_tools::harness::{Envoy, EnvoyOptions, Steering, Worker};
 pub use envoy_kv_router_tools::http;
 use serde_json::{json, Value};
