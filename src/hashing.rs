@@ -56,7 +56,8 @@ pub fn local_block_hashes(tokens: &[u32], block_size: u32, seed: u64) -> Vec<Loc
     let Ok(size) = usize::try_from(block_size) else {
         return hashes;
     };
-    if size == 0 {
+    // No full block: return before reserving scratch space (a huge block_size would overflow it).
+    if size == 0 || count == 0 {
         return hashes;
     }
     let mut bytes = Vec::with_capacity(size.saturating_mul(TOKEN_BYTES));
@@ -109,7 +110,7 @@ pub fn prompt_sequence_hashes(
     let Ok(size) = usize::try_from(block_size) else {
         return out;
     };
-    if size == 0 {
+    if size == 0 || count == 0 {
         return out;
     }
     let seed = hash_seed(lora_name);
