@@ -770,3 +770,74 @@ mod tests {
         assert_eq!(predicted_prefill_ms(&[], 10), 0.0);
     }
 }
+
+/// Folds a worker's own counters (reported with its KV events) into this router's view of one
+/// of its slots. Each Envoy replica books only its own traffic; the worker sees everyone's, so
+/// taking the larger of the two keeps replicas in front of the same workers from all believing
+/// a worker idle. `dp_size` splits a whole-worker report evenly over its ranks.
+pub fn merge_reported(
+    load: &mut SlotLoad,
+    reported: &crate::events::ReportedLoad,
+    kv_capacity_blocks: Option<u32>,
+    dp_size: u32,
+) {
+    let ranks = dp_size.max(1);
+    let requests = reported.num_running.saturating_add(reported.num_waiting) / ranks;
+    load.active_requests = load.active_requests.max(requests);
+    if let Some(capacity) = kv_capacity_blocks {
+        let usage = reported.kv_usage.clamp(0.0, 1.0);
+        let blocks = usage * f64::from(capacity);
+        if blocks.is_finite() {
+            load.decode_blocks = load.decode_blocks.max(blocks);
+        }
+    }
+}
+
+#[cfg(test)]
+mod merge_reported_tests {
+    use super::*;
+    use crate::events::ReportedLoad;
+
+    #[test]
+    fn the_larger_view_wins() {
+        let reported = ReportedLoad {
+            num_waiting: 2,
+            num_running: 6,
+            kv_usage: 0.5,
+        };
+        let mut idle = SlotLoad {
+            prefill_tokens: 0.0,
+            decode_blocks: 10.0,
+            active_requests: 1,
+        };
+        merge_reported(&mut idle, &reported, Some(1000), 1);
+        assert_eq!(idle.active_requests, 8);
+        assert_eq!(idle.decode_blocks, 500.0);
+        let mut busy = SlotLoad {
+            prefill_tokens: 0.0,
+            decode_blocks: 800.0,
+            active_requests: 20,
+        };
+        merge_reported(&mut busy, &reported, Some(1000), 2);
+        assert_eq!(busy.active_requests, 20, "local view larger: kept");
+        assert_eq!(busy.decode_blocks, 800.0);
+    }
+
+    #[test]
+    fn without_capacity_only_requests_merge_and_bad_usage_is_clamped() {
+        let reported = ReportedLoad {
+            num_waiting: 0,
+            num_running: 4,
+            kv_usage: 7.0,
+        };
+        let mut load = SlotLoad {
+            prefill_tokens: 0.0,
+            decode_blocks: 3.0,
+            active_requests: 0,
+        };
+        merge_reported(&mut load, &reported, None, 1);
+        assert_eq!((load.active_requests, load.decode_blocks), (4, 3.0));
+        merge_reported(&mut load, &reported, Some(10), 1);
+        assert_eq!(load.decode_blocks, 10.0, "usage clamped to the capacity");
+    }
+}

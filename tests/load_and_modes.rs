@@ -364,3 +364,25 @@ fn required_taints_and_models_filter_workers() {
     );
     assert!(none.text().contains("mistral") || none.text().contains("model"));
 }
+
+/// Another router's traffic is invisible in this Envoy's load table; the worker's own counters
+/// (reported with its events) make this Envoy avoid it too.
+#[test]
+fn worker_reported_load_steers_away_from_a_worker_busy_with_other_traffic() {
+    for mode in ["kv", "least-loaded"] {
+        let workers = echo_workers(2, BLOCK);
+        let list = json!([{"id": 1, "address": workers[0].addr, "kv_capacity_blocks": 1000},
+                          {"id": 2, "address": workers[1].addr, "kv_capacity_blocks": 1000}]);
+        let envoy = envoy_with(&workers, json!({"mode": mode, "workers": list}));
+        let before = distribution(&envoy, 12, |i| completion(&tokens(i * 100, 20)));
+        assert_eq!(before.len(), 2, "{mode}: idle workers share the traffic: {before:?}");
+        let report = json!({"num_running": 40, "num_waiting": 10, "kv_usage": 0.9});
+        workers[0].admin("/admin/load", &report).expect("report load");
+        let moved = envoy.wait_for(Duration::from_secs(5), |e| {
+            distribution(e, 8, |i| completion(&tokens(50_000 + i * 100, 20))).get(&1).is_none()
+        });
+        assert!(moved, "{mode}: the busy worker is avoided");
+        let after = distribution(&envoy, 12, |i| completion(&tokens(90_000 + i * 100, 20)));
+        assert_eq!(after.get(&1), None, "{mode}: {after:?}");
+    }
+}

@@ -135,7 +135,10 @@ impl RequestContext {
         } else {
             vm.replica.index.find_overlaps(&hashes, &mut overlaps);
         }
-        let load = load_store::read(&config).view(now);
+        let mut load = load_store::read(&config).view(now);
+        if config.load.reported_load {
+            vm.merge_reported_load(&mut load);
+        }
         let stale = vm.stale_slots();
         let prompt_blocks = prompt_blocks(&config, &request);
         let input = RouteInput {

@@ -12,6 +12,7 @@ use super::poller::{hold_lease, CallKind, PendingCall, Poller};
 use super::replication::{self, Replica};
 use crate::config::Config;
 use crate::events::{parse_dump, parse_event_page, EventError, EventPage, LogRecord};
+use crate::load::{merge_reported, SlotLoad};
 use crate::router::SelectorState;
 use crate::types::Overlap;
 use log::{error, info, warn};
@@ -44,6 +45,22 @@ impl VmState {
     pub fn new_request_key(&mut self) -> u64 {
         self.next_request_key += 1;
         xxh3_64_with_seed(&self.next_request_key.to_le_bytes(), self.nonce)
+    }
+
+    /// Folds each worker's reported counters (from the last head) into the local load view.
+    pub fn merge_reported_load(&self, load: &mut [SlotLoad]) {
+        for (slot, view) in self.config.slots.iter().zip(load.iter_mut()) {
+            let index = usize::from(slot.worker);
+            let reported = self
+                .replica
+                .head
+                .workers
+                .get(index)
+                .and_then(|w| w.reported);
+            if let (Some(reported), Some(worker)) = (reported, self.config.workers.get(index)) {
+                merge_reported(view, &reported, worker.kv_capacity_blocks, worker.dp_size);
+            }
+        }
     }
 
     /// Stale flags per slot, from the poller's last published head.
@@ -305,6 +322,7 @@ impl VmState {
                     }
                     w.stale = true;
                     w.cursor = None;
+                    w.reported = None;
                     true
                 },
             );
