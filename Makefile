@@ -16,7 +16,7 @@ build: wasm tools
 
 # Native unit tests, the wasm32 logic tests under Node, and the integration tests that run the
 # real Envoy with the built .wasm and mock workers.
-test: setup build
+test: setup build lint
 	cargo test --workspace --release
 	bash scripts/test-wasm.sh
 	bash scripts/check-compose.sh

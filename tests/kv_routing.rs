@@ -1,4 +1,5 @@
 //! KV-aware routing through a real Envoy: events from workers feed the index, the cost model picks.
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::indexing_slicing)] // test code: a failed expectation is the assertion
 
 mod common;
 use common::*;

@@ -1,4 +1,5 @@
 //! Load accounting, eligibility filters and the basic modes through a real Envoy (2 threads).
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::indexing_slicing)] // test code: a failed expectation is the assertion
 
 mod common;
 use common::*;
@@ -375,11 +376,17 @@ fn worker_reported_load_steers_away_from_a_worker_busy_with_other_traffic() {
                           {"id": 2, "address": workers[1].addr, "kv_capacity_blocks": 1000}]);
         let envoy = envoy_with(&workers, json!({"mode": mode, "workers": list}));
         let before = distribution(&envoy, 12, |i| completion(&tokens(i * 100, 20)));
-        assert_eq!(before.len(), 2, "{mode}: idle workers share the traffic: {before:?}");
+        assert_eq!(
+            before.len(),
+            2,
+            "{mode}: idle workers share the traffic: {before:?}"
+        );
         let report = json!({"num_running": 40, "num_waiting": 10, "kv_usage": 0.9});
-        workers[0].admin("/admin/load", &report).expect("report load");
+        workers[0]
+            .admin("/admin/load", &report)
+            .expect("report load");
         let moved = envoy.wait_for(Duration::from_secs(5), |e| {
-            distribution(e, 8, |i| completion(&tokens(50_000 + i * 100, 20))).get(&1).is_none()
+            !distribution(e, 8, |i| completion(&tokens(50_000 + i * 100, 20))).contains_key(&1)
         });
         assert!(moved, "{mode}: the busy worker is avoided");
         let after = distribution(&envoy, 12, |i| completion(&tokens(90_000 + i * 100, 20)));

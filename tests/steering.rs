@@ -1,4 +1,5 @@
 //! The filter inside a real Envoy: body-based steering, the destination header, bad bodies.
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::indexing_slicing)] // test code: a failed expectation is the assertion
 
 mod common;
 use common::*;

@@ -8,9 +8,10 @@ use envoy_kv_router_tools::harness::workspace_root;
 use envoy_kv_router_tools::loadgen::{synthetic, RunOptions, SyntheticSpec};
 
 fn main() {
-    // 16 conversations sharing 4k-token prefixes, 2k-token suffixes: the workers' caches (4096
-    // blocks of 64 tokens = 256k tokens each) hold a few prefixes each, so placement matters.
-    let spec = "groups=16,prefix=4096,isl=6144,osl=32,requests=320,rate=6,seed=7";
+    // 16 conversations sharing 8k-token prefixes plus 2k-token suffixes. Each worker caches 1024
+    // blocks of 64 tokens (64k tokens): about 4 of the 16 prefixes. KV routing keeps each prefix on
+    // one worker; round-robin makes every worker cycle through all 16 and evict them.
+    let spec = "groups=16,prefix=8192,isl=10240,osl=32,requests=320,rate=6,seed=7";
     let workload = match SyntheticSpec::parse(spec) {
         Ok(spec) => synthetic(&spec),
         Err(e) => {
@@ -18,7 +19,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let fleet = Fleet::new(4, 64, &["--kv-blocks", "4096", "--speedup", "2"]);
+    let fleet = Fleet::new(4, 64, &["--kv-blocks", "1024", "--speedup", "2"]);
     println!("demo: 4 mock workers, workload {spec}, modes kv then round-robin");
     let results = match compare_modes(
         &["kv", "round-robin"],
