@@ -1314,7 +1314,7 @@ mod tests {
         assert_eq!(c.device_ratio, 8.0);
         assert_eq!(c.tick_ms, 50);
         assert_eq!(c.events, EventsConfig::default());
-        assert_eq!(c.index.max_blocks, 1_048_576);
+        assert_eq!(c.index.max_blocks, 262_144);
         let w = &c.workers[0];
         assert_eq!(w.events_address, w.address);
         assert_eq!(w.address_text, "10.0.0.1:8000");
