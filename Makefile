@@ -27,7 +27,9 @@ test-native: build
 test-wasm:
 	bash scripts/test-wasm.sh
 
-demo: setup build
+demo:
+	SETUP_WASM_TESTS=0 bash scripts/setup.sh
+	$(MAKE) build
 	target/release/demo
 
 bench: build
