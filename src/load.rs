@@ -314,6 +314,25 @@ impl LoadTable {
         self.remove(key, since)
     }
 
+    /// Re-homes a request's booking on `slot` (Envoy retried it on a fallback host), keeping what
+    /// it booked. `false` if the key is unknown or the slot out of range.
+    pub fn move_to(&mut self, key: u64, slot: SlotIdx, now_ms: u64) -> bool {
+        if usize::from(slot) >= self.num_slots() {
+            return false;
+        }
+        let Some(i) = self.position(key) else {
+            return false;
+        };
+        let Some(entry) = self.entries.get(i).copied() else {
+            return false;
+        };
+        if entry.slot != slot {
+            self.remove_at(i, now_ms);
+            self.entries.push(Entry { slot, ..entry });
+        }
+        true
+    }
+
     /// [`LoadTable::release`] at `now_ms`, so a decaying anchor hands over exactly.
     pub fn release_at(&mut self, key: u64, now_ms: u64) -> bool {
         self.remove(key, now_ms)
@@ -790,6 +809,26 @@ pub fn merge_reported(
         if blocks.is_finite() {
             load.decode_blocks = load.decode_blocks.max(blocks);
         }
+    }
+}
+
+#[cfg(test)]
+mod move_to_tests {
+    use super::*;
+
+    #[test]
+    fn a_moved_booking_follows_the_request_and_releases_to_zero() {
+        let mut table = LoadTable::new(3);
+        assert!(table.admit(7, 0, 640, 10, None, 1_000));
+        assert!(table.move_to(7, 2, 1_010));
+        let view = table.view(1_020);
+        assert_eq!((view[0].active_requests, view[0].decode_blocks), (0, 0.0));
+        assert_eq!((view[2].active_requests, view[2].decode_blocks), (1, 10.0));
+        assert_eq!(view[2].prefill_tokens, 640.0);
+        assert!(!table.move_to(7, 3, 1_030), "slot out of range");
+        assert!(!table.move_to(8, 1, 1_030), "unknown key");
+        assert!(table.release_at(7, 1_040));
+        assert_eq!(table.active_entries(), 0);
     }
 }
 

@@ -438,3 +438,29 @@ fn text_only_requests_route_on_load_and_say_so() {
     assert_eq!(resp.header("x-kv-router-reason"), Some("kv-text-only"));
     assert!(envoy.router_stat("routed.kv-text-only") >= 1);
 }
+
+/// The chosen worker is down: Envoy retries on the next address of the destination list, and the
+/// filter moves the request's load booking (and its response header) to the worker that answered.
+#[test]
+fn a_retry_on_a_fallback_worker_moves_the_booking() {
+    let mut workers = echo_workers(2, BLOCK);
+    let envoy = kv_envoy(&workers, json!({}));
+    let prompt = tokens(31, 8 * BLOCK);
+    let body = completion(&prompt);
+    publish(
+        &workers[0],
+        vec![vllm_stored(&prompt, BLOCK, None, 1, "GPU")],
+    );
+    assert!(wait_for_overlap(&envoy, &body, 8, Duration::from_secs(5)));
+    workers[0].kill();
+    // Within stale_after_ms the index still prefers worker 1.
+    let (worker, overlap, resp) = route(&envoy, &body);
+    assert_eq!(overlap, 8, "worker 1 was chosen");
+    assert_eq!(worker, 2, "served by the fallback");
+    assert_eq!(resp.header("x-kv-router-worker"), Some("2"));
+    assert!(envoy.router_stat("load.moved_on_retry") >= 1);
+    assert!(envoy.wait_for(Duration::from_secs(3), |e| {
+        e.router_stat("load.active_entries") == 0
+            && e.router_stat("worker.1.rank.0.active_requests") == 0
+    }));
+}

@@ -31,6 +31,12 @@ pub fn header(map: MapType, name: &str) -> Option<String> {
     }
 }
 
+/// A stream property such as `["upstream", "address"]`, as text.
+pub fn property(path: &[&str]) -> Option<String> {
+    let bytes = hostcalls::get_property(path.to_vec()).ok()??;
+    String::from_utf8(bytes).ok()
+}
+
 pub fn set_header(map: MapType, name: &str, value: Option<&str>) -> bool {
     hostcalls::set_map_value(map, name, value).is_ok()
 }

@@ -17,6 +17,7 @@ use crate::request::{
     HEADER_WORKER_ID,
 };
 use crate::router::{decide, prompt_blocks, Decision, RouteInput};
+use crate::types::SlotIdx;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 use std::cell::RefCell;
@@ -35,6 +36,8 @@ struct Outcome {
 /// The load this request booked, released in `on_log`.
 struct Booking {
     key: u64,
+    slot: SlotIdx,
+    address: String,
     stream: bool,
     first_token_seen: bool,
     isl_tokens: u32,
@@ -235,6 +238,8 @@ impl RequestContext {
         if booked.is_some() {
             self.booking = Some(Booking {
                 key,
+                slot: decision.slot,
+                address: worker.address_text.clone(),
                 stream: request.stream,
                 first_token_seen: false,
                 isl_tokens: request
@@ -302,6 +307,49 @@ impl RequestContext {
         }
         host::set_header(MapType::HttpRequestHeaders, REASON_HEADER, Some(&reason));
         vm.metrics.inc(&format!("fallback.{why}"));
+    }
+
+    /// Envoy may have retried the request on a fallback host: move the booking (and the reported
+    /// worker) to the host that actually answered.
+    fn follow_retry(&mut self) {
+        let Some(config) = self.config() else { return };
+        let Some(booking) = self.booking.as_mut() else {
+            return;
+        };
+        let Some(upstream) = host::property(&["upstream", "address"]) else {
+            return;
+        };
+        if upstream == booking.address {
+            return;
+        }
+        let Some((index, worker)) = config
+            .workers
+            .iter()
+            .enumerate()
+            .find(|(_, w)| w.address_text == upstream)
+        else {
+            return;
+        };
+        let Some(slot) = u16::try_from(index)
+            .ok()
+            .and_then(|i| config.worker_slots(i).next())
+        else {
+            return;
+        };
+        let key = booking.key;
+        let now = host::now_ms();
+        if load_store::update(&config, |table| table.move_to(key, slot, now).then_some(()))
+            .is_some()
+        {
+            booking.slot = slot;
+            booking.address = upstream;
+            if let Some(outcome) = self.outcome.as_mut() {
+                outcome.worker = worker.id.to_string();
+            }
+            if let Ok(mut vm) = self.vm.try_borrow_mut() {
+                vm.metrics.inc("load.moved_on_retry");
+            }
+        }
     }
 
     fn first_token(&mut self) {
@@ -433,6 +481,7 @@ impl HttpContext for RequestContext {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        self.follow_retry();
         if let Some(outcome) = &self.outcome {
             host::set_header(
                 MapType::HttpResponseHeaders,

@@ -233,7 +233,9 @@ pub fn bootstrap(opts: &EnvoyOptions, wasm: &Path) -> Value {
                         "stat_prefix": "llm",
                         "route_config": {"virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": [{
                             "match": {"prefix": "/"},
-                            "route": {"cluster": "llm_workers", "timeout": timeout}}]}]},
+                            "route": {"cluster": "llm_workers", "timeout": timeout,
+                                "retry_policy": {"retry_on": "connect-failure,refused-stream,reset-before-request",
+                                                 "num_retries": 2}}}]}]},
                         "http_filters": [
                             {"name": "envoy.filters.http.wasm", "typed_config": {
                                 "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
