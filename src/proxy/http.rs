@@ -9,14 +9,14 @@
 use super::host;
 use super::load_store;
 use super::root::{worker_id, VmState};
-use crate::config::{Config, DestinationFormat, PrefillLoadModel};
+use crate::config::{Config, DestinationFormat, PrefillLoadModel, RoutingMode};
 use crate::hashing::prompt_sequence_hashes;
 use crate::load::{output_milli_blocks, predicted_prefill_ms};
 use crate::request::{
     parse_header_pin, parse_request, Endpoint, LlmRequest, Pin, RequestError, HEADER_DP_RANK,
     HEADER_WORKER_ID,
 };
-use crate::router::{decide, prompt_blocks, Decision, RouteInput};
+use crate::router::{decide, prompt_blocks, Decision, RouteError, RouteInput};
 use crate::types::SlotIdx;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
@@ -122,11 +122,12 @@ impl RequestContext {
             }
         };
         let now = host::now_ms();
+        // Only KV mode scores prefix overlap; the basic modes skip hashing and the index.
         let hashes = match &request.token_ids {
-            Some(tokens) => {
+            Some(tokens) if config.mode == RoutingMode::Kv => {
                 prompt_sequence_hashes(tokens, config.block_size, request.lora_name.as_deref())
             }
-            None => Vec::new(),
+            _ => Vec::new(),
         };
         // Events the poller appended since this thread's last tick count at once.
         if !hashes.is_empty() && vm.replica.is_behind() {
@@ -157,6 +158,12 @@ impl RequestContext {
         match decided {
             Ok(decision) => {
                 self.steer(&mut vm, &config, &decision, now, &request);
+                Action::Continue
+            }
+            Err(RouteError::NonFiniteCost { slot, cost }) => {
+                // Corrupt load or overlap input: never fail the request for it.
+                log::error!("kv-router: slot {slot} scored a non-finite cost ({cost}); routing by the fallback rule");
+                self.fallback(&mut vm, &config, "non_finite_cost");
                 Action::Continue
             }
             Err(err) => {
