@@ -1,5 +1,5 @@
 # Mock workers and the load generator for the docker-compose demo.
-FROM rust:1.85-bookworm AS build
+FROM rust:1-bookworm AS build
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src src
