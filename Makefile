@@ -32,8 +32,8 @@ demo:
 	$(MAKE) build
 	target/release/demo
 
-bench: build
-	cargo run --release -p envoy-kv-router-tools --bin bench-router
+bench:
+	cargo bench --bench router
 
 lint:
 	cargo fmt --all -- --check

@@ -13,7 +13,7 @@
 //! and reports the median and p99 per request, ns per prompt block, and the index's memory per
 //! entry measured with a counting global allocator.
 //!
-//! Usage: `bench-router [--quick]` (`make bench`). Native figures: on wasm32 (V8) expect the
+//! Usage: `cargo bench --bench router [-- --quick]` (`make bench`). Native figures: on wasm32 (V8) expect the
 //! compute stages to be slower and the index smaller (4-byte pointers).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
@@ -459,7 +459,7 @@ fn bench_prompt(
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let scale = if quick { 10 } else { 1 };
-    println!("bench-router: block_size {BLOCK_SIZE}, {WORKERS} workers, native build");
+    println!("bench router: block_size {BLOCK_SIZE}, {WORKERS} workers, native build");
     println!();
 
     // Index memory per entry at a few sizes (no eviction while building).
