@@ -464,3 +464,62 @@ fn a_retry_on_a_fallback_worker_moves_the_booking() {
             && e.router_stat("worker.1.rank.0.active_requests") == 0
     }));
 }
+
+#[test]
+fn an_inconsistent_event_is_rejected_and_changes_nothing() {
+    let workers = echo_workers(2, BLOCK);
+    let envoy = kv_envoy(&workers, json!({}));
+    let prompt = tokens(61, 4 * BLOCK);
+    let body = completion(&prompt);
+    publish(
+        &workers[0],
+        vec![vllm_stored(&prompt, BLOCK, None, 1, "GPU")],
+    );
+    assert!(wait_for_overlap(&envoy, &body, 4, Duration::from_secs(5)));
+    let before = envoy.router_stat("events.pages_rejected");
+    // Three block hashes but two blocks of tokens, next to a valid removal in the same page.
+    let mut bad = vllm_stored(&tokens(9000, 2 * BLOCK), BLOCK, Some(4), 50, "GPU");
+    bad["block_hashes"] = json!([50, 51, 52]);
+    publish(&workers[0], vec![vllm_removed(&[1, 2, 3, 4], "GPU"), bad]);
+    assert!(envoy.wait_for(Duration::from_secs(5), |e| e
+        .router_stat("events.pages_rejected")
+        > before));
+    assert_eq!(
+        route(&envoy, &body).1,
+        4,
+        "the whole page was refused: the removal did not apply"
+    );
+    assert!(
+        envoy.log().contains("rejected an event page from worker 1"),
+        "logged for the operator"
+    );
+}
+
+/// A LoRA adapter salts the block hashes (as Dynamo does): its cached blocks only match requests
+/// for the same adapter.
+#[test]
+fn lora_adapters_salt_the_hashes() {
+    let workers = echo_workers(2, BLOCK);
+    let envoy = kv_envoy(&workers, json!({}));
+    let prompt = tokens(71, 5 * BLOCK);
+    let mut event = vllm_stored(&prompt, BLOCK, None, 1, "GPU");
+    event["lora_name"] = json!("sql-adapter");
+    publish(&workers[1], vec![event]);
+    let mut with_lora = completion(&prompt);
+    with_lora["nvext"] = json!({"lora_name": "sql-adapter"});
+    assert!(wait_for_overlap(
+        &envoy,
+        &with_lora,
+        5,
+        Duration::from_secs(5)
+    ));
+    assert_eq!(route(&envoy, &with_lora).0, 2);
+    assert_eq!(
+        route(&envoy, &completion(&prompt)).1,
+        0,
+        "the base model does not match"
+    );
+    let mut other = completion(&prompt);
+    other["nvext"] = json!({"lora_name": "chat-adapter"});
+    assert_eq!(route(&envoy, &other).1, 0, "another adapter does not match");
+}
