@@ -6,6 +6,17 @@
 //! built. Which field was being read is tracked so that a type error names it
 //! (`nvext.dp_rank: invalid type: string "1", expected u32 ...`).
 //!
+//! Token ids dominate the body, so they take a fast path ([`parse_fast`]): a structural scan of
+//! the top-level object (and of `nvext`) finds the arrays of plain non-negative integers in
+//! `prompt` and `nvext.token_data` and reads them with a hand-written loop ([`scan_token_ids`]);
+//! the body is then copied with each such array cut down to `[]` and that copy goes through the
+//! same serde visitors, which validate everything else and take the ids from the scan (checking
+//! that they meet exactly the `[]`s that were cut, in order). Whatever the scan does not accept (a
+//! batch, strings, floats, negative numbers, exponents, leading zeros, ids above `u32::MAX`,
+//! escaped keys) stays in the body for serde. If the fast pass fails in any way, the body is
+//! parsed again by the serde visitors alone (the reference behaviour), so every error (field
+//! names, messages, positions) is exactly theirs.
+//!
 //! Fields (DESIGN.md "Request fields"): `model`; `prompt` (completions only: a string, an array of
 //! token ids, or an array of arrays/strings = a batch, rejected); `messages` (chat only: every
 //! string inside counts towards `text_chars`, since roles, contents and tool calls all reach the
@@ -171,22 +182,48 @@ impl std::error::Error for RequestError {}
 
 /// Parses a request body for `endpoint`. See the module docs for the fields read.
 pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<LlmRequest, RequestError> {
+    check_object_start(body)?;
+    // The fast pass only ever returns what the serde pass would; when it gives up (no token
+    // array to cut, or any error), the serde pass reads the original body.
+    match parse_fast(body, endpoint) {
+        Some(req) => Ok(req),
+        None => parse_object(body, endpoint, None),
+    }
+}
+
+/// The reference parser: the serde visitors for every field (no fast path).
+#[cfg(test)]
+fn parse_request_serde(body: &[u8], endpoint: Endpoint) -> Result<LlmRequest, RequestError> {
+    check_object_start(body)?;
+    parse_object(body, endpoint, None)
+}
+
+/// An empty body, or one whose first value is not an object, gets its own error.
+fn check_object_start(body: &[u8]) -> Result<(), RequestError> {
     let first = body.iter().find(|b| !b.is_ascii_whitespace());
     match first {
-        None => return Err(RequestError::EmptyBody),
-        Some(b'{') => {}
-        Some(_) => {
-            return match serde_json::from_slice::<IgnoredAny>(body) {
-                Ok(_) => Err(RequestError::NotAnObject),
-                Err(e) => Err(RequestError::InvalidJson {
-                    detail: e.to_string(),
-                }),
-            }
-        }
+        None => Err(RequestError::EmptyBody),
+        Some(b'{') => Ok(()),
+        Some(_) => match serde_json::from_slice::<IgnoredAny>(body) {
+            Ok(_) => Err(RequestError::NotAnObject),
+            Err(e) => Err(RequestError::InvalidJson {
+                detail: e.to_string(),
+            }),
+        },
     }
+}
+
+/// One serde pass over a body that starts with `{`. With `prefill`, the token arrays the fast
+/// scan cut out are taken from it (see [`parse_fast`]).
+fn parse_object(
+    body: &[u8],
+    endpoint: Endpoint,
+    prefill: Option<&Prefill>,
+) -> Result<LlmRequest, RequestError> {
     let ctx = Ctx {
         field: Cell::new("(body)"),
         batched: Cell::new(false),
+        prefill,
     };
     let mut de = serde_json::Deserializer::from_slice(body);
     let result = TopSeed {
@@ -211,10 +248,311 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<LlmRequest, Requ
     })
 }
 
-/// Parse-wide state: the field being read (for error messages) and the batch marker.
-struct Ctx {
+/// The fast pass. `None` = use the serde pass on the original body (nothing to gain, or the
+/// fast pass failed; never a different answer).
+///
+/// Why an `Ok` here is the serde pass's `Ok`: each cut range holds a complete array of integers
+/// (no quotes, backslashes or control bytes) and is replaced by `[]`. If serde accepts the copy,
+/// that `[]` is an array value there, so the original (with the bigger array in its place) is
+/// valid JSON too; on valid JSON the structural scan finds exactly the values the visitors read,
+/// in the same order; and the visitors check that every recorded occurrence meets its `[]`.
+fn parse_fast(body: &[u8], endpoint: Endpoint) -> Option<LlmRequest> {
+    let mut scan = Scan {
+        body,
+        pos: 0,
+        endpoint,
+        cuts: Vec::new(),
+        prompts: Vec::new(),
+        token_data: Vec::new(),
+    };
+    scan.object(Level::Top)?;
+    if scan.cuts.is_empty() {
+        return None;
+    }
+    let cut_bytes: usize = scan.cuts.iter().map(|&(start, end)| end - start).sum();
+    let mut copy = Vec::with_capacity(body.len() - cut_bytes + 2 * scan.cuts.len());
+    let mut at = 0;
+    for &(start, end) in &scan.cuts {
+        copy.extend_from_slice(body.get(at..start)?);
+        copy.extend_from_slice(b"[]");
+        at = end;
+    }
+    copy.extend_from_slice(body.get(at..)?);
+    // Popped from the back, in body order.
+    scan.prompts.reverse();
+    scan.token_data.reverse();
+    let prefill = Prefill {
+        prompts: Cell::new(scan.prompts),
+        token_data: Cell::new(scan.token_data),
+    };
+    let req = parse_object(&copy, endpoint, Some(&prefill)).ok()?;
+    let drained = prefill.prompts.take().is_empty() && prefill.token_data.take().is_empty();
+    drained.then_some(req)
+}
+
+/// Token arrays cut out by the fast scan, one entry per occurrence of the field in body order,
+/// stored reversed: `Some(ids)` = cut (the copy holds `[]`), `None` = left in the body.
+struct Prefill {
+    prompts: Cell<Vec<Option<Vec<u32>>>>,
+    token_data: Cell<Vec<Option<Vec<u32>>>>,
+}
+
+/// Substitutes the next cut array of `queue` for the value the visitor just read. `is_cut_marker`
+/// says whether that value is `[]`; a cut must meet one (and only a cut is substituted).
+fn take_prefilled<E: de::Error>(
+    queue: &Cell<Vec<Option<Vec<u32>>>>,
+    is_cut_marker: bool,
+) -> Result<Option<Vec<u32>>, E> {
+    let mut q = queue.take();
+    let next = q.pop();
+    queue.set(q);
+    match next {
+        None => Err(E::custom("fast scan out of step")),
+        Some(None) => Ok(None),
+        Some(Some(ids)) if is_cut_marker => Ok(Some(ids)),
+        Some(Some(_)) => Err(E::custom("fast scan out of step")),
+    }
+}
+
+/// JSON whitespace (RFC 8259; what serde_json skips).
+fn is_json_ws(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+}
+
+/// Token ids from JSON text that starts with an array of non-negative integers, each without
+/// sign, fraction, exponent or leading zero and at most `u32::MAX`, with any JSON whitespace
+/// inside. Returns the ids and the length of the array text (through its `]`). `None` for
+/// anything else (that value is left to serde, which yields the value or the error it always did).
+fn scan_token_ids(text: &[u8]) -> Option<(Vec<u32>, usize)> {
+    if text.first() != Some(&b'[') {
+        return None;
+    }
+    let mut ids = Vec::new();
+    let mut i = skip_ws(text, 1);
+    if text.get(i) == Some(&b']') {
+        return Some((ids, i + 1));
+    }
+    loop {
+        let (id, len) = parse_token_id(text.get(i..)?)?;
+        ids.push(id);
+        i += len;
+        if text.get(i).copied().is_some_and(is_json_ws) {
+            i = skip_ws(text, i);
+        }
+        match text.get(i)? {
+            b',' => i = skip_ws(text, i + 1),
+            b']' => return Some((ids, i + 1)),
+            _ => return None, // `.`, `e`, `E`, or anything else
+        }
+    }
+}
+
+/// The index of the first non-whitespace byte at or after `i`.
+fn skip_ws(text: &[u8], mut i: usize) -> usize {
+    while text.get(i).copied().is_some_and(is_json_ws) {
+        i += 1;
+    }
+    i
+}
+
+/// The unsigned integer literal at the start of `s` if it is a valid JSON number on its own (no
+/// leading zero) that fits in a u32, with its length in bytes. The byte after it is not a digit.
+/// Up to 7 digits are read at once from 8 bytes (SWAR), without a branch per digit.
+fn parse_token_id(s: &[u8]) -> Option<(u32, usize)> {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    if let Some(chunk) = s.get(..8) {
+        let x = u64::from_le_bytes(chunk.try_into().ok()?);
+        // Per byte (exact up to the first non-digit; a carry only reaches later bytes): zero
+        // iff the high nibble is 3 and the low nibble at most 9.
+        let high = (x & (0xF0 * ONES)) ^ (0x30 * ONES);
+        let low = (x.wrapping_add(0x06 * ONES) & (0xF0 * ONES)) ^ (0x30 * ONES);
+        let digits = ((high | low).trailing_zeros() / 8) as usize;
+        if digits == 0 || (digits > 1 && s.first() == Some(&b'0')) {
+            return None;
+        }
+        if digits < 8 {
+            // Digit values, most significant first in memory, shifted up so that the missing
+            // leading digits read as zeros.
+            let v = (x & (0x0F * ONES)) << (8 * (8 - digits));
+            return Some((eight_digits(v)?, digits));
+        }
+    }
+    // Eight or more digits, or fewer than eight bytes left.
+    let digits = s.iter().take(11).take_while(|b| b.is_ascii_digit()).count();
+    if digits == 0 || digits > 10 || (digits > 1 && s.first() == Some(&b'0')) {
+        return None;
+    }
+    let value = s
+        .get(..digits)?
+        .iter()
+        .fold(0u64, |acc, &d| acc * 10 + u64::from(d - b'0'));
+    Some((u32::try_from(value).ok()?, digits))
+}
+
+/// The value of 8 decimal digits (byte values 0-9, most significant at the lowest address).
+fn eight_digits(v: u64) -> Option<u32> {
+    let v = v.wrapping_mul(10 << 8 | 1) >> 8; // pairs
+    let v = (v & 0x00FF_00FF_00FF_00FF).wrapping_mul(100 << 16 | 1) >> 16; // quads
+    let v = (v & 0x0000_FFFF_0000_FFFF).wrapping_mul(10_000 << 32 | 1) >> 32;
+    u32::try_from(v).ok()
+}
+
+/// Which object the structural scan is in.
+#[derive(Clone, Copy)]
+enum Level {
+    Top,
+    Nvext,
+}
+
+/// The fast pass's structural scan: walks the top-level object and `nvext` (skipping every other
+/// value by its brackets and strings, without validating it) and cuts out token arrays.
+/// Any surprise is `None`.
+struct Scan<'a> {
+    body: &'a [u8],
+    pos: usize,
+    endpoint: Endpoint,
+    /// Byte ranges of the cut arrays, in body order.
+    cuts: Vec<(usize, usize)>,
+    prompts: Vec<Option<Vec<u32>>>,
+    token_data: Vec<Option<Vec<u32>>>,
+}
+
+impl<'a> Scan<'a> {
+    fn peek(&self) -> Option<u8> {
+        self.body.get(self.pos).copied()
+    }
+
+    /// Skips whitespace; the next byte.
+    fn ws(&mut self) -> Option<u8> {
+        let skip = self
+            .body
+            .get(self.pos..)?
+            .iter()
+            .position(|&b| !is_json_ws(b))?;
+        self.pos += skip;
+        self.peek()
+    }
+
+    fn eat(&mut self, want: u8) -> Option<()> {
+        (self.ws()? == want).then(|| self.pos += 1)
+    }
+
+    /// A string (after whitespace): its raw content, `None` if it contains an escape.
+    fn string(&mut self) -> Option<Option<&'a [u8]>> {
+        self.eat(b'"')?;
+        let start = self.pos;
+        let mut escaped = false;
+        loop {
+            let rest = self.body.get(self.pos..)?;
+            self.pos += rest.iter().position(|&b| b == b'"' || b == b'\\')?;
+            if self.peek()? == b'"' {
+                let content = self.body.get(start..self.pos)?;
+                self.pos += 1;
+                return Some((!escaped).then_some(content));
+            }
+            escaped = true;
+            self.pos += 2; // the backslash and the byte it escapes (`\uXXXX`: plain hex follows)
+        }
+    }
+
+    /// Skips one value (after whitespace) by its structure.
+    fn value(&mut self) -> Option<()> {
+        match self.ws()? {
+            b'"' => self.string().map(drop),
+            b'[' | b'{' => {
+                let mut depth = 0usize;
+                loop {
+                    match self.peek()? {
+                        b'"' => {
+                            self.string()?;
+                            continue;
+                        }
+                        b'[' | b'{' => depth += 1,
+                        b']' | b'}' => {
+                            depth = depth.checked_sub(1)?;
+                            if depth == 0 {
+                                self.pos += 1;
+                                return Some(());
+                            }
+                        }
+                        _ => {}
+                    }
+                    self.pos += 1;
+                }
+            }
+            _ => {
+                let rest = self.body.get(self.pos..)?;
+                let len = rest
+                    .iter()
+                    .position(|&b| matches!(b, b',' | b'}' | b']') || is_json_ws(b))
+                    .unwrap_or(rest.len());
+                if len == 0 {
+                    return None;
+                }
+                self.pos += len;
+                Some(())
+            }
+        }
+    }
+
+    /// An object (after whitespace); at `Level::Top` also descends into an `nvext` object.
+    fn object(&mut self, level: Level) -> Option<()> {
+        self.eat(b'{')?;
+        if self.ws()? == b'}' {
+            self.pos += 1;
+            return Some(());
+        }
+        loop {
+            // A key with escapes could spell a field serde would recognize: give up.
+            let key = self.string()??;
+            self.eat(b':')?;
+            let first = self.ws()?;
+            match (level, key) {
+                (Level::Top, b"prompt") if self.endpoint == Endpoint::Completions => {
+                    let entry = self.token_array()?;
+                    self.prompts.push(entry);
+                }
+                (Level::Top, b"nvext") if first == b'{' => self.object(Level::Nvext)?,
+                (Level::Nvext, b"token_data") => {
+                    let entry = self.token_array()?;
+                    self.token_data.push(entry);
+                }
+                _ => self.value()?,
+            }
+            match self.ws()? {
+                b',' => self.pos += 1,
+                b'}' => {
+                    self.pos += 1;
+                    return Some(());
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    /// A token field's value (after whitespace): cut out if [`scan_token_ids`] reads it.
+    fn token_array(&mut self) -> Option<Option<Vec<u32>>> {
+        let start = self.pos;
+        match scan_token_ids(self.body.get(start..)?) {
+            Some((ids, len)) => {
+                self.pos += len;
+                self.cuts.push((start, self.pos));
+                Some(Some(ids))
+            }
+            None => {
+                self.value()?;
+                Some(None)
+            }
+        }
+    }
+}
+
+/// Parse-wide state: the field being read (for error messages), the batch marker, and the fast
+/// pass's cut token arrays.
+struct Ctx<'p> {
     field: Cell<&'static str>,
     batched: Cell<bool>,
+    prefill: Option<&'p Prefill>,
 }
 
 /// Resolves an object key to its index in a fixed list without allocating.
@@ -250,7 +588,7 @@ const NVEXT_KEYS: &[&str] = &[
 ];
 
 struct TopSeed<'c> {
-    ctx: &'c Ctx,
+    ctx: &'c Ctx<'c>,
     endpoint: Endpoint,
 }
 
@@ -280,7 +618,14 @@ impl<'de> Visitor<'de> for TopSeed<'_> {
                 }
                 Some(1) if self.endpoint == Endpoint::Completions => {
                     ctx.field.set("prompt");
-                    match map.next_value_seed(PromptSeed { ctx })? {
+                    let mut prompt = map.next_value_seed(PromptSeed { ctx })?;
+                    if let Some(prefill) = ctx.prefill {
+                        let marker = matches!(&prompt, Prompt::Tokens(ids) if ids.is_empty());
+                        if let Some(ids) = take_prefilled(&prefill.prompts, marker)? {
+                            prompt = Prompt::Tokens(ids);
+                        }
+                    }
+                    match prompt {
                         Prompt::Absent => {}
                         Prompt::Text(chars) => req.text_chars = chars,
                         Prompt::Tokens(ids) => prompt_tokens = Some(ids),
@@ -320,7 +665,7 @@ enum Prompt {
 }
 
 struct PromptSeed<'c> {
-    ctx: &'c Ctx,
+    ctx: &'c Ctx<'c>,
 }
 
 impl<'de> DeserializeSeed<'de> for PromptSeed<'_> {
@@ -356,7 +701,7 @@ impl<'de> Visitor<'de> for PromptSeed<'_> {
 
 /// The first element of a `prompt` array: a token id, or a string / array (a batch).
 struct FirstPromptElement<'c> {
-    ctx: &'c Ctx,
+    ctx: &'c Ctx<'c>,
 }
 
 impl<'de> DeserializeSeed<'de> for FirstPromptElement<'_> {
@@ -443,7 +788,7 @@ struct AgentHints {
 }
 
 struct NvextSeed<'c, 'r> {
-    ctx: &'c Ctx,
+    ctx: &'c Ctx<'c>,
     req: &'r mut LlmRequest,
     tokens: &'r mut Option<Vec<u32>>,
 }
@@ -470,7 +815,14 @@ impl<'de> Visitor<'de> for NvextSeed<'_, '_> {
             match key {
                 Some(0) => {
                     ctx.field.set("nvext.token_data");
-                    *self.tokens = map.next_value::<Option<Vec<u32>>>()?;
+                    let mut tokens = map.next_value::<Option<Vec<u32>>>()?;
+                    if let Some(prefill) = ctx.prefill {
+                        let marker = tokens.as_ref().is_some_and(Vec::is_empty);
+                        if let Some(ids) = take_prefilled(&prefill.token_data, marker)? {
+                            tokens = Some(ids);
+                        }
+                    }
+                    *self.tokens = tokens;
                 }
                 Some(1) => {
                     ctx.field.set("nvext.backend_instance_id");
@@ -791,5 +1143,367 @@ mod tests {
             }
         );
         assert_eq!(Pin::merge(Pin::default(), body), body);
+    }
+
+    // ---- fast path: token ids read by the structural scan, checked against the serde pass ----
+
+    /// `parse_request` and the reference serde pass agree on `body` for both endpoints.
+    fn same_as_serde(body: &str) -> Result<LlmRequest, RequestError> {
+        for endpoint in [Endpoint::Completions, Endpoint::ChatCompletions] {
+            assert_eq!(
+                parse_request(body.as_bytes(), endpoint),
+                parse_request_serde(body.as_bytes(), endpoint),
+                "{endpoint:?}: {body}"
+            );
+        }
+        completions(body)
+    }
+
+    /// The fast pass answered (rather than handing the body to the serde pass).
+    fn fast_ids(body: &str) -> Option<Vec<u32>> {
+        let r = parse_fast(body.as_bytes(), Endpoint::Completions).expect(body);
+        assert_eq!(Ok(r.clone()), completions(body), "{body}");
+        r.token_ids
+    }
+
+    #[test]
+    fn fast_path_whitespace_everywhere_and_empty_arrays() {
+        let ws = " \t\n\r";
+        let body = format!(
+            "{ws}{{{ws}\"prompt\"{ws}:{ws}[{ws}1{ws},{ws}22{ws},{ws}333{ws}]{ws},{ws}\"model\"{ws}:{ws}\"m\"{ws}}}{ws}"
+        );
+        assert_eq!(fast_ids(&body), Some(vec![1, 22, 333]));
+        let body = format!(
+            "{{\"nvext\"{ws}:{ws}{{{ws}\"token_data\"{ws}:{ws}[{ws}7{ws}]{ws}}}{ws},\"prompt\":[1,2]}}"
+        );
+        assert_eq!(fast_ids(&body), Some(vec![7]));
+        assert_eq!(fast_ids(r#"{"prompt": [1,2,3]}"#), Some(vec![1, 2, 3]));
+        assert_eq!(
+            fast_ids(r#"{"prompt": [0, 0,10,100]}"#),
+            Some(vec![0, 0, 10, 100])
+        );
+        // Empty arrays are scanned (an empty cut still meets its `[]`).
+        assert_eq!(fast_ids(r#"{"prompt": []}"#), Some(vec![]));
+        assert_eq!(fast_ids("{\"prompt\": [ \n ]}"), Some(vec![]));
+        assert_eq!(
+            fast_ids(r#"{"nvext": {"token_data": []}, "prompt": [5]}"#),
+            Some(vec![])
+        );
+        for body in [
+            "{ \"prompt\" : [ 1 , 2 ] }",
+            "{\"prompt\":[\t1\t]\t}",
+            "{\"prompt\":[]}",
+            "{\"prompt\":[ ]}",
+        ] {
+            same_as_serde(body).unwrap();
+        }
+    }
+
+    #[test]
+    fn fast_path_u32_bounds() {
+        assert_eq!(
+            fast_ids(r#"{"prompt": [4294967295, 0, 4294967295]}"#),
+            Some(vec![u32::MAX, 0, u32::MAX])
+        );
+        for body in [
+            r#"{"prompt": [4294967296]}"#,
+            r#"{"prompt": [1, 4294967296]}"#,
+            r#"{"prompt": [1, 99999999999]}"#,
+            r#"{"prompt": [1, 18446744073709551616]}"#,
+            r#"{"nvext": {"token_data": [1, 4294967296]}}"#,
+        ] {
+            assert!(parse_fast(body.as_bytes(), Endpoint::Completions).is_none());
+            assert!(matches!(
+                same_as_serde(body),
+                Err(RequestError::BadField { .. })
+            ));
+        }
+        // Exactly the messages (and positions) of the serde pass.
+        assert_eq!(
+            completions(r#"{"prompt": [1, 4294967296]}"#)
+                .unwrap_err()
+                .to_string(),
+            "prompt: invalid value: integer `4294967296`, expected u32 at line 1 column 25"
+        );
+        assert_eq!(
+            completions(r#"{"prompt": [4294967296]}"#).unwrap_err().to_string(),
+            "prompt: invalid value: integer `4294967296`, expected a token id (u32) at line 1 column 22"
+        );
+        assert_eq!(
+            completions(r#"{"nvext": {"token_data": [1, 4294967296]}}"#)
+                .unwrap_err()
+                .to_string(),
+            "nvext.token_data: invalid value: integer `4294967296`, expected u32 at line 1 column 39"
+        );
+    }
+
+    #[test]
+    fn fast_path_leaves_everything_unusual_to_serde() {
+        for body in [
+            r#"{"prompt": [1e3]}"#,
+            r#"{"prompt": [1E3]}"#,
+            r#"{"prompt": [1, 1e3]}"#,
+            r#"{"prompt": [-1]}"#,
+            r#"{"prompt": [1, -1]}"#,
+            r#"{"prompt": [-0]}"#,
+            r#"{"prompt": [1.0]}"#,
+            r#"{"prompt": [1, 2.5]}"#,
+            r#"{"prompt": [01]}"#,
+            r#"{"prompt": [1, 00]}"#,
+            r#"{"prompt": [[1, 2], [3]]}"#,
+            r#"{"prompt": [1, [2]]}"#,
+            r#"{"prompt": ["a", "b"]}"#,
+            r#"{"prompt": [1, "a"]}"#,
+            r#"{"prompt": [1, null]}"#,
+            r#"{"prompt": [1,]}"#,
+            r#"{"prompt": [1 2]}"#,
+            r#"{"prompt": [,1]}"#,
+            r#"{"prompt": [1"#,
+            r#"{"prompt": [1]"#,
+            r#"{"prompt": [1]} x"#,
+            r#"{"prompt": [1], }"#,
+            r#"{"prompt": [1] "model": "m"}"#,
+            r#"{"prompt": 5}"#,
+            r#"{"nvext": {"token_data": [1.5]}}"#,
+            r#"{"nvext": {"token_data": [[1]]}}"#,
+            r#"{"nvext": {"token_data": "x"}}"#,
+            r#"{"nvext": {"token_data": [1], "dp_rank": "1"}}"#,
+            r#"{"prompt": [1], "nvext": 3}"#,
+            r#"{"prompt": [1], "model": 5}"#,
+            r#"{"prompt": [1], "stream": "yes"}"#,
+            r#"{"prompt": [1], "x": [1, 2}"#,
+            r#"{"prompt": [1], "x": tru}"#,
+            "{\"prompt\": [1], \"x\": \"\u{1}\"}",
+            r#"{"prompt": [1], "x": "\q"}"#,
+        ] {
+            assert!(same_as_serde(body).is_err(), "{body}");
+        }
+        assert_eq!(
+            same_as_serde(r#"{"prompt": [[1, 2], [3]]}"#),
+            Err(RequestError::BatchedPrompt)
+        );
+        assert_eq!(
+            same_as_serde(r#"{"prompt": ["a"], "nvext": {"token_data": [1]}}"#),
+            Err(RequestError::BatchedPrompt)
+        );
+        // Fine values the scan does not take: serde reads them as before.
+        for body in [
+            r#"{"prompt": "a [1, 2] \"b\" \\"}"#,
+            r#"{"prompt": null, "nvext": {"token_data": null}}"#,
+            r#"{"pro\u006dpt": [1, 2]}"#,
+            r#"{"prompt": [1], "pro\u006dpt": [2]}"#,
+            r#"{"nvext": {"token_d\u0061ta": [3]}, "prompt": [1]}"#,
+        ] {
+            same_as_serde(body).unwrap();
+        }
+        assert_eq!(
+            completions(r#"{"pro\u006dpt": [1, 2]}"#).unwrap().token_ids,
+            Some(vec![1, 2])
+        );
+    }
+
+    #[test]
+    fn fast_path_follows_the_visitors_field_rules() {
+        // Duplicate keys: the last one wins, text after ids keeps the ids (as the serde pass).
+        for body in [
+            r#"{"prompt": [1], "prompt": [2, 3]}"#,
+            r#"{"prompt": [1], "prompt": "abc"}"#,
+            r#"{"prompt": "abc", "prompt": [4]}"#,
+            r#"{"prompt": [1], "prompt": null}"#,
+            r#"{"nvext": {"token_data": [1]}, "nvext": {"token_data": [2]}}"#,
+            r#"{"nvext": {"token_data": [1], "token_data": null}, "prompt": [9]}"#,
+            r#"{"nvext": null, "prompt": [9]}"#,
+            r#"{"x": {"prompt": [5], "nvext": {"token_data": [6]}}, "prompt": [1]}"#,
+            r#"{"x": "\"prompt\": [5]", "prompt": [1], "y": ["]", "{"]}"#,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "prompt": [1, 2]}"#,
+        ] {
+            same_as_serde(body).unwrap();
+        }
+        let r = completions(r#"{"prompt": [1], "prompt": "abc"}"#).unwrap();
+        assert_eq!((r.token_ids, r.text_chars), (Some(vec![1]), 3));
+        assert_eq!(
+            fast_ids(r#"{"x": "\"prompt\": [5]", "prompt": [1], "y": ["]", "{"]}"#),
+            Some(vec![1])
+        );
+        // Chat reads no `prompt` (the fast pass has nothing to cut there).
+        let r = chat(r#"{"prompt": [1, 2], "nvext": {"token_data": [3]}}"#).unwrap();
+        assert_eq!(r.token_ids, Some(vec![3]));
+    }
+
+    #[test]
+    fn large_token_prompt_matches_serde() {
+        let ids: Vec<u32> = (0..200_000u32)
+            .map(|i| i.wrapping_mul(2_654_435_761) >> (i % 32))
+            .collect();
+        let text: Vec<String> = ids.iter().map(u32::to_string).collect();
+        for sep in [",", ", ", " ,\n "] {
+            let body = format!(
+                "{{\"model\": \"m\", \"prompt\": [{}], \"stream\": true}}",
+                text.join(sep)
+            );
+            assert_eq!(fast_ids(&body), Some(ids.clone()));
+            assert_eq!(
+                completions(&body),
+                parse_request_serde(body.as_bytes(), Endpoint::Completions)
+            );
+        }
+    }
+
+    #[test]
+    fn token_id_literals() {
+        let mut cases: Vec<String> = Vec::new();
+        for digits in 1..=12 {
+            for lead in ["1", "4", "9", "0"] {
+                cases.push(format!("{lead}{}", "0".repeat(digits - 1)));
+                cases.push(format!("{lead}{}", "9".repeat(digits - 1)));
+                cases.push(format!("{lead}{}", &"1234567890123"[..digits - 1]));
+            }
+        }
+        cases.extend(["4294967295", "4294967296", "429496729", "42949672950"].map(String::from));
+        for case in &cases {
+            let expected = if case.len() > 1 && case.starts_with('0') {
+                None
+            } else {
+                case.parse::<u32>().ok().map(|v| (v, case.len()))
+            };
+            // Every follower a token can have, with and without 8 bytes left to read.
+            for follow in ["", "]", ",", " ", ", 1, 2, 3, 4, 5]", "]}}}}}}}}}}"] {
+                let text = format!("{case}{follow}");
+                assert_eq!(parse_token_id(text.as_bytes()), expected, "{text:?}");
+            }
+            for follow in [".5", "e3", "E3", ".0, 1, 2, 3, 4"] {
+                let text = format!("[{case}{follow}]");
+                assert_eq!(scan_token_ids(text.as_bytes()), None, "{text:?}");
+            }
+        }
+        for bad in ["", "-1", "a", "+1", " 1", "/", ":", "]"] {
+            assert_eq!(parse_token_id(bad.as_bytes()), None, "{bad:?}");
+        }
+    }
+
+    /// Random request bodies for the differential test: token arrays with odd elements and
+    /// whitespace, decoy `prompt`s, escaped keys, duplicates, and some damage.
+    struct BodyGen(crate::rng::Rng);
+
+    impl BodyGen {
+        const WS: &'static [&'static str] = &["", "", "", " ", "\n", "\t", "\r\n", "  "];
+        const ATOMS: &'static [&'static str] = &[
+            "0",
+            "7",
+            "42",
+            "128000",
+            "99999999",
+            "123456789",
+            "4294967295",
+            "4294967296",
+            "18446744073709551615",
+            "01",
+            "-1",
+            "-0",
+            "1.0",
+            "1e3",
+            "1E+2",
+            "\"a\"",
+            "[1]",
+            "[]",
+            "null",
+            "true",
+            "{}",
+            "0.5",
+        ];
+
+        fn pick(&mut self, n: usize) -> usize {
+            self.0.index(n)
+        }
+
+        fn ws(&mut self) -> &'static str {
+            Self::WS[self.pick(Self::WS.len())]
+        }
+
+        fn token_array(&mut self) -> String {
+            let mut a = format!("[{}", self.ws());
+            let n = self.pick(12);
+            let odd = self.pick(4) == 0;
+            for i in 0..n {
+                if i > 0 {
+                    let (w1, w2) = (self.ws(), self.ws());
+                    a.push_str(&format!("{w1},{w2}"));
+                }
+                if odd && self.pick(6) == 0 {
+                    a.push_str(Self::ATOMS[self.pick(Self::ATOMS.len())]);
+                } else {
+                    let bits = self.pick(33) as u32;
+                    a.push_str(&(self.0.next_u64() % (1u64 << bits).max(1)).to_string());
+                }
+            }
+            a.push_str(self.ws());
+            a.push(']');
+            a
+        }
+
+        fn field(&mut self) -> String {
+            match self.pick(9) {
+                0..=2 => format!("\"prompt\":{}{}", self.ws(), self.token_array()),
+                3 => {
+                    let extra = [", \"dp_rank\": 1", ", \"x\": [[]]", ""][self.pick(3)];
+                    format!(
+                        "\"nvext\":{}{{\"token_data\":{}{}{extra}}}",
+                        self.ws(),
+                        self.ws(),
+                        self.token_array()
+                    )
+                }
+                4 => [
+                    "\"prompt\": \"tx\\\"t\"",
+                    "\"prompt\": null",
+                    "\"prompt\": \"[1]\"",
+                ][self.pick(3)]
+                .to_string(),
+                5 => ["\"model\": \"m\"", "\"stream\": true", "\"max_tokens\": 5"][self.pick(3)]
+                    .to_string(),
+                6 => format!(
+                    "\"x\": {{\"prompt\": {}, \"s\": \"}}]\\\\\"}}",
+                    self.token_array()
+                ),
+                7 => format!("\"pro\\u006dpt\": {}", self.token_array()),
+                _ => format!(
+                    "\"messages\": [{{\"content\": \"ab\"}}], \"n\": {}",
+                    self.token_array()
+                ),
+            }
+        }
+
+        fn body(&mut self, round: usize) -> String {
+            let fields: Vec<String> = (0..self.pick(5) + 1).map(|_| self.field()).collect();
+            let sep = format!("{},{}", self.ws(), self.ws());
+            let (w1, w2, w3, w4) = (self.ws(), self.ws(), self.ws(), self.ws());
+            let mut body = format!("{w1}{{{w2}{}{w3}}}{w4}", fields.join(&sep));
+            match round % 10 {
+                0 => body.truncate(self.pick(body.len())),
+                1 => {
+                    let at = self.pick(body.len());
+                    let by = ["[", "]", ",", "\"", "{", "}", "\\", "5", "-", "."][self.pick(10)];
+                    body.replace_range(at..at + 1, by); // bodies are ASCII
+                }
+                _ => {}
+            }
+            body
+        }
+    }
+
+    #[test]
+    fn fast_path_differential() {
+        let mut g = BodyGen(crate::rng::Rng::new(0xfa57));
+        let mut fast_answers = 0;
+        let rounds = 20_000;
+        for round in 0..rounds {
+            let body = g.body(round);
+            let _ = same_as_serde(&body);
+            if parse_fast(body.as_bytes(), Endpoint::Completions).is_some() {
+                fast_answers += 1;
+            }
+        }
+        // The fast pass answered for a good part of the bodies (the rest went to serde).
+        assert!(fast_answers > rounds / 4, "{fast_answers}");
     }
 }
