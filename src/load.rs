@@ -813,6 +813,7 @@ pub fn merge_reported(
 }
 
 #[cfg(test)]
+#[allow(clippy::indexing_slicing)] // test code: indexing is the assertion
 mod move_to_tests {
     use super::*;
 
@@ -833,6 +834,7 @@ mod move_to_tests {
 }
 
 #[cfg(test)]
+#[allow(clippy::indexing_slicing)] // test code
 mod merge_reported_tests {
     use super::*;
     use crate::events::ReportedLoad;
