@@ -32,8 +32,9 @@ demo:
 	$(MAKE) build
 	target/release/demo
 
-bench:
+bench: build
 	cargo bench --bench router
+	cargo bench --bench envoy_overhead
 
 lint:
 	cargo fmt --all -- --check

@@ -151,6 +151,8 @@ pub struct EnvoyOptions {
     /// Listener and route buffer limit (bytes).
     pub buffer_limit_bytes: u64,
     pub log_level: &'static str,
+    /// Load the Wasm filter (false: the same Envoy without it, for overhead comparisons).
+    pub with_filter: bool,
 }
 
 impl EnvoyOptions {
@@ -163,6 +165,7 @@ impl EnvoyOptions {
             route_timeout: Duration::from_secs(60),
             buffer_limit_bytes: 16 * 1024 * 1024,
             log_level: "info",
+            with_filter: true,
         }
     }
 }
@@ -219,6 +222,23 @@ pub fn bootstrap(opts: &EnvoyOptions, wasm: &Path) -> Value {
         }),
     };
     let timeout = format!("{}s", opts.route_timeout.as_secs_f64());
+    let wasm_filter = json!({"name": "envoy.filters.http.wasm", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+        "config": {
+            "name": "kv_router", "root_id": "kv_router",
+            "allow_on_headers_stop_iteration": true,
+            "failure_policy": "FAIL_RELOAD",
+            "vm_config": {"vm_id": "kv_router", "runtime": "envoy.wasm.runtime.v8",
+                "code": {"local": {"filename": wasm.to_string_lossy()}}},
+            "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
+                "value": opts.filter_config.to_string()}}}});
+    let router = json!({"name": "envoy.filters.http.router", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}});
+    let http_filters = if opts.with_filter {
+        vec![wasm_filter, router]
+    } else {
+        vec![router]
+    };
     json!({
         "admin": {"address": socket_address("127.0.0.1:0")},
         "static_resources": {
@@ -236,19 +256,7 @@ pub fn bootstrap(opts: &EnvoyOptions, wasm: &Path) -> Value {
                             "route": {"cluster": "llm_workers", "timeout": timeout,
                                 "retry_policy": {"retry_on": "connect-failure,refused-stream,reset-before-request",
                                                  "num_retries": 2}}}]}]},
-                        "http_filters": [
-                            {"name": "envoy.filters.http.wasm", "typed_config": {
-                                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-                                "config": {
-                                    "name": "kv_router", "root_id": "kv_router",
-                                    "allow_on_headers_stop_iteration": true,
-                                    "failure_policy": "FAIL_RELOAD",
-                                    "vm_config": {"vm_id": "kv_router", "runtime": "envoy.wasm.runtime.v8",
-                                        "code": {"local": {"filename": wasm.to_string_lossy()}}},
-                                    "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
-                                        "value": opts.filter_config.to_string()}}}},
-                            {"name": "envoy.filters.http.router", "typed_config": {
-                                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
+                        "http_filters": http_filters
                     }}]}]
             }],
             "clusters": [worker_cluster, {
