@@ -122,7 +122,10 @@ fn a_long_prefill_repels_requests_until_its_first_token() {
         std::thread::sleep(Duration::from_millis(200));
         s.abort();
     });
-    std::thread::sleep(Duration::from_millis(300));
+    // Wait until the long request is booked (its prefill tokens show on worker 1).
+    assert!(envoy.wait_for(Duration::from_secs(10), |e| {
+        e.router_stat("worker.1.rank.0.prefill_tokens") > 0
+    }));
     let during = distribution(&envoy, 10, |i| {
         completion(&tokens(10_000 * (i + 1), 4 * BLOCK))
     });
@@ -316,7 +319,9 @@ fn all_workers_overloaded_is_a_503_with_retry_after() {
             Duration::from_secs(10),
         );
     });
-    std::thread::sleep(Duration::from_millis(400));
+    assert!(envoy.wait_for(Duration::from_secs(10), |e| {
+        e.router_stat("worker.1.rank.0.prefill_tokens") > 0
+    }));
     let resp = envoy
         .post_json("/v1/completions", &completion(&tokens(5, 20)))
         .expect("request");
