@@ -89,9 +89,11 @@ impl RequestContext {
             return Action::Continue;
         };
         let vm_rc = Rc::clone(&self.vm);
-        let Ok(mut vm) = vm_rc.try_borrow_mut() else {
+        let Ok(mut vm_guard) = vm_rc.try_borrow_mut() else {
             return Action::Continue;
         };
+        // A plain `&mut` so that disjoint fields (stale flags, selector) can be borrowed together.
+        let vm: &mut VmState = &mut vm_guard;
         let config = Rc::clone(&vm.config);
         if let Some(error) = self.header_pin_error.take() {
             vm.metrics.inc("rejected.bad_request");
@@ -117,7 +119,7 @@ impl RequestContext {
                 log::debug!(
                     "kv-router: cannot read the request ({err}); routing by the fallback rule"
                 );
-                self.fallback(&mut vm, &config, why);
+                self.fallback(vm, &config, why);
                 return Action::Continue;
             }
         };
@@ -143,7 +145,6 @@ impl RequestContext {
         if config.load.reported_load {
             vm.merge_reported_load(&mut load);
         }
-        let stale = vm.stale_slots();
         let prompt_blocks = prompt_blocks(&config, &request);
         let input = RouteInput {
             request: &request,
@@ -151,19 +152,19 @@ impl RequestContext {
             prompt_blocks,
             overlaps: &overlaps,
             load: &load,
-            stale_slots: &stale,
+            stale_slots: &vm.stale_slots,
         };
         let decided = decide(&config, &input, &mut vm.selector);
         vm.overlaps = overlaps;
         match decided {
             Ok(decision) => {
-                self.steer(&mut vm, &config, &decision, now, &request);
+                self.steer(vm, &config, &decision, now, &request);
                 Action::Continue
             }
             Err(RouteError::NonFiniteCost { slot, cost }) => {
                 // Corrupt load or overlap input: never fail the request for it.
                 log::error!("kv-router: slot {slot} scored a non-finite cost ({cost}); routing by the fallback rule");
-                self.fallback(&mut vm, &config, "non_finite_cost");
+                self.fallback(vm, &config, "non_finite_cost");
                 Action::Continue
             }
             Err(err) => {

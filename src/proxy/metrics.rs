@@ -12,17 +12,24 @@ const PREFIX: &str = "kv_router.";
 
 #[derive(Default)]
 pub struct Metrics {
-    ids: HashMap<(MetricType, String), u32>,
+    counters: HashMap<String, u32>,
+    gauges: HashMap<String, u32>,
+    histograms: HashMap<String, u32>,
 }
 
 impl Metrics {
+    /// The metric's id, defined on first use. Lookups by `&str` allocate nothing.
     fn id(&mut self, kind: MetricType, name: &str) -> Option<u32> {
-        if let Some(id) = self.ids.get(&(kind, name.to_string())) {
+        let ids = match kind {
+            MetricType::Counter => &mut self.counters,
+            MetricType::Gauge => &mut self.gauges,
+            _ => &mut self.histograms,
+        };
+        if let Some(id) = ids.get(name) {
             return Some(*id);
         }
-        let full = format!("{PREFIX}{name}");
-        let id = hostcalls::define_metric(kind, &full).ok()?;
-        self.ids.insert((kind, name.to_string()), id);
+        let id = hostcalls::define_metric(kind, &format!("{PREFIX}{name}")).ok()?;
+        ids.insert(name.to_string(), id);
         Some(id)
     }
 

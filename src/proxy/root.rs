@@ -38,6 +38,8 @@ pub struct VmState {
     /// Reused per request so that overlap lookup allocates nothing.
     pub overlaps: Vec<Overlap>,
     block_size_warned: Vec<bool>,
+    /// Stale flags per slot, from the poller's last published head (refreshed on each sync).
+    pub stale_slots: Vec<bool>,
 }
 
 impl VmState {
@@ -61,22 +63,6 @@ impl VmState {
                 merge_reported(view, &reported, worker.kv_capacity_blocks, worker.dp_size);
             }
         }
-    }
-
-    /// Stale flags per slot, from the poller's last published head.
-    pub fn stale_slots(&self) -> Vec<bool> {
-        let config = &self.config;
-        config
-            .slots
-            .iter()
-            .map(|slot| {
-                self.replica
-                    .head
-                    .workers
-                    .get(usize::from(slot.worker))
-                    .is_some_and(|w| w.stale)
-            })
-            .collect()
     }
 }
 
@@ -264,6 +250,13 @@ impl VmState {
     pub fn sync_replica(&mut self) {
         let config = Rc::clone(&self.config);
         let report = self.replica.sync(&config);
+        let head = &self.replica.head;
+        self.stale_slots.clear();
+        self.stale_slots.extend(config.slots.iter().map(|slot| {
+            head.workers
+                .get(usize::from(slot.worker))
+                .is_some_and(|w| w.stale)
+        }));
         self.metrics.add("events.applied", report.events_applied);
         self.metrics.add("events.rejected", report.events_rejected);
         self.metrics.add("index.evicted", report.evicted);
@@ -416,6 +409,7 @@ impl RootContext for RouterRoot {
             next_request_key: 0,
             overlaps: Vec::with_capacity(config.slots.len()),
             block_size_warned: vec![false; workers],
+            stale_slots: vec![false; config.slots.len()],
             fingerprint,
             nonce,
             config: Rc::clone(&config),
