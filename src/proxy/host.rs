@@ -41,10 +41,6 @@ pub fn set_header(map: MapType, name: &str, value: Option<&str>) -> bool {
     hostcalls::set_map_value(map, name, value).is_ok()
 }
 
-pub fn add_header(map: MapType, name: &str, value: &str) -> bool {
-    hostcalls::add_map_value(map, name, value).is_ok()
-}
-
 pub fn buffer(kind: BufferType, len: usize) -> Option<Vec<u8>> {
     match hostcalls::get_buffer(kind, 0, len) {
         Ok(Some(bytes)) => Some(bytes),
