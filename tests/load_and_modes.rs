@@ -390,8 +390,9 @@ fn worker_reported_load_steers_away_from_a_worker_busy_with_other_traffic() {
         workers[0]
             .admin("/admin/load", &report)
             .expect("report load");
+        // 24 in a row avoiding worker 1 cannot happen by chance (2^-24) before the report lands.
         let moved = envoy.wait_for(Duration::from_secs(5), |e| {
-            !distribution(e, 8, |i| completion(&tokens(50_000 + i * 100, 20))).contains_key(&1)
+            !distribution(e, 24, |i| completion(&tokens(50_000 + i * 100, 20))).contains_key(&1)
         });
         assert!(moved, "{mode}: the busy worker is avoided");
         let after = distribution(&envoy, 12, |i| completion(&tokens(90_000 + i * 100, 20)));

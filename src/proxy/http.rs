@@ -131,8 +131,9 @@ impl RequestContext {
             }
             _ => Vec::new(),
         };
-        // Events the poller appended since this thread's last tick count at once.
-        if !hashes.is_empty() && vm.replica.is_behind() {
+        // Events, stale flags and reported load the poller published since this thread's last
+        // tick count at once.
+        if vm.replica.is_behind() {
             vm.sync_replica();
         }
         let mut overlaps = std::mem::take(&mut vm.overlaps);

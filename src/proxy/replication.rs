@@ -20,8 +20,8 @@ use serde::{Deserialize, Serialize};
 pub const LOG_SLOTS: u64 = 64;
 const SNAPSHOT_EVERY: u64 = LOG_SLOTS / 2;
 const HEAD_KEY: &str = "ekr.log.head";
-/// The last appended batch number alone (8 bytes), so that the request path can tell cheaply
-/// whether this VM's replica is behind.
+/// The last appended batch number and the head's version (16 bytes), so that the request path
+/// can tell cheaply whether this VM's replica or its copy of the head is behind.
 const SEQ_KEY: &str = "ekr.log.seq";
 const SNAPSHOT_KEY: &str = "ekr.snapshot";
 const APPEND_ATTEMPTS: usize = 8;
@@ -44,6 +44,9 @@ pub struct LogHead {
     /// Replicas that applied less than this start from an empty index at this batch.
     pub epoch_start: u64,
     pub seq: u64,
+    /// Bumped by every head update (cursors, stale flags, reported load).
+    #[serde(default)]
+    pub version: u64,
     pub snapshot_seq: u64,
     pub workers: Vec<WorkerPollState>,
 }
@@ -54,6 +57,7 @@ impl LogHead {
             fingerprint,
             epoch_start: after_seq,
             seq: after_seq,
+            version: 0,
             snapshot_seq: 0,
             workers: vec![
                 WorkerPollState {
@@ -102,14 +106,18 @@ impl Replica {
         }
     }
 
-    /// Whether the log holds batches this replica has not applied (one 8-byte shared-data get).
+    /// Whether the log holds batches this replica has not applied, or the head changed since
+    /// this VM last read it (one 16-byte shared-data get).
     pub fn is_behind(&self) -> bool {
         let (bytes, _) = host::shared_get(SEQ_KEY);
-        let latest = bytes
-            .as_deref()
-            .and_then(|b| b.try_into().ok())
-            .map_or(0, u64::from_le_bytes);
-        latest > self.applied_seq
+        let word = |range: std::ops::Range<usize>| {
+            bytes
+                .as_deref()
+                .and_then(|b| b.get(range))
+                .and_then(|b| b.try_into().ok())
+                .map_or(0, u64::from_le_bytes)
+        };
+        word(0..8) > self.applied_seq || word(8..16) > self.head.version
     }
 
     /// Applies every batch appended since the last sync.
@@ -310,7 +318,11 @@ fn append_inner(
         };
         let mut head = match current {
             Some(head) if head.fingerprint == fingerprint => head,
-            Some(head) => LogHead::fresh(fingerprint, head.seq + 1, workers, now_ms),
+            Some(old) => LogHead {
+                // Versions only grow, so that replicas notice the new epoch's head.
+                version: old.version,
+                ..LogHead::fresh(fingerprint, old.seq + 1, workers, now_ms)
+            },
             None => LogHead::fresh(fingerprint, 0, workers, now_ms),
         };
         if !edit(&mut head) {
@@ -325,15 +337,16 @@ fn append_inner(
                 return false;
             }
         }
+        head.version += 1;
         let Ok(encoded) = serde_json::to_vec(&head) else {
             return false;
         };
         // A missing key has no CAS; Envoy treats 0 as "unconditional", so creation can race once.
         match host::shared_set(HEAD_KEY, &encoded, cas) {
             Ok(()) => {
-                if batch.is_some() {
-                    let _ = host::shared_set(SEQ_KEY, &head.seq.to_le_bytes(), None);
-                }
+                let mut seq_key = head.seq.to_le_bytes().to_vec();
+                seq_key.extend_from_slice(&head.version.to_le_bytes());
+                let _ = host::shared_set(SEQ_KEY, &seq_key, None);
                 return true;
             }
             Err(_) => continue,
