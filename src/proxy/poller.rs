@@ -43,7 +43,9 @@ pub struct PendingCall {
 #[derive(Default)]
 pub struct Poller {
     pending: HashMap<u32, PendingCall>,
-    busy: Vec<bool>,
+    /// When each worker's call in flight was sent. A reply that never reaches us (a callback that
+    /// found the VM busy, a host that dropped it) frees the worker after the call's timeout.
+    in_flight_since_ms: Vec<Option<u64>>,
     next_due_ms: Vec<u64>,
 }
 
@@ -51,15 +53,19 @@ impl Poller {
     /// Sends the calls that are due: one in flight per worker at most.
     pub fn dispatch_due(&mut self, config: &Config, head: &LogHead, now_ms: u64) -> usize {
         let workers = config.workers.len();
-        self.busy.resize(workers, false);
+        self.in_flight_since_ms.resize(workers, None);
+        let lost_after_ms = config.events.timeout_ms + 1000;
         self.next_due_ms.resize(workers, 0);
         let mut failed = 0;
         for worker in 0..workers {
-            let (Some(busy), Some(due)) = (self.busy.get(worker), self.next_due_ms.get(worker))
-            else {
+            let (Some(since), Some(due)) = (
+                self.in_flight_since_ms.get(worker),
+                self.next_due_ms.get(worker),
+            ) else {
                 continue;
             };
-            if *busy || *due > now_ms {
+            let busy = since.is_some_and(|t| now_ms.saturating_sub(t) < lost_after_ms);
+            if busy || *due > now_ms {
                 continue;
             }
             let cursor = head.workers.get(worker).and_then(|w| w.cursor);
@@ -103,8 +109,8 @@ impl Poller {
         match host::http_call(&config.events.cluster, headers, timeout) {
             Ok(token) => {
                 self.pending.insert(token, PendingCall { worker, kind });
-                if let Some(busy) = self.busy.get_mut(index) {
-                    *busy = true;
+                if let Some(since) = self.in_flight_since_ms.get_mut(index) {
+                    *since = Some(now_ms);
                 }
                 true
             }
@@ -121,8 +127,8 @@ impl Poller {
     pub fn complete(&mut self, token: u32, next_due_ms: u64) -> Option<PendingCall> {
         let call = self.pending.remove(&token)?;
         let index = usize::from(call.worker);
-        if let Some(busy) = self.busy.get_mut(index) {
-            *busy = false;
+        if let Some(since) = self.in_flight_since_ms.get_mut(index) {
+            *since = None;
         }
         if let Some(due) = self.next_due_ms.get_mut(index) {
             *due = next_due_ms;
