@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Checks the mesh manifests in deploy/, the metric names in docs/METRICS.md and the Grafana
 dashboard. Run by scripts/check-deploy.sh (make test) with .venv's Python, which has
-kubernetes-validate (and its PyYAML and jsonschema).
+kubernetes-validate (and its PyYAML and jsonschema) and promql-parser.
 
 What is checked:
 * Every manifest against the Kubernetes OpenAPI schemas (kubernetes-validate, strict: an unknown
@@ -17,8 +17,8 @@ What is checked:
   ip:port are hosts of the routed cluster, that the destination header is the one the cluster
   steers by, that the event cluster exists, and that vLLM, the bridge and the filter agree on the
   KV block size.
-* docs/METRICS.md against the metric names in src/, and the dashboard's queries against
-  docs/METRICS.md, so a renamed metric fails here.
+* docs/METRICS.md against the metric names in src/; the dashboard's queries parse as PromQL and
+  select only metrics docs/METRICS.md lists, so a renamed metric fails here.
 
 `--self-test` feeds deliberately broken variants to each check and fails unless each is caught.
 """
@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator
 
 import jsonschema
 import kubernetes_validate
+import promql_parser
 import yaml
 from referencing import Registry, Resource
 
@@ -955,6 +956,26 @@ def dashboard_exprs(dashboard: dict) -> list[str]:
     return [t["expr"] for p in walk(dashboard) for t in p.get("targets", []) if "expr" in t]
 
 
+GRAFANA_VARIABLES = re.compile(r"\$__(rate_interval|interval|range)\b")
+
+
+def metric_selectors(expr: str) -> list[tuple[str, str]]:
+    """("name", metric) or ("regex", pattern) of every series selector in a PromQL expression."""
+    found: list[tuple[str, str]] = []
+
+    def visit(node: Any) -> bool:
+        if isinstance(node, promql_parser.VectorSelector):
+            if node.name:
+                found.append(("name", node.name))
+            for m in node.matchers.matchers:
+                if m.name == "__name__":
+                    found.append(("regex" if m.op == promql_parser.MatchOp.Re else "name", m.value))
+        return True
+
+    promql_parser.walk(promql_parser.parse(GRAFANA_VARIABLES.sub("5m", expr)), visit)
+    return found
+
+
 def check_dashboard(dashboard_text: str, doc: str) -> list[str]:
     try:
         dashboard = json.loads(dashboard_text)
@@ -965,23 +986,26 @@ def check_dashboard(dashboard_text: str, doc: str) -> list[str]:
         if key not in dashboard:
             errors.append(f"{DASHBOARD.relative_to(ROOT)}: no {key!r}")
     values = placeholder_values(doc)
-    documented = [(re.sub(r"<\w+>", "[a-z0-9_]+", re.escape(p).replace(r"\<", "<").replace(r"\>", ">")), p)
-                  for _, p in documented_metrics(doc)]
-    documented_rx = [re.compile(rx) for rx, _ in documented]
-    examples = {prometheus_name(n) for s, p in documented_metrics(doc)
+    documented_rx = [re.compile(re.sub(r"<\w+>", "[a-z0-9_]+", p)) for _, p in documented_metrics(doc)]
+    examples = {n for _, p in documented_metrics(doc)
                 for n in expand(p, {k: [prometheus_name(v) for v in vs] for k, vs in values.items()})}
     exprs = dashboard_exprs(dashboard)
     if not exprs:
         errors.append(f"{DASHBOARD.relative_to(ROOT)}: no Prometheus queries")
     for expr in exprs:
-        for selector in re.findall(r"__name__=~\"([^\"]+)\"", expr):
-            if not any(re.fullmatch(selector, e) for e in examples):
-                errors.append(f"dashboard: {selector!r} matches no metric in docs/METRICS.md")
-        plain = re.sub(r"\{[^}]*\}|\"[^\"]*\"", "", expr)
-        for name in re.findall(r"\b((?:envoy_wasm_)?kv_router_[a-z0-9_]+)", plain):
-            base = re.sub(r"_(bucket|sum|count)$", "", name)
-            if not any(rx.fullmatch(name) or rx.fullmatch(base) for rx in documented_rx):
-                errors.append(f"dashboard: {name} is not in docs/METRICS.md")
+        try:
+            selectors = metric_selectors(expr)
+        except ValueError as e:
+            errors.append(f"dashboard: PromQL does not parse ({e}): {expr}")
+            continue
+        for kind, value in selectors:
+            if kind == "regex":
+                if not any(re.fullmatch(value, e) for e in examples):
+                    errors.append(f"dashboard: {value!r} matches no metric in docs/METRICS.md")
+                continue
+            base = re.sub(r"_(bucket|sum|count)$", "", value)
+            if not any(rx.fullmatch(value) or rx.fullmatch(base) for rx in documented_rx):
+                errors.append(f"dashboard: {value} is not in docs/METRICS.md")
     return errors
 
 
@@ -1086,6 +1110,12 @@ def self_test(m: Manifests, doc: str, dashboard: str) -> list[str]:
         ("dashboard: a metric that is not documented",
          lambda: check_dashboard(dashboard.replace("kv_router_events_gaps", "kv_router_events_gap"), doc),
          "kv_router_events_gap is not in docs/METRICS.md"),
+        ("dashboard: a query that is not PromQL",
+         lambda: check_dashboard(dashboard.replace("sum(rate(kv_router_events_gaps[", "sum(rate(kv_router_events_gaps(["), doc),
+         "PromQL does not parse"),
+        ("dashboard: a per-worker selector matching no documented metric",
+         lambda: check_dashboard(dashboard.replace("_rank_.+_decode_blocks", "_rank_.+_decode_block"), doc),
+         "matches no metric in docs/METRICS.md"),
         ("dashboard: not JSON",
          lambda: check_dashboard(dashboard[:-2], doc),
          "not valid JSON"),
