@@ -20,6 +20,7 @@ test: setup build lint
 	cargo test --workspace --release
 	bash scripts/test-wasm.sh
 	bash scripts/check-compose.sh
+	bash scripts/check-deploy.sh
 
 test-native: build
 	cargo test --workspace --release
