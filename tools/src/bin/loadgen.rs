@@ -90,6 +90,9 @@ struct Args {
     /// Write a TTFT chart (SVG) here.
     #[arg(long)]
     svg: Option<PathBuf>,
+    /// Write every request's measurements here, one JSON object a line.
+    #[arg(long)]
+    requests_jsonl: Option<PathBuf>,
     /// An extra request header 'name: value' (repeatable).
     #[arg(long = "header")]
     headers: Vec<String>,
@@ -215,6 +218,16 @@ fn main() {
     if let Some(p) = &args.json {
         let body = serde_json::to_string_pretty(&stats.summary_json()).unwrap_or_default();
         if let Err(e) = std::fs::write(p, body) {
+            eprintln!("loadgen: cannot write {}: {e}", p.display());
+        }
+    }
+    if let Some(p) = &args.requests_jsonl {
+        let mut lines = String::new();
+        for r in &stats.results {
+            lines.push_str(&serde_json::to_string(r).unwrap_or_default());
+            lines.push('\n');
+        }
+        if let Err(e) = std::fs::write(p, lines) {
             eprintln!("loadgen: cannot write {}: {e}", p.display());
         }
     }

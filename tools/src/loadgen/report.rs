@@ -63,18 +63,22 @@ pub fn format_stats(label: &str, s: &RunStats) -> String {
     );
     let _ = writeln!(
         out,
-        "client: cpu {:.1}s ({:.0}% of one core)  max RSS {:.0} MB",
+        "client: cpu {:.1}s ({:.0}% of one core)  max RSS {:.0} MB  runtime lag p50 {} p99 {} max {} ms",
         c.cpu_s,
         s.client_cpu_percent(),
-        c.max_rss_bytes as f64 / f64::from(1 << 20)
+        c.max_rss_bytes as f64 / f64::from(1 << 20),
+        fmt_ms(c.runtime_lag_ms.p50),
+        fmt_ms(c.runtime_lag_ms.p99),
+        fmt_ms(c.runtime_lag_ms.max)
     );
     if let (Some(server), Some(w)) = (s.server_ttft_mean_ms(), s.workers) {
         let _ = writeln!(
             out,
-            "TTFT mean: client {} ms, server side {} ms (workers' /metrics), difference {} ms; workers' cpu {:.1}s",
-            fmt_ms(s.ttft().mean),
-            fmt_ms(server),
-            s.ttft_overhead_ms().map_or_else(|| "-".into(), fmt_ms),
+            "TTFT mean: client {:.3} ms, server side {:.3} ms (workers' /metrics), difference {} ms; workers' cpu {:.1}s",
+            s.ttft().mean,
+            server,
+            s.ttft_overhead_ms()
+                .map_or_else(|| "-".into(), |d| format!("{d:.3}")),
             w.cpu_s
         );
     }
@@ -354,6 +358,7 @@ mod tests {
             max_rss_bytes: 64 << 20,
             peak_in_flight: 4,
             peak_open_streams: 3,
+            runtime_lag_ms: Summary::of(&[0.1, 0.2]),
         };
         measured.workers = Some(WorkerCounters {
             first_token_s: 0.02,
@@ -368,7 +373,7 @@ mod tests {
             text.contains("peak in flight 4  peak open streams 3"),
             "{text}"
         );
-        assert!(text.contains("server side 5.0 ms"), "{text}");
+        assert!(text.contains("server side 5.000 ms"), "{text}");
         let svg = svg_chart(&[("kv <1>", a), ("random", b)]);
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
         assert!(svg.contains("kv &lt;1&gt;"));

@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-use super::stats::{scrape_workers_async, ClientUsage, RunStats, WorkerCounters};
+use super::stats::{scrape_workers_async, ClientUsage, RunStats, Summary, WorkerCounters};
 use super::{Arrival, RequestSpec, Workload};
 use crate::client::{base_url, to_io_error};
 use crate::sse::EventStream;
@@ -69,7 +69,7 @@ impl Default for RunOptions {
 }
 
 /// What happened to one request.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct RequestResult {
     pub index: usize,
     pub ok: bool,
@@ -349,6 +349,25 @@ async fn timed(run: Arc<Run>) -> Vec<RequestResult> {
     results
 }
 
+/// How often the lag probe wakes up.
+const LAG_PROBE_PERIOD: Duration = Duration::from_millis(10);
+/// Lag samples kept (a sample every 10 ms: the first ~45 minutes of a run).
+const MAX_LAG_SAMPLES: usize = 1 << 18;
+
+/// Measures how late this runtime runs a task that asked to wake up: the same delay stamps every
+/// SSE event late, so it bounds what a busy client adds to its own TTFT and ITL figures.
+async fn probe_lag(samples: Arc<std::sync::Mutex<Vec<f64>>>) {
+    loop {
+        let asked = Instant::now();
+        tokio::time::sleep(LAG_PROBE_PERIOD).await;
+        let late = asked.elapsed().saturating_sub(LAG_PROBE_PERIOD);
+        let mut s = crate::util::lock(&samples);
+        if s.len() < MAX_LAG_SAMPLES {
+            s.push(late.as_secs_f64() * 1000.0);
+        }
+    }
+}
+
 async fn report_progress(run: Arc<Run>, every: Duration) {
     let label = if run.opts.label.is_empty() {
         String::new()
@@ -423,6 +442,8 @@ async fn run_async(targets: &[String], workload: &Workload, opts: &RunOptions) -
     let progress = opts
         .progress_every
         .map(|every| tokio::spawn(report_progress(Arc::clone(&run), every)));
+    let lag_samples = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let lag_probe = tokio::spawn(probe_lag(Arc::clone(&lag_samples)));
     let arrival = match opts.concurrency {
         Some(c) => Arrival::Concurrency(c),
         None => workload.arrival,
@@ -435,6 +456,8 @@ async fn run_async(targets: &[String], workload: &Workload, opts: &RunOptions) -
     if let Some(p) = progress {
         p.abort();
     }
+    lag_probe.abort();
+    let lag = Summary::of(&crate::util::lock(&lag_samples));
     let usage_after = sys::usage().unwrap_or_default();
     let after = if before.is_some() {
         scrape(http).await
@@ -456,6 +479,7 @@ async fn run_async(targets: &[String], workload: &Workload, opts: &RunOptions) -
             max_rss_bytes: usage_after.max_rss_bytes,
             peak_in_flight: g.peak_in_flight.load(Ordering::Relaxed),
             peak_open_streams: g.peak_open_streams.load(Ordering::Relaxed),
+            runtime_lag_ms: lag,
         },
     }
 }

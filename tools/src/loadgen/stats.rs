@@ -193,6 +193,9 @@ pub struct ClientUsage {
     pub peak_in_flight: usize,
     /// Most responses streaming at once (head received, body not finished).
     pub peak_open_streams: usize,
+    /// How late the client's runtime woke a sleeping task (sampled every 10 ms, timer
+    /// granularity included): SSE arrival stamps can be late by as much.
+    pub runtime_lag_ms: Summary,
 }
 
 impl RunStats {
@@ -326,6 +329,7 @@ impl RunStats {
                 "cpu_s": self.client.cpu_s,
                 "cpu_percent_of_one_core": self.client_cpu_percent(),
                 "max_rss_mb": self.client.max_rss_bytes as f64 / (1 << 20) as f64,
+                "runtime_lag_ms": self.client.runtime_lag_ms.to_json(),
             },
             "server_ttft_mean_ms": self.server_ttft_mean_ms(),
             "ttft_overhead_ms": self.ttft_overhead_ms(),
