@@ -1,5 +1,5 @@
 # envoy-kv-router. `make test` and `make demo` do their own set-up on a fresh machine.
-.PHONY: all setup build wasm tools test test-native test-wasm demo bench lint fmt clean
+.PHONY: all setup build wasm tools test test-native test-wasm demo bench bench-streams lint fmt clean
 
 all: build
 
@@ -36,6 +36,10 @@ demo:
 bench: build
 	cargo bench --bench router
 	cargo bench --bench envoy_overhead
+
+# One load generator holding 10,000 concurrent streams against 4 mock workers (STREAMS=...).
+bench-streams: tools
+	bash scripts/bench-streams.sh
 
 lint:
 	cargo fmt --all -- --check

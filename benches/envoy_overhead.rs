@@ -7,8 +7,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 
+use envoy_kv_router_tools::client as http;
 use envoy_kv_router_tools::harness::{Envoy, EnvoyOptions, Worker};
-use envoy_kv_router_tools::http;
 use serde_json::json;
 use std::time::{Duration, Instant};
 

@@ -6,7 +6,9 @@ local = XXH3-64(tokens as little-endian u32, seed), seed = 1337, or with a LoRA 
 1337 + XXH3-64(name, seed 0) mod 2^64; seq[0] = local[0],
 seq[i] = XXH3-64(le_u64(seq[i-1]) ++ le_u64(local[i]), seed 1337). Only full blocks.
 
-Usage: python3 scripts/gen_hash_vectors.py > tests/data/hash_vectors.json
+Usage (the `xxhash` package comes from PyPI):
+    python3 -m venv /tmp/hashvec && /tmp/hashvec/bin/pip install xxhash
+    /tmp/hashvec/bin/python scripts/gen_hash_vectors.py > tests/data/hash_vectors.json
 """
 import json
 import struct

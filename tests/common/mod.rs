@@ -1,9 +1,9 @@
 //! Shared set-up for the integration tests: mock workers and an Envoy in front of them.
 #![allow(dead_code)]
 
+pub use envoy_kv_router_tools::client as http;
 #[allow(unused_imports)]
 pub use envoy_kv_router_tools::harness::{Envoy, EnvoyOptions, Steering, Worker};
-pub use envoy_kv_router_tools::http;
 use serde_json::{json, Value};
 
 /// `count` echo-mode workers (ids 1..=count) with the given block size.

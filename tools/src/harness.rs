@@ -5,7 +5,7 @@
 //! tears everything down. Ports come from the OS (`--port 0` for workers, port 0 listeners for
 //! Envoy, read back from the admin API), so tests run in parallel without clashes.
 
-use crate::http;
+use crate::client;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -120,8 +120,8 @@ impl Worker {
         (1..=count).map(|id| Worker::spawn(id, args)).collect()
     }
 
-    pub fn admin(&self, path: &str, body: &Value) -> std::io::Result<http::Response> {
-        http::post_json(&self.addr, path, body)
+    pub fn admin(&self, path: &str, body: &Value) -> std::io::Result<client::Response> {
+        client::post_json(&self.addr, path, body)
     }
 
     pub fn kill(&mut self) {
@@ -326,7 +326,7 @@ impl Envoy {
                 }
             }
             if !self.admin.is_empty() {
-                let ready = http::get(&self.admin, "/ready").is_ok_and(|r| r.status == 200);
+                let ready = client::get(&self.admin, "/ready").is_ok_and(|r| r.status == 200);
                 if ready {
                     if let Some(listener) = self.listener_address() {
                         self.listener = listener;
@@ -344,7 +344,7 @@ impl Envoy {
 
     /// The LLM listener's bound address, from `/listeners?format=json`.
     fn listener_address(&self) -> Option<String> {
-        let body = http::get(&self.admin, "/listeners?format=json")
+        let body = client::get(&self.admin, "/listeners?format=json")
             .ok()?
             .json()
             .ok()?;
@@ -363,8 +363,8 @@ impl Envoy {
         path: &str,
         headers: &[(&str, &str)],
         body: &[u8],
-    ) -> std::io::Result<http::Response> {
-        http::request(
+    ) -> std::io::Result<client::Response> {
+        client::request(
             &self.listener,
             "POST",
             path,
@@ -374,7 +374,7 @@ impl Envoy {
         )
     }
 
-    pub fn post_json(&self, path: &str, body: &Value) -> std::io::Result<http::Response> {
+    pub fn post_json(&self, path: &str, body: &Value) -> std::io::Result<client::Response> {
         self.send(
             path,
             &[("content-type", "application/json")],
@@ -385,7 +385,7 @@ impl Envoy {
     /// Every stat as `name -> value` (counters and gauges).
     pub fn stats(&self) -> std::collections::HashMap<String, u64> {
         let mut stats = std::collections::HashMap::new();
-        if let Ok(resp) = http::get(&self.admin, "/stats") {
+        if let Ok(resp) = client::get(&self.admin, "/stats") {
             for line in resp.text().lines() {
                 if let Some((name, value)) = line.split_once(": ") {
                     if let Ok(value) = value.trim().parse() {

@@ -1,12 +1,17 @@
-//! Native tools for envoy-kv-router (never compiled to wasm).
+//! Native tools for envoy-kv-router (never compiled to wasm), on tokio, axum, reqwest and clap.
 //!
-//! * [`http`]: a small HTTP/1.1 client and server over `std::net`.
+//! * [`client`]: a small blocking HTTP client for tests, benches and the harness.
+//! * [`server`]: serving an axum router (foreground or on a background thread).
 //! * [`mock`]: the mock LLM worker (echo mode for tests, a vLLM-like engine for benchmarks).
-//! * `harness`: launches Envoy for the integration tests and the demo.
+//! * [`loadgen`], [`compare`]: the async load generator and the mode-by-mode comparison.
+//! * [`harness`]: launches Envoy and mock workers for the integration tests and the demo.
 
+pub mod client;
 pub mod compare;
 pub mod harness;
-pub mod http;
 pub mod loadgen;
 pub mod mock;
+pub mod server;
+pub mod sse;
+pub mod sys;
 pub mod util;

@@ -1,4 +1,11 @@
-//! Small shared helpers: deterministic mixing and percentiles.
+//! Small shared helpers: deterministic mixing, percentiles, poison-tolerant locking.
+
+use std::sync::{Mutex, MutexGuard};
+
+/// Locks a mutex, ignoring poisoning (a panicking handler must not wedge the server).
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// SplitMix64 finalizer: a fast, well-mixed 64-bit hash of `x`.
 pub fn splitmix64(x: u64) -> u64 {

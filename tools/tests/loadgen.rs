@@ -4,12 +4,13 @@
 use std::time::Duration;
 
 use envoy_kv_router_tools::loadgen::{
-    comparison_table, run_workload, scrape_hit_rate, svg_chart, synthetic, RunOptions,
-    SyntheticSpec,
+    comparison_table, run_workload, run_workload_on, scrape_hit_rate, svg_chart, synthetic,
+    RunOptions, SyntheticSpec,
 };
 use envoy_kv_router_tools::mock::{self, Mode, Options};
+use serde_json::json;
 
-fn engine_worker(id: &str) -> (envoy_kv_router_tools::http::Server, String) {
+fn engine_worker(id: &str) -> (envoy_kv_router_tools::server::Server, String) {
     let (server, _) = mock::spawn(Options {
         id: id.into(),
         mode: Mode::Engine,
@@ -81,4 +82,54 @@ fn errors_are_counted_not_fatal() {
     let (s, _) = mock::spawn(Options::default()).unwrap();
     let stats = run_workload(&s.addr_string(), &synthetic(&spec), &opts);
     assert_eq!(stats.completed(), 3, "{:?}", stats.error_summary());
+}
+
+/// A closed loop over two echo workers addressed directly: requests alternate between the
+/// targets, the loop holds its concurrency, and the report carries the client's CPU and the
+/// workers' server-side TTFT, which the client-side TTFT can only exceed.
+#[test]
+fn closed_loop_over_a_fleet_reports_concurrency_and_server_ttft() {
+    let workers: Vec<_> = ["1", "2"]
+        .iter()
+        .map(|id| {
+            mock::spawn(Options {
+                id: (*id).into(),
+                ..Options::default()
+            })
+            .unwrap()
+            .0
+        })
+        .collect();
+    let addrs: Vec<String> = workers.iter().map(|s| s.addr_string()).collect();
+    let spec = SyntheticSpec::parse("groups=2,prefix=8,isl=16,osl=3,requests=40,rate=1").unwrap();
+    let opts = RunOptions {
+        worker_addrs: addrs.clone(),
+        progress_every: None,
+        timeout: Duration::from_secs(20),
+        concurrency: Some(8),
+        extra_body: Some(json!({"mock": {"chunks": 3, "chunk_interval_ms": 20}})),
+        ..RunOptions::default()
+    };
+    let stats = run_workload_on(&addrs, &synthetic(&spec), &opts);
+    assert_eq!(stats.completed(), 40, "{:?}", stats.error_summary());
+    assert_eq!(
+        stats.per_worker(),
+        vec![("1".to_string(), 20), ("2".to_string(), 20)]
+    );
+    assert!(stats.results.iter().all(|r| r.itl_ms.len() == 2));
+    assert_eq!(stats.client.peak_in_flight, 8);
+    assert!(stats.client.peak_open_streams <= 8);
+    let mean = stats.mean_in_flight();
+    assert!(mean > 1.0 && mean <= 8.0, "{mean}");
+    assert!(stats.client.cpu_s > 0.0);
+    assert!(stats.client.runtime_lag_ms.count > 0);
+    let workers_seen = stats.workers.expect("worker counters");
+    assert_eq!(workers_seen.first_tokens, 40.0);
+    let server = stats.server_ttft_mean_ms().expect("server-side TTFT");
+    assert!(
+        server >= 0.0 && server < stats.ttft().mean,
+        "{server} vs {}",
+        stats.ttft().mean
+    );
+    assert!(stats.ttft_overhead_ms().unwrap() > 0.0);
 }

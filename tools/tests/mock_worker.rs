@@ -5,7 +5,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use envoy_kv_router_tools::http::{self, get, post_json, request, request_streaming};
+use envoy_kv_router_tools::client::{get, post_json, request, request_streaming};
 use serde_json::{json, Value};
 
 struct Worker {
@@ -145,6 +145,101 @@ fn echo_mode_completions_and_headers() {
         metrics.contains("mock_worker_requests_total{worker_id=\"7\"} 5"),
         "{metrics}"
     );
+    // Server-side first tokens: the two completions, the stream and the chat answer (not the
+    // 503 nor the request abandoned while hanging).
+    assert!(
+        metrics.contains("mock_worker_first_tokens_total{worker_id=\"7\"} 3"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn echo_mode_notices_clients_that_go_away() {
+    let w = start(&["--id", "2"]);
+    // The client gives up long before a 30 s hang ends.
+    let err = request(
+        &w.addr,
+        "POST",
+        "/v1/completions",
+        &[],
+        br#"{"prompt": "x", "mock": {"hang_ms": 30000}}"#,
+        Duration::from_millis(200),
+    )
+    .unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
+    // A stream of 100 chunks a second apart, abandoned after its first chunk.
+    let body =
+        br#"{"prompt": "x", "stream": true, "mock": {"chunks": 100, "chunk_interval_ms": 1000}}"#;
+    let mut s = request_streaming(
+        &w.addr,
+        "POST",
+        "/v1/completions",
+        &[],
+        body,
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    assert!(s.next_event().unwrap().is_some());
+    s.abort();
+    // Both leave flight long before their natural ends (30 s and 99 s).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let stats = get(&w.addr, "/admin/stats").unwrap().json().unwrap();
+        if stats["in_flight"] == 0 {
+            assert_eq!(stats["requests"], 2);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "requests still in flight: {stats}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn command_line_errors_exit_with_status_2() {
+    for args in [
+        &["--block-size", "0"][..],
+        &["--mode", "bogus"],
+        &["--speedup", "0"],
+        &["--no-such-flag"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_mock-worker"))
+            .args(args)
+            .output()
+            .expect("run mock-worker");
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let flag = args[0];
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(flag),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let help = Command::new(env!("CARGO_BIN_EXE_mock-worker"))
+        .arg("--help")
+        .output()
+        .expect("run mock-worker");
+    assert!(help.status.success());
+    let text = String::from_utf8_lossy(&help.stdout);
+    for flag in [
+        "--host",
+        "--port",
+        "--id",
+        "--mode",
+        "--block-size",
+        "--kv-blocks",
+        "--host-kv-blocks",
+        "--max-seqs",
+        "--max-batched-tokens",
+        "--speedup",
+        "--device",
+        "--dp-rank",
+        "--event-capacity",
+    ] {
+        assert!(text.contains(flag), "{flag} missing from --help");
+    }
 }
 
 #[test]
@@ -317,7 +412,6 @@ fn engine_mode_streams_and_caches() {
         .as_array()
         .unwrap()
         .is_empty());
-    let _ = http::DEFAULT_TIMEOUT;
 }
 
 #[test]

@@ -3,37 +3,73 @@
 //! fleet; the table and a TTFT chart (bench-out/demo-ttft.svg) compare them. Ctrl-C stops
 //! everything (the workers and Envoy share the terminal's process group).
 
+use std::path::PathBuf;
+
+use clap::Parser;
 use envoy_kv_router_tools::compare::{compare_modes, report_comparison, Fleet};
 use envoy_kv_router_tools::harness::workspace_root;
 use envoy_kv_router_tools::loadgen::{synthetic, RunOptions, SyntheticSpec};
 
+/// 16 conversations sharing 8k-token prefixes plus 2k-token suffixes. Each worker caches 1024
+/// blocks of 64 tokens (64k tokens): about 4 of the 16 prefixes. KV routing keeps each prefix on
+/// one worker; round-robin makes every worker cycle through all 16 and evict them.
+const DEFAULT_SPEC: &str = "groups=16,prefix=8192,isl=10240,osl=32,requests=320,rate=6,seed=7";
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "demo",
+    about = "KV routing vs round-robin through Envoy and the filter, on a fleet of mock workers"
+)]
+struct Args {
+    /// The synthetic workload (see `loadgen --help`).
+    #[arg(long, default_value = DEFAULT_SPEC)]
+    synthetic: String,
+    /// Mock workers in the fleet.
+    #[arg(long, default_value_t = 4)]
+    fleet: u64,
+    /// Extra mock-worker arguments.
+    #[arg(
+        long,
+        default_value = "--kv-blocks 1024 --speedup 2",
+        allow_hyphen_values = true
+    )]
+    worker_args: String,
+    /// Routing modes to compare, in order.
+    #[arg(long, default_value = "kv,round-robin")]
+    modes: String,
+    /// Where the chart and the JSON summary go (default: bench-out/ in the workspace).
+    #[arg(long)]
+    out_dir: Option<PathBuf>,
+}
+
 fn main() {
-    // 16 conversations sharing 8k-token prefixes plus 2k-token suffixes. Each worker caches 1024
-    // blocks of 64 tokens (64k tokens): about 4 of the 16 prefixes. KV routing keeps each prefix on
-    // one worker; round-robin makes every worker cycle through all 16 and evict them.
-    let spec = "groups=16,prefix=8192,isl=10240,osl=32,requests=320,rate=6,seed=7";
-    let workload = match SyntheticSpec::parse(spec) {
+    let args = Args::parse();
+    let workload = match SyntheticSpec::parse(&args.synthetic) {
         Ok(spec) => synthetic(&spec),
         Err(e) => {
             eprintln!("demo: bad workload spec: {e}");
             std::process::exit(2);
         }
     };
-    let fleet = Fleet::new(4, 64, &["--kv-blocks", "1024", "--speedup", "2"]);
-    println!("demo: 4 mock workers, workload {spec}, modes kv then round-robin");
-    let results = match compare_modes(
-        &["kv", "round-robin"],
-        &fleet,
-        &workload,
-        &RunOptions::default(),
-    ) {
+    let worker_args: Vec<&str> = args.worker_args.split_whitespace().collect();
+    let fleet = Fleet::new(args.fleet, 64, &worker_args);
+    let modes: Vec<&str> = args.modes.split(',').filter(|m| !m.is_empty()).collect();
+    println!(
+        "demo: {} mock workers, workload {}, modes {}",
+        args.fleet,
+        args.synthetic,
+        modes.join(" then ")
+    );
+    let results = match compare_modes(&modes, &fleet, &workload, &RunOptions::default()) {
         Ok(results) => results,
         Err(e) => {
             eprintln!("demo: {e}");
             std::process::exit(1);
         }
     };
-    let out = workspace_root().join("bench-out");
+    let out = args
+        .out_dir
+        .unwrap_or_else(|| workspace_root().join("bench-out"));
     report_comparison(
         &results,
         Some(&out.join("demo-ttft.svg")),

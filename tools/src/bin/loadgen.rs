@@ -1,148 +1,238 @@
 //! `loadgen`: replays a Mooncake trace or a synthetic shared-prefix workload against an
 //! OpenAI-compatible endpoint (streamed `/v1/completions`, token-id prompts) and reports TTFT,
-//! ITL, end-to-end latency, throughput, errors and the workers' cache hit rate.
+//! ITL, end-to-end latency, throughput, errors, achieved concurrency, its own CPU use and the
+//! workers' cache hit rate and server-side TTFT.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::{ArgGroup, Parser};
 use envoy_kv_router_tools::compare::{compare_modes, report_comparison, Fleet};
 use envoy_kv_router_tools::loadgen::{
-    format_stats, load_mooncake, run_workload, synthetic, write_svg_chart, RunOptions,
+    format_stats, load_mooncake, run_workload_on, synthetic, write_svg_chart, RunOptions,
     SyntheticSpec,
 };
+use envoy_kv_router_tools::sys::raise_fd_limit;
+use serde_json::Value;
 
-const USAGE: &str =
-    "usage: loadgen (--target IP:PORT | --modes kv,round-robin [--fleet 8] [--worker-args '...']
-                 [--block-size 64] [--filter-json '{...}']) (--trace FILE [--time-scale X] | --synthetic SPEC)
-  [--max-requests N] [--model NAME] [--path /v1/completions] [--timeout-s 600]
-  [--max-in-flight 2048] [--workers IP:PORT,IP:PORT] [--label NAME] [--json FILE] [--svg FILE]
-  [--header 'name: value']... [--quiet]
-SPEC: groups=G,prefix=P,isl=I,osl=O,requests=N,(rate=R|concurrency=C)[,seed=S]
---workers: mock workers whose /metrics give the prefix-cache hit rate of the run.
---modes: start a fresh fleet of --fleet mock workers (engine mode, --worker-args) and a fresh
-  Envoy with the filter for each routing mode in turn, run the same workload through each, and
-  print a side-by-side table (and --svg chart). The last line compares kv with round-robin.";
+#[derive(Debug, Parser)]
+#[command(
+    name = "loadgen",
+    about = "Replays a Mooncake trace or a synthetic shared-prefix workload and measures it",
+    group(ArgGroup::new("workload").required(true).args(["trace", "synthetic"])),
+    group(ArgGroup::new("where").required(true).args(["target", "modes"])),
+    after_help = "SPEC: groups=G,prefix=P,isl=I,osl=O,requests=N,(rate=R|concurrency=C)[,seed=S]\n\
+--modes: start a fresh fleet of --fleet mock workers (engine mode, --worker-args) and a fresh \
+Envoy with the filter for each routing mode in turn, run the same workload through each, and \
+print a side-by-side table (and --svg chart). The last line compares kv with round-robin.\n\
+Mooncake traces (JSON lines: timestamp, input_length, output_length, hash_ids): see \
+github.com/kvcache-ai/Mooncake, FAST25-release/traces/."
+)]
+struct Args {
+    /// Where to send requests: IP:PORT, or several separated by commas (spread round-robin,
+    /// e.g. a fleet of mock workers addressed directly).
+    #[arg(long, value_delimiter = ',')]
+    target: Vec<String>,
+    /// Routing modes to compare, e.g. kv,round-robin (each on a fresh fleet and Envoy).
+    #[arg(long)]
+    modes: Option<String>,
+    /// Mock workers in the fleet of --modes.
+    #[arg(long, default_value_t = 8)]
+    fleet: u64,
+    /// Extra mock-worker arguments for the fleet of --modes, e.g. '--kv-blocks 8192'.
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    worker_args: String,
+    /// KV block size of the fleet and the filter (--modes).
+    #[arg(long, default_value_t = 64)]
+    block_size: u32,
+    /// JSON merged into the filter configuration of every mode (--modes).
+    #[arg(long)]
+    filter_json: Option<String>,
+    /// A Mooncake-format trace (JSON lines).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Divides the trace's timestamps (10 = ten times faster).
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// A synthetic shared-prefix workload (SPEC below).
+    #[arg(long)]
+    synthetic: Option<String>,
+    /// Use at most this many requests of the workload.
+    #[arg(long)]
+    max_requests: Option<usize>,
+    /// Closed loop of N clients (each sends its next request when the last one ends),
+    /// whatever the workload's own arrivals.
+    #[arg(long)]
+    concurrency: Option<usize>,
+    /// Closed loop: start the clients evenly over this many seconds.
+    #[arg(long, default_value_t = 0.0)]
+    ramp_up_s: f64,
+    #[arg(long, default_value = "mock-model")]
+    model: String,
+    #[arg(long, default_value = "/v1/completions")]
+    path: String,
+    /// Connect timeout and idle timeout of each read, in seconds.
+    #[arg(long, default_value_t = 600.0)]
+    timeout_s: f64,
+    /// Cap on concurrent requests of a timed workload.
+    #[arg(long, default_value_t = 2048)]
+    max_in_flight: usize,
+    /// Mock workers (IP:PORT,...) whose /metrics give the run's prefix-cache hit rate,
+    /// server-side TTFT and CPU.
+    #[arg(long, value_delimiter = ',')]
+    workers: Vec<String>,
+    /// Label of the run in the report.
+    #[arg(long, default_value = "")]
+    label: String,
+    /// Write the summary as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Write a TTFT chart (SVG) here.
+    #[arg(long)]
+    svg: Option<PathBuf>,
+    /// Write every request's measurements here, one JSON object a line.
+    #[arg(long)]
+    requests_jsonl: Option<PathBuf>,
+    /// An extra request header 'name: value' (repeatable).
+    #[arg(long = "header")]
+    headers: Vec<String>,
+    /// JSON object merged into every request body, e.g. '{"mock": {"chunks": 20}}'.
+    #[arg(long)]
+    body_json: Option<String>,
+    /// No progress lines.
+    #[arg(long)]
+    quiet: bool,
+}
 
 fn fail(msg: &str) -> ! {
-    eprintln!("{msg}\n{USAGE}");
+    eprintln!("loadgen: {msg}");
     std::process::exit(2);
 }
 
-fn main() {
-    let mut target = None;
-    let mut trace: Option<PathBuf> = None;
-    let mut synth: Option<String> = None;
-    let mut time_scale = 1.0;
-    let mut max_requests = None;
-    let mut json_out: Option<PathBuf> = None;
-    let mut svg_out: Option<PathBuf> = None;
-    let mut opts = RunOptions::default();
-    let mut modes: Option<String> = None;
-    let mut fleet_size = 8u64;
-    let mut worker_args = String::new();
-    let mut block_size = 64u32;
-    let mut filter_json: Option<String> = None;
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        if flag == "--help" || flag == "-h" {
-            println!("{USAGE}");
-            return;
-        }
-        if flag == "--quiet" {
-            opts.progress_every = None;
-            continue;
-        }
-        let value = args
-            .next()
-            .unwrap_or_else(|| fail(&format!("{flag} needs a value")));
-        let num = |v: &str| -> f64 {
-            v.parse()
-                .unwrap_or_else(|_| fail(&format!("{flag}: bad number {v:?}")))
-        };
-        match flag.as_str() {
-            "--target" => target = Some(value),
-            "--modes" => modes = Some(value),
-            "--fleet" => fleet_size = num(&value) as u64,
-            "--worker-args" => worker_args = value,
-            "--block-size" => block_size = num(&value) as u32,
-            "--filter-json" => filter_json = Some(value),
-            "--trace" => trace = Some(PathBuf::from(value)),
-            "--synthetic" => synth = Some(value),
-            "--time-scale" => time_scale = num(&value),
-            "--max-requests" => max_requests = Some(num(&value) as usize),
-            "--model" => opts.model = value,
-            "--path" => opts.path = value,
-            "--timeout-s" => opts.timeout = Duration::from_secs_f64(num(&value)),
-            "--max-in-flight" => opts.max_in_flight = num(&value) as usize,
-            "--workers" => {
-                opts.worker_addrs = value
-                    .split(',')
-                    .filter(|s| !s.is_empty())
-                    .map(str::to_string)
-                    .collect();
-            }
-            "--label" => opts.label = value,
-            "--json" => json_out = Some(PathBuf::from(value)),
-            "--svg" => svg_out = Some(PathBuf::from(value)),
-            "--header" => match value.split_once(':') {
-                Some((k, v)) => opts
-                    .extra_headers
-                    .push((k.trim().to_string(), v.trim().to_string())),
-                None => fail("--header expects 'name: value'"),
-            },
-            _ => fail(&format!("unknown option {flag}")),
+fn positive_secs(flag: &str, s: f64) -> Duration {
+    Duration::try_from_secs_f64(s).unwrap_or_else(|_| fail(&format!("{flag}: bad duration {s}")))
+}
+
+fn run_options(args: &Args) -> RunOptions {
+    let mut opts = RunOptions {
+        model: args.model.clone(),
+        path: args.path.clone(),
+        timeout: positive_secs("--timeout-s", args.timeout_s),
+        max_in_flight: args.max_in_flight,
+        concurrency: args.concurrency,
+        ramp_up: positive_secs("--ramp-up-s", args.ramp_up_s),
+        worker_addrs: args
+            .workers
+            .iter()
+            .filter(|s| !s.is_empty())
+            .cloned()
+            .collect(),
+        label: args.label.clone(),
+        ..RunOptions::default()
+    };
+    if args.quiet {
+        opts.progress_every = None;
+    }
+    for h in &args.headers {
+        match h.split_once(':') {
+            Some((k, v)) => opts
+                .extra_headers
+                .push((k.trim().to_string(), v.trim().to_string())),
+            None => fail("--header expects 'name: value'"),
         }
     }
-    let workload = match (trace, synth) {
-        (Some(path), None) => {
-            load_mooncake(&path, time_scale, max_requests).unwrap_or_else(|e| fail(&e.to_string()))
+    if let Some(body) = &args.body_json {
+        let v: Value =
+            serde_json::from_str(body).unwrap_or_else(|e| fail(&format!("--body-json: {e}")));
+        if !v.is_object() {
+            fail("--body-json must be a JSON object");
         }
-        (None, Some(spec)) => {
-            let mut spec = SyntheticSpec::parse(&spec).unwrap_or_else(|e| fail(&e));
-            if let Some(m) = max_requests {
-                spec.requests = spec.requests.min(m);
+        opts.extra_body = Some(v);
+    }
+    opts
+}
+
+fn main() {
+    let args = Args::parse();
+    match raise_fd_limit() {
+        Ok(limit) => {
+            let want = args.concurrency.unwrap_or(args.max_in_flight) as u64 + 64;
+            if limit < want {
+                eprintln!(
+                    "loadgen: the open-file limit is {limit}; {want} connections may fail (raise the hard limit: ulimit -Hn)"
+                );
             }
-            synthetic(&spec)
         }
-        _ => fail("give exactly one of --trace and --synthetic"),
+        Err(e) => eprintln!("loadgen: cannot raise the open-file limit: {e}"),
+    }
+    let opts = run_options(&args);
+    let workload = if let Some(path) = &args.trace {
+        load_mooncake(path, args.time_scale, args.max_requests)
+            .unwrap_or_else(|e| fail(&e.to_string()))
+    } else {
+        let spec = args.synthetic.as_deref().unwrap_or_default();
+        let mut spec = SyntheticSpec::parse(spec).unwrap_or_else(|e| fail(&e));
+        if let Some(m) = args.max_requests {
+            spec.requests = spec.requests.min(m);
+        }
+        synthetic(&spec)
     };
-    if let Some(modes) = modes {
+    if let Some(modes) = &args.modes {
         let mut fleet = Fleet::new(
-            fleet_size,
-            block_size,
-            &worker_args.split_whitespace().collect::<Vec<_>>(),
+            args.fleet,
+            args.block_size,
+            &args.worker_args.split_whitespace().collect::<Vec<_>>(),
         );
-        if let Some(extra) = filter_json {
-            fleet.filter_extra = serde_json::from_str(&extra)
+        if let Some(extra) = &args.filter_json {
+            fleet.filter_extra = serde_json::from_str(extra)
                 .unwrap_or_else(|e| fail(&format!("--filter-json: {e}")));
         }
         let modes: Vec<&str> = modes.split(',').filter(|m| !m.is_empty()).collect();
         let results = compare_modes(&modes, &fleet, &workload, &opts)
             .unwrap_or_else(|e| fail(&e.to_string()));
-        report_comparison(&results, svg_out.as_deref(), json_out.as_deref());
+        report_comparison(&results, args.svg.as_deref(), args.json.as_deref());
         return;
     }
-    let target = target.unwrap_or_else(|| fail("--target (or --modes) is required"));
+    let targets: Vec<String> = args
+        .target
+        .iter()
+        .filter(|t| !t.is_empty())
+        .cloned()
+        .collect();
+    if targets.is_empty() {
+        fail("--target needs at least one IP:PORT");
+    }
     eprintln!(
-        "loadgen: {} requests ({}) -> {target}",
+        "loadgen: {} requests ({}) -> {}",
         workload.requests.len(),
-        workload.name
+        workload.name,
+        targets.join(",")
     );
-    let stats = run_workload(&target, &workload, &opts);
+    let stats = run_workload_on(&targets, &workload, &opts);
     let label = if opts.label.is_empty() {
         "run"
     } else {
         opts.label.as_str()
     };
     print!("{}", format_stats(label, &stats));
-    if let Some(p) = json_out {
+    if let Some(p) = &args.json {
         let body = serde_json::to_string_pretty(&stats.summary_json()).unwrap_or_default();
-        if let Err(e) = std::fs::write(&p, body) {
+        if let Err(e) = std::fs::write(p, body) {
             eprintln!("loadgen: cannot write {}: {e}", p.display());
         }
     }
-    if let Some(p) = svg_out {
-        if let Err(e) = write_svg_chart(&p, &[(label, stats.clone())]) {
+    if let Some(p) = &args.requests_jsonl {
+        let mut lines = String::new();
+        for r in &stats.results {
+            lines.push_str(&serde_json::to_string(r).unwrap_or_default());
+            lines.push('\n');
+        }
+        if let Err(e) = std::fs::write(p, lines) {
+            eprintln!("loadgen: cannot write {}: {e}", p.display());
+        }
+    }
+    if let Some(p) = &args.svg {
+        if let Err(e) = write_svg_chart(p, &[(label, stats.clone())]) {
             eprintln!("loadgen: cannot write {}: {e}", p.display());
         }
     }

@@ -6,7 +6,7 @@
 //!   "hang_ms": 0}`. `status` != 200 answers that status with an error JSON; `hang_ms` then
 //! `delay_ms` are slept before the response head; `first_token_delay_ms` before the first chunk
 //! (added to the delay for non-streamed answers); `chunks` pieces of text, `chunk_interval_ms`
-//! apart when streamed. Every sleep stops early if the client disconnects.
+//! apart when streamed. A client that disconnects ends every wait (the server drops the request).
 //!
 //! Test-controlled events:
 //! * `POST /admin/events` with an array of events (or one event), any DESIGN.md shape, without
@@ -20,11 +20,16 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream;
 use serde_json::{json, Value};
 
 use super::event_log::{is_stored_event, EventLog};
 use super::openai::{self, Shape};
-use crate::http::{lock, Request, ResponseWriter};
+use super::routes::json_response;
+use super::InFlight;
+use crate::util::lock;
 
 /// Bound of the echo event buffer (tests should never reach it).
 pub const ECHO_EVENT_CAPACITY: usize = 1_000_000;
@@ -55,18 +60,9 @@ impl MockControls {
     }
 }
 
-/// Sleeps `ms`, returning false early if the client went away.
-pub fn sleep_watching(w: &mut ResponseWriter, ms: u64) -> bool {
-    let end = Instant::now() + Duration::from_millis(ms);
-    loop {
-        if w.is_client_disconnected() {
-            return false;
-        }
-        let now = Instant::now();
-        if now >= end {
-            return true;
-        }
-        std::thread::sleep((end - now).min(Duration::from_millis(20)));
+async fn sleep_ms(ms: u64) {
+    if ms > 0 {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
     }
 }
 
@@ -115,102 +111,130 @@ impl EchoState {
         }
     }
 
-    /// Handles `/admin/events`, `/admin/drop_events`, `/admin/dump`. False if not one of them.
-    pub fn admin(&self, req: &Request, w: &mut ResponseWriter) -> bool {
-        if req.method != "POST" {
-            return false;
-        }
-        let body = req.json();
-        match req.path.as_str() {
-            "/admin/events" => {
-                let events = match body {
-                    Ok(Value::Array(a)) => a,
-                    Ok(v @ Value::Object(_)) => vec![v],
-                    _ => {
-                        let _ =
-                            w.send_json(400, &json!({"error": "expected a JSON array of events"}));
-                        return true;
-                    }
-                };
-                let mut log = lock(&self.log);
-                let ids: Vec<u64> = events.into_iter().map(|e| log.push(e)).collect();
-                let reply = json!({"ids": ids, "first_event_id": log.first_id(), "last_event_id": log.last_id()});
-                drop(log);
-                let _ = w.send_json(200, &reply);
-            }
-            "/admin/drop_events" => {
-                let count = body.ok().and_then(|b| b["count"].as_u64()).unwrap_or(1);
-                let mut log = lock(&self.log);
-                log.skip(count);
-                let reply =
-                    json!({"first_event_id": log.first_id(), "last_event_id": log.last_id()});
-                drop(log);
-                let _ = w.send_json(200, &reply);
-            }
-            "/admin/dump" => match body {
-                Ok(v) => {
-                    *lock(&self.dump) = if v.is_null() { None } else { Some(v) };
-                    let _ = w.send_json(200, &json!({"ok": true}));
-                }
-                Err(e) => {
-                    let _ = w.send_json(400, &json!({"error": format!("bad JSON: {e}")}));
-                }
-            },
-            _ => return false,
-        }
-        true
+    /// `POST /admin/events`: an array of events (or one event), appended with the next ids.
+    pub fn publish(&self, body: serde_json::Result<Value>) -> Response {
+        let events = match body {
+            Ok(Value::Array(a)) => a,
+            Ok(v @ Value::Object(_)) => vec![v],
+            _ => return json_response(400, &json!({"error": "expected a JSON array of events"})),
+        };
+        let mut log = lock(&self.log);
+        let ids: Vec<u64> = events.into_iter().map(|e| log.push(e)).collect();
+        let reply =
+            json!({"ids": ids, "first_event_id": log.first_id(), "last_event_id": log.last_id()});
+        drop(log);
+        json_response(200, &reply)
     }
 
-    /// Answers a completion request according to its `mock` controls.
-    pub fn completion(&self, shape: &Shape, body: &Value, w: &mut ResponseWriter) {
-        let c = MockControls::from_body(body);
-        let prompt_tokens = openai::prompt_tokens(body).len();
-        if c.hang_ms > 0 && !sleep_watching(w, c.hang_ms) {
-            return;
+    /// `POST /admin/drop_events {"count": K}`: a gap of K ids.
+    pub fn drop_events(&self, body: serde_json::Result<Value>) -> Response {
+        let count = body.ok().and_then(|b| b["count"].as_u64()).unwrap_or(1);
+        let mut log = lock(&self.log);
+        log.skip(count);
+        let reply = json!({"first_event_id": log.first_id(), "last_event_id": log.last_id()});
+        drop(log);
+        json_response(200, &reply)
+    }
+
+    /// `POST /admin/dump`: the body served by `GET /kv/dump` (`null` restores the default).
+    pub fn set_dump(&self, body: serde_json::Result<Value>) -> Response {
+        match body {
+            Ok(v) => {
+                *lock(&self.dump) = if v.is_null() { None } else { Some(v) };
+                json_response(200, &json!({"ok": true}))
+            }
+            Err(e) => json_response(400, &json!({"error": format!("bad JSON: {e}")})),
         }
-        if c.delay_ms > 0 && !sleep_watching(w, c.delay_ms) {
-            return;
-        }
-        if c.status != 200 {
-            let err = openai::error_body(c.status, "mock: injected error status", &shape.worker_id);
-            let _ = w.send_json(c.status, &err);
-            return;
-        }
-        let pieces: Vec<String> = (0..c.chunks).map(|i| format!("chunk{i} ")).collect();
+    }
+}
+
+/// Answers a completion request according to its `mock` controls. `received` is when the
+/// request was complete (for the server-side time to first token).
+pub async fn completion(
+    shape: Shape,
+    body: &Value,
+    guard: InFlight,
+    received: Instant,
+) -> Response {
+    let c = MockControls::from_body(body);
+    let prompt_tokens = openai::prompt_tokens(body).len();
+    sleep_ms(c.hang_ms).await;
+    sleep_ms(c.delay_ms).await;
+    if c.status != 200 {
+        let err = openai::error_body(c.status, "mock: injected error status", &shape.worker_id);
+        return json_response(c.status, &err);
+    }
+    if !openai::is_stream(body) {
+        sleep_ms(c.first_token_delay_ms).await;
+        let text: String = (0..c.chunks).map(|i| format!("chunk{i} ")).collect();
+        guard.worker().record_first_token(received);
         let usage = openai::usage(prompt_tokens, c.chunks, 0);
-        if !openai::is_stream(body) {
-            if c.first_token_delay_ms > 0 && !sleep_watching(w, c.first_token_delay_ms) {
-                return;
-            }
-            let _ = w.send_json(200, &shape.full(&pieces.concat(), "length", usage));
-            return;
+        return json_response(200, &shape.full(&text, "length", usage));
+    }
+    let state = EchoStream {
+        shape,
+        controls: c,
+        prompt_tokens,
+        next: 0,
+        received,
+        guard,
+    };
+    let events = stream::unfold(state, |mut st| async move {
+        let (delay_ms, data) = st.event(st.next)?;
+        sleep_ms(delay_ms).await;
+        if st.next == 0 {
+            st.guard.worker().record_first_token(st.received);
         }
-        if w.start_sse().is_err() {
-            return;
-        }
-        if c.first_token_delay_ms > 0 && !sleep_watching(w, c.first_token_delay_ms) {
-            return;
-        }
-        let last = pieces.len().saturating_sub(1);
-        for (i, piece) in pieces.iter().enumerate() {
-            if i > 0 && c.chunk_interval_ms > 0 && !sleep_watching(w, c.chunk_interval_ms) {
-                return;
-            }
-            let finish = (i == last).then_some("length");
-            if w.write_sse_data(&shape.chunk(piece, finish, i == 0).to_string())
-                .is_err()
-            {
-                return;
-            }
-        }
-        if pieces.is_empty()
-            && w.write_sse_data(&shape.chunk("", Some("length"), true).to_string())
-                .is_err()
-        {
-            return;
-        }
-        let _ = w.write_sse_data(&shape.usage_chunk(usage).to_string());
-        let _ = w.write_sse_data("[DONE]");
+        st.next += 1;
+        Some((
+            Ok::<_, std::convert::Infallible>(Event::default().data(data)),
+            st,
+        ))
+    });
+    Sse::new(events).into_response()
+}
+
+/// The events of one streamed echo answer, produced one at a time: `chunks` text chunks (the
+/// last with `finish_reason`), a usage chunk, `[DONE]`. The in-flight guard lives as long as the
+/// stream, which the server drops when the client goes away.
+struct EchoStream {
+    shape: Shape,
+    controls: MockControls,
+    prompt_tokens: usize,
+    next: usize,
+    received: Instant,
+    guard: InFlight,
+}
+
+impl EchoStream {
+    /// Event `i`: the delay before it and its data; `None` after `[DONE]`.
+    fn event(&self, i: usize) -> Option<(u64, String)> {
+        let c = &self.controls;
+        let texts = c.chunks.max(1);
+        let delay = if i == 0 {
+            c.first_token_delay_ms
+        } else if i < texts {
+            c.chunk_interval_ms
+        } else {
+            0
+        };
+        let data = if i < texts {
+            let piece = if c.chunks == 0 {
+                String::new()
+            } else {
+                format!("chunk{i} ")
+            };
+            let finish = (i + 1 == texts).then_some("length");
+            self.shape.chunk(&piece, finish, i == 0).to_string()
+        } else if i == texts {
+            let usage = openai::usage(self.prompt_tokens, c.chunks, 0);
+            self.shape.usage_chunk(usage).to_string()
+        } else if i == texts + 1 {
+            "[DONE]".to_string()
+        } else {
+            return None;
+        };
+        Some((delay, data))
     }
 }
 

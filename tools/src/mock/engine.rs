@@ -1,4 +1,5 @@
-//! Engine mode: a vLLM-like simulator after Dynamo's mocker (REFERENCE.md section 3).
+//! Engine mode: a vLLM-like simulator after the "mocker" of NVIDIA Dynamo
+//! (github.com/ai-dynamo/dynamo, `lib/llm/src/mocker`), with its timing model and defaults.
 //!
 //! [`EngineCore`] is the deterministic model (no clocks, no threads): a waiting queue, continuous
 //! batching with chunked prefill (at most `max_seqs` running, at most `max_batched_tokens` tokens
@@ -14,20 +15,20 @@
 //!
 //! A sequence's first token is sampled by the step that finishes its prefill (a fully cached
 //! prompt has no prefill: its first token comes from a decode-only step). [`Engine`] runs the core
-//! on a thread in real time, streams tokens to request handlers over channels, and keeps the
-//! bounded KV event log (vLLM-shaped events) and the dump.
+//! on a thread in real time, streams tokens to the (async) request handlers over unbounded
+//! channels, and keeps the bounded KV event log (vLLM-shaped events) and the dump.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::event_log::EventLog;
 use super::kv_cache::{block_hashes, chain_hash, BlockHash, CacheEvent, KvCache};
 use super::openai::VOCAB;
-use crate::http::lock;
+use crate::util::lock;
 use crate::util::splitmix64;
 
 /// Prefill time in ms for `new_tokens` uncached tokens in one batch (0 for none).
@@ -589,7 +590,7 @@ pub struct EngineMetrics {
 struct Inner {
     core: EngineCore,
     log: EventLog,
-    subs: HashMap<ReqId, Sender<Output>>,
+    subs: HashMap<ReqId, UnboundedSender<Output>>,
 }
 
 impl Inner {
@@ -680,8 +681,8 @@ impl Engine {
         &self,
         tokens: Vec<u32>,
         max_tokens: usize,
-    ) -> Result<(ReqId, Receiver<Output>), String> {
-        let (tx, rx) = channel();
+    ) -> Result<(ReqId, UnboundedReceiver<Output>), String> {
+        let (tx, rx) = unbounded_channel();
         let mut g = lock(&self.inner);
         let id = g.core.submit(tokens, max_tokens)?;
         g.subs.insert(id, tx);
@@ -1076,10 +1077,16 @@ mod tests {
             },
             100,
         );
-        let (_, rx) = engine.submit(prompt(1, 12), 3).unwrap();
+        let (_, mut rx) = engine.submit(prompt(1, 12), 3).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
         let mut tokens = 0;
         loop {
-            match rx.recv_timeout(Duration::from_secs(5)).unwrap() {
+            let next = rt
+                .block_on(async { tokio::time::timeout(Duration::from_secs(5), rx.recv()).await });
+            match next.unwrap().unwrap() {
                 Output::Token { .. } => tokens += 1,
                 Output::Finished { usage, .. } => {
                     assert_eq!(usage.completion_tokens, 3);

@@ -1,0 +1,391 @@
+//! Reports of runs: the one-run text report, the side-by-side table of modes, and an SVG chart
+//! of the TTFT distribution of each mode.
+
+use std::fmt::Write as _;
+use std::io;
+use std::path::Path;
+
+use super::stats::{RunStats, Summary};
+
+fn fmt_ms(x: f64) -> String {
+    if !x.is_finite() {
+        "-".into()
+    } else if x >= 10_000.0 {
+        format!("{:.1}s", x / 1000.0)
+    } else {
+        format!("{x:.1}")
+    }
+}
+
+fn fmt_pct(x: Option<f64>) -> String {
+    x.map_or_else(|| "-".into(), |v| format!("{:.1}%", v * 100.0))
+}
+
+/// The one-run report: counts, throughput, and mean/p50/p90/p99 of TTFT, ITL and E2E (ms).
+pub fn format_stats(label: &str, s: &RunStats) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "== {label}: {}", s.workload);
+    let _ = writeln!(
+        out,
+        "requests {}  completed {}  errors {}  wall {:.1}s  {:.2} req/s  {:.1} out tok/s  cache hit {}",
+        s.results.len(),
+        s.completed(),
+        s.errors(),
+        s.wall_s,
+        s.requests_per_s(),
+        s.output_tokens_per_s(),
+        fmt_pct(s.hit_rate())
+    );
+    let _ = writeln!(
+        out,
+        "{:<8} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        "ms", "mean", "p50", "p90", "p99", "max"
+    );
+    for (name, sum) in [("TTFT", s.ttft()), ("ITL", s.itl()), ("E2E", s.e2e())] {
+        let _ = writeln!(
+            out,
+            "{:<8} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            name,
+            fmt_ms(sum.mean),
+            fmt_ms(sum.p50),
+            fmt_ms(sum.p90),
+            fmt_ms(sum.p99),
+            fmt_ms(sum.max)
+        );
+    }
+    let c = &s.client;
+    let _ = writeln!(
+        out,
+        "concurrency: peak in flight {}  peak open streams {}  mean in flight {:.0}",
+        c.peak_in_flight,
+        c.peak_open_streams,
+        s.mean_in_flight()
+    );
+    let _ = writeln!(
+        out,
+        "client: cpu {:.1}s ({:.0}% of one core)  max RSS {:.0} MB  runtime lag p50 {} p99 {} max {} ms",
+        c.cpu_s,
+        s.client_cpu_percent(),
+        c.max_rss_bytes as f64 / f64::from(1 << 20),
+        fmt_ms(c.runtime_lag_ms.p50),
+        fmt_ms(c.runtime_lag_ms.p99),
+        fmt_ms(c.runtime_lag_ms.max)
+    );
+    if let (Some(server), Some(w)) = (s.server_ttft_mean_ms(), s.workers) {
+        let _ = writeln!(
+            out,
+            "TTFT mean: client {:.3} ms, server side {:.3} ms (workers' /metrics), difference {} ms; workers' cpu {:.1}s",
+            s.ttft().mean,
+            server,
+            s.ttft_overhead_ms()
+                .map_or_else(|| "-".into(), |d| format!("{d:.3}")),
+            w.cpu_s
+        );
+    }
+    let per_worker: Vec<String> = s
+        .per_worker()
+        .iter()
+        .map(|(w, c)| format!("{w}:{c}"))
+        .collect();
+    if !per_worker.is_empty() {
+        let _ = writeln!(out, "per worker: {}", per_worker.join(" "));
+    }
+    for (msg, count) in s.error_summary().iter().take(5) {
+        let _ = writeln!(out, "error x{count}: {msg}");
+    }
+    out
+}
+
+/// One row per mode: throughput, errors, hit rate, TTFT/ITL/E2E mean/p50/p99.
+pub fn comparison_table(rows: &[(&str, RunStats)]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<22} {:>6} {:>5} {:>7} {:>8} {:>7} | {:>9} {:>9} {:>9} | {:>7} {:>7} {:>7} | {:>9} {:>9}",
+        "mode", "done", "err", "req/s", "tok/s", "hit", "TTFT mean", "TTFT p50", "TTFT p99",
+        "ITL avg", "ITL p50", "ITL p99", "E2E p50", "E2E p99"
+    );
+    for (name, s) in rows {
+        let (t, i, e) = (s.ttft(), s.itl(), s.e2e());
+        let _ = writeln!(
+            out,
+            "{:<22} {:>6} {:>5} {:>7.2} {:>8.1} {:>7} | {:>9} {:>9} {:>9} | {:>7} {:>7} {:>7} | {:>9} {:>9}",
+            name,
+            s.completed(),
+            s.errors(),
+            s.requests_per_s(),
+            s.output_tokens_per_s(),
+            fmt_pct(s.hit_rate()),
+            fmt_ms(t.mean),
+            fmt_ms(t.p50),
+            fmt_ms(t.p99),
+            fmt_ms(i.mean),
+            fmt_ms(i.p50),
+            fmt_ms(i.p99),
+            fmt_ms(e.p50),
+            fmt_ms(e.p99)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "(times in ms unless marked s; hit = prefix-cache hit rate of the workers during the run)"
+    );
+    out
+}
+
+pub fn print_comparison_table(rows: &[(&str, RunStats)]) {
+    print!("{}", comparison_table(rows));
+}
+
+const COLORS: [&str; 8] = [
+    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+];
+
+fn xml_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+/// An SVG with the TTFT CDF of each mode (log-scaled time axis) and a legend with p50/p99.
+pub fn svg_chart(rows: &[(&str, RunStats)]) -> String {
+    let (w, h) = (820.0, 480.0);
+    let (left, right, top, bottom) = (70.0, 250.0, 40.0, 60.0);
+    let (pw, ph) = (w - left - right, h - top - bottom);
+    let series: Vec<(&str, Vec<f64>)> = rows
+        .iter()
+        .map(|(name, s)| {
+            let mut v: Vec<f64> = s
+                .results
+                .iter()
+                .filter(|r| r.ok)
+                .filter_map(|r| r.ttft_ms)
+                .map(|x| x.max(0.01))
+                .collect();
+            v.sort_by(f64::total_cmp);
+            (*name, v)
+        })
+        .collect();
+    let all = series.iter().flat_map(|(_, v)| v.iter().copied());
+    let (mut lo, mut hi) = all.fold((f64::INFINITY, 0.0f64), |(lo, hi), x| {
+        (lo.min(x), hi.max(x))
+    });
+    if !lo.is_finite() {
+        (lo, hi) = (1.0, 1000.0);
+    }
+    let lo_dec = lo.log10().floor();
+    let hi_dec = hi.log10().ceil().max(lo_dec + 1.0);
+    let x_of = |ms: f64| left + (ms.log10() - lo_dec) / (hi_dec - lo_dec) * pw;
+    let y_of = |p: f64| top + (1.0 - p) * ph;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="22" font-size="15" text-anchor="middle">Time to first token: CDF per routing mode</text>"#,
+        left + pw / 2.0
+    );
+    // Grid and axes.
+    let mut d = lo_dec;
+    while d <= hi_dec + 1e-9 {
+        let x = x_of(10f64.powf(d));
+        let label = {
+            let ms = 10f64.powf(d);
+            if ms >= 1000.0 {
+                format!("{}s", ms / 1000.0)
+            } else {
+                format!("{ms}ms")
+            }
+        };
+        let _ = writeln!(
+            s,
+            r##"<line x1="{x:.1}" y1="{top}" x2="{x:.1}" y2="{:.1}" stroke="#ddd"/>"##,
+            top + ph
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{x:.1}" y="{:.1}" text-anchor="middle">{label}</text>"#,
+            top + ph + 18.0
+        );
+        d += 1.0;
+    }
+    for i in 0..=4 {
+        let p = f64::from(i) / 4.0;
+        let y = y_of(p);
+        let _ = writeln!(
+            s,
+            r##"<line x1="{left}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#ddd"/>"##,
+            left + pw
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{:.1}" y="{:.1}" text-anchor="end">{:.0}%</text>"#,
+            left - 6.0,
+            y + 4.0,
+            p * 100.0
+        );
+    }
+    let _ = writeln!(
+        s,
+        r##"<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#333"/>"##
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">TTFT (log scale)</text>"#,
+        left + pw / 2.0,
+        h - 15.0
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="18" y="{:.1}" text-anchor="middle" transform="rotate(-90 18 {:.1})">fraction of requests</text>"#,
+        top + ph / 2.0,
+        top + ph / 2.0
+    );
+    for (k, (name, v)) in series.iter().enumerate() {
+        let color = COLORS.get(k % COLORS.len()).copied().unwrap_or("#000");
+        if !v.is_empty() {
+            let n = v.len() as f64;
+            let mut pts = format!(
+                "{:.1},{:.1}",
+                x_of(v.first().copied().unwrap_or(lo)),
+                y_of(0.0)
+            );
+            for (i, x) in v.iter().enumerate() {
+                let _ = write!(
+                    pts,
+                    " {:.1},{:.1} {:.1},{:.1}",
+                    x_of(*x),
+                    y_of(i as f64 / n),
+                    x_of(*x),
+                    y_of((i + 1) as f64 / n)
+                );
+            }
+            let _ = writeln!(
+                s,
+                r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{pts}"/>"#
+            );
+        }
+        let sum = Summary::of(v);
+        let ly = top + 10.0 + k as f64 * 40.0;
+        let lx = left + pw + 15.0;
+        let _ = writeln!(
+            s,
+            r#"<line x1="{lx}" y1="{ly}" x2="{}" y2="{ly}" stroke="{color}" stroke-width="3"/>"#,
+            lx + 20.0
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}">{}</text>"#,
+            lx + 26.0,
+            ly + 4.0,
+            xml_escape(name)
+        );
+        let _ = writeln!(
+            s,
+            r##"<text x="{}" y="{}" fill="#555">p50 {} p99 {} (n={})</text>"##,
+            lx + 26.0,
+            ly + 20.0,
+            fmt_ms(sum.p50),
+            fmt_ms(sum.p99),
+            sum.count
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// Writes [`svg_chart`] to `path`.
+pub fn write_svg_chart(path: &Path, rows: &[(&str, RunStats)]) -> io::Result<()> {
+    std::fs::write(path, svg_chart(rows))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::runner::RequestResult;
+    use super::super::stats::{ClientUsage, WorkerCounters};
+    use super::*;
+
+    fn fake_stats(ttfts: &[f64]) -> RunStats {
+        RunStats {
+            workload: "w".into(),
+            wall_s: 2.0,
+            results: ttfts
+                .iter()
+                .enumerate()
+                .map(|(i, t)| RequestResult {
+                    index: i,
+                    ok: true,
+                    status: 200,
+                    ttft_ms: Some(*t),
+                    itl_ms: vec![5.0, 7.0],
+                    e2e_ms: t + 12.0,
+                    output_tokens: 3,
+                    prompt_tokens: 10,
+                    cached_tokens: Some(5),
+                    worker_id: Some("1".into()),
+                    ..RequestResult::default()
+                })
+                .chain(std::iter::once(RequestResult {
+                    error: Some("status 503: x".into()),
+                    ..RequestResult::default()
+                }))
+                .collect(),
+            ..RunStats::default()
+        }
+    }
+
+    #[test]
+    fn stats_tables_and_svg() {
+        let a = fake_stats(&[10.0, 20.0, 30.0, 40.0]);
+        let b = fake_stats(&[100.0, 2000.0]);
+        assert_eq!(a.completed(), 4);
+        assert_eq!(a.errors(), 1);
+        assert_eq!(a.ttft().p50, 20.0);
+        assert_eq!(a.ttft().mean, 25.0);
+        assert_eq!(a.itl().mean, 6.0);
+        assert_eq!(a.requests_per_s(), 2.0);
+        assert_eq!(a.hit_rate(), Some(0.5));
+        let table = comparison_table(&[("kv", a.clone()), ("random", b.clone())]);
+        assert!(table.contains("kv") && table.contains("random"), "{table}");
+        assert!(format_stats("kv", &a).contains("error x1: status 503"));
+        let mut measured = a.clone();
+        measured.client = ClientUsage {
+            cpu_s: 1.0,
+            max_rss_bytes: 64 << 20,
+            peak_in_flight: 4,
+            peak_open_streams: 3,
+            runtime_lag_ms: Summary::of(&[0.1, 0.2]),
+        };
+        measured.workers = Some(WorkerCounters {
+            first_token_s: 0.02,
+            first_tokens: 4.0,
+            ..WorkerCounters::default()
+        });
+        assert_eq!(measured.server_ttft_mean_ms(), Some(5.0));
+        assert_eq!(measured.ttft_overhead_ms(), Some(20.0));
+        assert_eq!(measured.client_cpu_percent(), 50.0);
+        let text = format_stats("kv", &measured);
+        assert!(
+            text.contains("peak in flight 4  peak open streams 3"),
+            "{text}"
+        );
+        assert!(text.contains("server side 5.000 ms"), "{text}");
+        let svg = svg_chart(&[("kv <1>", a), ("random", b)]);
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert!(svg.contains("kv &lt;1&gt;"));
+        assert_eq!(svg.matches("<polyline").count(), 2);
+        let empty = svg_chart(&[("none", RunStats::default())]);
+        assert!(empty.contains("</svg>"));
+        assert!(a_json_ok());
+    }
+
+    fn a_json_ok() -> bool {
+        let s = fake_stats(&[1.0]);
+        let j = s.summary_json();
+        j["ttft_ms"]["p50"] == 1.0 && j["errors"] == 1
+    }
+}

@@ -1,0 +1,352 @@
+//! What a run measured: per-request results summed up ([`RunStats`], [`Summary`]), and the mock
+//! workers' counters scraped from `/metrics` before and after a run (prefix-cache hits,
+//! server-side time to first token, worker CPU).
+
+use std::io;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use super::runner::RequestResult;
+use crate::client;
+use crate::util::{mean, percentile};
+
+/// Prefix-cache counters summed over mock workers (`/metrics`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CacheCounters {
+    pub query_tokens: f64,
+    pub hit_tokens: f64,
+    pub host_hit_tokens: f64,
+}
+
+impl CacheCounters {
+    /// Device hit rate since the start of the workers.
+    pub fn hit_rate(&self) -> Option<f64> {
+        (self.query_tokens > 0.0).then(|| self.hit_tokens / self.query_tokens)
+    }
+
+    /// Counters accumulated since `before`.
+    pub fn since(&self, before: &CacheCounters) -> CacheCounters {
+        CacheCounters {
+            query_tokens: self.query_tokens - before.query_tokens,
+            hit_tokens: self.hit_tokens - before.hit_tokens,
+            host_hit_tokens: self.host_hit_tokens - before.host_hit_tokens,
+        }
+    }
+}
+
+/// Counters of mock workers, summed over the fleet (`GET /metrics`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct WorkerCounters {
+    pub cache: CacheCounters,
+    /// Sum of server-side times to first token (request complete to first text written).
+    pub first_token_s: f64,
+    pub first_tokens: f64,
+    /// CPU time of the worker processes.
+    pub cpu_s: f64,
+}
+
+impl WorkerCounters {
+    /// Adds one worker's `/metrics` text.
+    pub fn add_metrics_text(&mut self, text: &str) {
+        let v = |name: &str| metric_value(text, name).unwrap_or(0.0);
+        self.cache.query_tokens += v("mock_worker_prefix_cache_queries_tokens_total");
+        self.cache.hit_tokens += v("mock_worker_prefix_cache_hits_tokens_total");
+        self.cache.host_hit_tokens += v("mock_worker_prefix_cache_host_hits_tokens_total");
+        self.first_token_s += v("mock_worker_first_token_seconds_total");
+        self.first_tokens += v("mock_worker_first_tokens_total");
+        self.cpu_s += v("process_cpu_seconds_total");
+    }
+
+    /// Counters accumulated since `before`.
+    pub fn since(&self, before: &WorkerCounters) -> WorkerCounters {
+        WorkerCounters {
+            cache: self.cache.since(&before.cache),
+            first_token_s: self.first_token_s - before.first_token_s,
+            first_tokens: self.first_tokens - before.first_tokens,
+            cpu_s: self.cpu_s - before.cpu_s,
+        }
+    }
+
+    /// Mean server-side time to first token in ms.
+    pub fn mean_first_token_ms(&self) -> Option<f64> {
+        (self.first_tokens > 0.0).then(|| self.first_token_s * 1000.0 / self.first_tokens)
+    }
+}
+
+fn check_status(addr: &str, status: u16) -> io::Result<()> {
+    if status == 200 {
+        Ok(())
+    } else {
+        Err(io::Error::other(format!("{addr}/metrics: status {status}")))
+    }
+}
+
+/// Reads and sums the counters of mock workers (blocking; not from inside an async task).
+pub fn scrape_workers(worker_addrs: &[String]) -> io::Result<WorkerCounters> {
+    let mut c = WorkerCounters::default();
+    for addr in worker_addrs {
+        let r = client::request(addr, "GET", "/metrics", &[], &[], Duration::from_secs(5))?;
+        check_status(addr, r.status)?;
+        c.add_metrics_text(&r.text());
+    }
+    Ok(c)
+}
+
+/// [`scrape_workers`] from async code.
+pub async fn scrape_workers_async(
+    http: &reqwest::Client,
+    worker_addrs: &[String],
+) -> io::Result<WorkerCounters> {
+    let mut c = WorkerCounters::default();
+    for addr in worker_addrs {
+        let url = format!("{}/metrics", client::base_url(addr));
+        let r = http
+            .get(url)
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+            .map_err(client::to_io_error)?;
+        check_status(addr, r.status().as_u16())?;
+        c.add_metrics_text(&r.text().await.map_err(client::to_io_error)?);
+    }
+    Ok(c)
+}
+
+/// Reads and sums the prefix-cache counters of mock workers (`GET /metrics`; blocking).
+pub fn scrape_hit_rate(worker_addrs: &[String]) -> io::Result<CacheCounters> {
+    scrape_workers(worker_addrs).map(|c| c.cache)
+}
+
+/// Sum of the samples of a metric in Prometheus text (any labels).
+pub fn metric_value(text: &str, name: &str) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        if !(rest.starts_with('{') || rest.starts_with(' ')) {
+            continue;
+        }
+        let value = rest.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+        if let Some(v) = value {
+            *found.get_or_insert(0.0) += v;
+        }
+    }
+    found
+}
+
+/// Distribution summary in milliseconds (or any unit).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Summary {
+    pub count: usize,
+    pub mean: f64,
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+impl Summary {
+    pub fn of(values: &[f64]) -> Summary {
+        let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+        v.sort_by(f64::total_cmp);
+        Summary {
+            count: v.len(),
+            mean: mean(&v).unwrap_or(f64::NAN),
+            p50: percentile(&v, 50.0).unwrap_or(f64::NAN),
+            p90: percentile(&v, 90.0).unwrap_or(f64::NAN),
+            p99: percentile(&v, 99.0).unwrap_or(f64::NAN),
+            max: v.last().copied().unwrap_or(f64::NAN),
+        }
+    }
+
+    pub fn to_json(&self) -> Value {
+        let f = |x: f64| if x.is_finite() { json!(x) } else { Value::Null };
+        json!({"count": self.count, "mean": f(self.mean), "p50": f(self.p50), "p90": f(self.p90),
+               "p99": f(self.p99), "max": f(self.max)})
+    }
+}
+
+/// Everything measured in one run.
+#[derive(Debug, Clone, Default)]
+pub struct RunStats {
+    pub workload: String,
+    pub results: Vec<RequestResult>,
+    pub wall_s: f64,
+    /// Worker counters accumulated during the run (when workers were given).
+    pub workers: Option<WorkerCounters>,
+    pub client: ClientUsage,
+}
+
+/// The load generator's own resources during a run and the concurrency it achieved.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ClientUsage {
+    /// User + system CPU time of the load generator process during the run.
+    pub cpu_s: f64,
+    /// Peak resident memory of the process (at the end of the run).
+    pub max_rss_bytes: u64,
+    /// Most requests in flight at once (sent, not finished).
+    pub peak_in_flight: usize,
+    /// Most responses streaming at once (head received, body not finished).
+    pub peak_open_streams: usize,
+    /// How late the client's runtime woke a sleeping task (sampled every 10 ms, timer
+    /// granularity included): SSE arrival stamps can be late by as much.
+    pub runtime_lag_ms: Summary,
+}
+
+impl RunStats {
+    fn ok(&self) -> impl Iterator<Item = &RequestResult> {
+        self.results.iter().filter(|r| r.ok)
+    }
+
+    pub fn completed(&self) -> usize {
+        self.ok().count()
+    }
+
+    pub fn errors(&self) -> usize {
+        self.results.len() - self.completed()
+    }
+
+    pub fn ttft(&self) -> Summary {
+        Summary::of(&self.ok().filter_map(|r| r.ttft_ms).collect::<Vec<_>>())
+    }
+
+    pub fn itl(&self) -> Summary {
+        Summary::of(
+            &self
+                .ok()
+                .flat_map(|r| r.itl_ms.iter().copied())
+                .collect::<Vec<_>>(),
+        )
+    }
+
+    pub fn e2e(&self) -> Summary {
+        Summary::of(&self.ok().map(|r| r.e2e_ms).collect::<Vec<_>>())
+    }
+
+    pub fn requests_per_s(&self) -> f64 {
+        self.completed() as f64 / self.wall_s.max(1e-9)
+    }
+
+    pub fn output_tokens_per_s(&self) -> f64 {
+        self.ok().map(|r| r.output_tokens).sum::<usize>() as f64 / self.wall_s.max(1e-9)
+    }
+
+    /// Cached prompt tokens / prompt tokens, from the responses' usage.
+    pub fn reported_cache_fraction(&self) -> Option<f64> {
+        let (mut cached, mut total) = (0usize, 0usize);
+        for r in self.ok() {
+            if let Some(c) = r.cached_tokens {
+                cached += c;
+                total += r.prompt_tokens;
+            }
+        }
+        (total > 0).then(|| cached as f64 / total as f64)
+    }
+
+    /// Worker prefix-cache counters accumulated during the run.
+    pub fn cache(&self) -> Option<CacheCounters> {
+        self.workers.map(|w| w.cache)
+    }
+
+    /// Mean number of requests in flight over the run (Little's law: total request time / wall).
+    pub fn mean_in_flight(&self) -> f64 {
+        self.results.iter().map(|r| r.e2e_ms).sum::<f64>() / 1000.0 / self.wall_s.max(1e-9)
+    }
+
+    /// The load generator's CPU use as a percentage of one core.
+    pub fn client_cpu_percent(&self) -> f64 {
+        self.client.cpu_s * 100.0 / self.wall_s.max(1e-9)
+    }
+
+    /// Mean server-side time to first token (workers' `/metrics`), ms.
+    pub fn server_ttft_mean_ms(&self) -> Option<f64> {
+        self.workers.and_then(|w| w.mean_first_token_ms())
+    }
+
+    /// Client-measured mean TTFT minus the server-side mean: what the network path, the client
+    /// and the measurement add.
+    pub fn ttft_overhead_ms(&self) -> Option<f64> {
+        let client = self.ttft().mean;
+        let server = self.server_ttft_mean_ms()?;
+        client.is_finite().then_some(client - server)
+    }
+
+    /// Worker prefix-cache hit rate during the run (from `/metrics`), else the usage-based one.
+    pub fn hit_rate(&self) -> Option<f64> {
+        self.cache()
+            .and_then(|c| c.hit_rate())
+            .or_else(|| self.reported_cache_fraction())
+    }
+
+    /// Completed requests per `x-worker-id`, sorted by id.
+    pub fn per_worker(&self) -> Vec<(String, usize)> {
+        let mut m: std::collections::BTreeMap<String, usize> = Default::default();
+        for r in self.ok() {
+            *m.entry(r.worker_id.clone().unwrap_or_else(|| "?".into()))
+                .or_default() += 1;
+        }
+        m.into_iter().collect()
+    }
+
+    /// The first few distinct error messages with counts.
+    pub fn error_summary(&self) -> Vec<(String, usize)> {
+        let mut m: std::collections::BTreeMap<String, usize> = Default::default();
+        for r in self.results.iter().filter(|r| !r.ok) {
+            *m.entry(r.error.clone().unwrap_or_default()).or_default() += 1;
+        }
+        let mut v: Vec<_> = m.into_iter().collect();
+        v.sort_by_key(|e| std::cmp::Reverse(e.1));
+        v
+    }
+
+    pub fn summary_json(&self) -> Value {
+        json!({
+            "workload": self.workload,
+            "requests": self.results.len(),
+            "completed": self.completed(),
+            "errors": self.errors(),
+            "wall_s": self.wall_s,
+            "requests_per_s": self.requests_per_s(),
+            "output_tokens_per_s": self.output_tokens_per_s(),
+            "ttft_ms": self.ttft().to_json(),
+            "itl_ms": self.itl().to_json(),
+            "e2e_ms": self.e2e().to_json(),
+            "hit_rate": self.hit_rate(),
+            "reported_cache_fraction": self.reported_cache_fraction(),
+            "per_worker": self.per_worker().into_iter().collect::<std::collections::BTreeMap<_, _>>(),
+            "error_kinds": self.error_summary().into_iter().take(5).collect::<Vec<_>>(),
+            "concurrency": {
+                "peak_in_flight": self.client.peak_in_flight,
+                "peak_open_streams": self.client.peak_open_streams,
+                "mean_in_flight": self.mean_in_flight(),
+            },
+            "client": {
+                "cpu_s": self.client.cpu_s,
+                "cpu_percent_of_one_core": self.client_cpu_percent(),
+                "max_rss_mb": self.client.max_rss_bytes as f64 / (1 << 20) as f64,
+                "runtime_lag_ms": self.client.runtime_lag_ms.to_json(),
+            },
+            "server_ttft_mean_ms": self.server_ttft_mean_ms(),
+            "ttft_overhead_ms": self.ttft_overhead_ms(),
+            "workers_cpu_s": self.workers.map(|w| w.cpu_s),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prometheus_parsing() {
+        let text = "# HELP x y\nfoo_total{worker_id=\"1\"} 3\nfoo_total{worker_id=\"2\"} 4.5\nfoo_total_other 9\nfoo 1\n";
+        assert_eq!(metric_value(text, "foo_total"), Some(7.5));
+        assert_eq!(metric_value(text, "foo"), Some(1.0));
+        assert_eq!(metric_value(text, "bar"), None);
+    }
+}

@@ -1,0 +1,182 @@
+//! `GET /metrics`: the worker's counters in Prometheus text format (with vLLM's names for the
+//! gauges dashboards expect).
+
+use std::fmt::Write as _;
+use std::sync::atomic::Ordering;
+
+use super::{engine, Backend, MockWorker};
+
+pub(super) fn render(w: &MockWorker) -> String {
+    let mut s = String::new();
+    let id = &w.opts.id;
+    let mut line = |name: &str, kind: &str, help: &str, value: f64| {
+        let _ = writeln!(s, "# HELP {name} {help}");
+        let _ = writeln!(s, "# TYPE {name} {kind}");
+        let _ = writeln!(s, "{name}{{worker_id=\"{id}\"}} {value}");
+    };
+    let in_flight = w.in_flight().max(0) as f64;
+    let requests = w.requests() as f64;
+    line(
+        "mock_worker_requests_total",
+        "counter",
+        "Completion requests received.",
+        requests,
+    );
+    line(
+        "mock_worker_in_flight",
+        "gauge",
+        "Completion requests being served.",
+        in_flight,
+    );
+    let (m, engine) = match &w.backend {
+        Backend::Engine(e) => (e.metrics(), true),
+        Backend::Echo(_) => (engine::EngineMetrics::default(), false),
+    };
+    let c = m.counters;
+    let hit_rate = if c.prefix_queries_tokens > 0 {
+        c.prefix_hit_tokens as f64 / c.prefix_queries_tokens as f64
+    } else {
+        0.0
+    };
+    let running = if engine {
+        m.num_running as f64
+    } else {
+        in_flight
+    };
+    line(
+        "mock_worker_kv_cache_usage_ratio",
+        "gauge",
+        "Fraction of KV blocks held by running requests.",
+        m.kv_usage,
+    );
+    line(
+        "mock_worker_kv_cached_blocks_device",
+        "gauge",
+        "Blocks cached on the device.",
+        m.device_blocks as f64,
+    );
+    line(
+        "mock_worker_kv_cached_blocks_host",
+        "gauge",
+        "Blocks cached on the host tier.",
+        m.host_blocks as f64,
+    );
+    line(
+        "mock_worker_prefix_cache_queries_tokens_total",
+        "counter",
+        "Prompt tokens looked up in the prefix cache.",
+        c.prefix_queries_tokens as f64,
+    );
+    line(
+        "mock_worker_prefix_cache_hits_tokens_total",
+        "counter",
+        "Prompt tokens found on the device.",
+        c.prefix_hit_tokens as f64,
+    );
+    line(
+        "mock_worker_prefix_cache_host_hits_tokens_total",
+        "counter",
+        "Prompt tokens found on the host tier.",
+        c.prefix_host_hit_tokens as f64,
+    );
+    line(
+        "mock_worker_prefix_cache_hit_rate",
+        "gauge",
+        "Device hit tokens / query tokens since start.",
+        hit_rate,
+    );
+    line(
+        "mock_worker_num_requests_waiting",
+        "gauge",
+        "Requests queued in the engine.",
+        m.num_waiting as f64,
+    );
+    line(
+        "mock_worker_num_requests_running",
+        "gauge",
+        "Requests running in the engine.",
+        running,
+    );
+    line(
+        "mock_worker_requests_completed_total",
+        "counter",
+        "Requests finished by the engine.",
+        c.requests_completed as f64,
+    );
+    line(
+        "mock_worker_prefill_tokens_total",
+        "counter",
+        "Tokens computed by prefill.",
+        c.prefill_tokens as f64,
+    );
+    line(
+        "mock_worker_generated_tokens_total",
+        "counter",
+        "Tokens generated.",
+        c.generated_tokens as f64,
+    );
+    line(
+        "mock_worker_preemptions_total",
+        "counter",
+        "Sequences preempted for lack of KV blocks.",
+        c.preemptions as f64,
+    );
+    line(
+        "mock_worker_kv_events_last_id",
+        "gauge",
+        "Id of the newest KV event.",
+        m.last_event_id as f64,
+    );
+    line(
+        "mock_worker_first_token_seconds_total",
+        "counter",
+        "Sum of server-side times to first token (complete request to first text written).",
+        w.first_token_ns.load(Ordering::Relaxed) as f64 / 1e9,
+    );
+    line(
+        "mock_worker_first_tokens_total",
+        "counter",
+        "First tokens sent (the count of the sum above).",
+        w.first_tokens.load(Ordering::Relaxed) as f64,
+    );
+    if let Ok(u) = crate::sys::usage() {
+        line(
+            "process_cpu_seconds_total",
+            "counter",
+            "User and system CPU time of the worker process.",
+            u.cpu().as_secs_f64(),
+        );
+    }
+    // vLLM-compatible names for dashboards that expect them.
+    line(
+        "vllm:gpu_cache_usage_perc",
+        "gauge",
+        "KV usage (vLLM name).",
+        m.kv_usage,
+    );
+    line(
+        "vllm:num_requests_running",
+        "gauge",
+        "Running requests (vLLM name).",
+        running,
+    );
+    line(
+        "vllm:num_requests_waiting",
+        "gauge",
+        "Waiting requests (vLLM name).",
+        m.num_waiting as f64,
+    );
+    line(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache query tokens (vLLM name).",
+        c.prefix_queries_tokens as f64,
+    );
+    line(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hit tokens (vLLM name).",
+        c.prefix_hit_tokens as f64,
+    );
+    s
+}
