@@ -3,16 +3,20 @@
 //!
 //! Per worker, at most one call is in flight. A call whose reply never arrives frees its worker
 //! after the call's timeout plus a margin. After a reply:
-//! * applied, with more events waiting (a full page), or after a dump: poll again at once;
-//! * long polling (`events.long_poll_ms > 0`): poll again at once after any applied reply that
-//!   carried events or that the worker held for at least half the wait, so the next event is
-//!   routable as soon as it exists; an empty reply that came back early means the endpoint does
-//!   not hold calls, and the plain interval applies (no busy loop against such a worker);
+//! * applied, with events and more waiting (a full page): poll again at once (a page that claims
+//!   more but carries nothing is no progress: the interval applies);
+//! * long polling (`events.long_poll_ms > 0`): poll again at once after a dump and after any
+//!   applied page that carried events or that the worker held for at least half the wait, so the
+//!   next event is routable as soon as it exists; an empty page that came back early means the
+//!   endpoint does not hold calls, and the plain interval applies (no busy loop against it);
+//! * a gap: the dump at once, unless the last thing applied was a dump (the dump did not close
+//!   the gap): then the gap counts as a rejection and backs off;
 //! * plain polling: after `events.poll_interval_ms`;
 //! * failed (no answer, not 200): after the interval;
 //! * rejected (malformed, oversized, wrong block size, absurd ids): after an exponential backoff,
-//!   `poll_interval_ms * 2^n` for the n-th rejection in a row, at most [`MAX_BACKOFF_MS`], so a
-//!   worker whose dump is too large is not re-fetched every interval forever.
+//!   `poll_interval_ms * 2^n` for the n-th rejection since the last applied page, at most
+//!   [`MAX_BACKOFF_MS`], so a worker whose dump is too large is not re-fetched every interval
+//!   forever.
 
 use crate::config::EventsConfig;
 use crate::events::EventPage;
@@ -144,6 +148,8 @@ struct WorkerPoll {
     in_flight: Option<InFlight>,
     next_due_ms: u64,
     rejections: u32,
+    /// The last reply applied was a dump (no page since).
+    dumped_last: bool,
 }
 
 /// Per-worker poll state of this VM's poller.
@@ -212,26 +218,34 @@ impl PollSchedule {
         let call = w.in_flight.take().unwrap_or_default();
         let held_ms = now_ms.saturating_sub(call.since_ms);
         let interval = events.poll_interval_ms;
+        let backoff = |w: &mut WorkerPoll| {
+            w.rejections = w.rejections.saturating_add(1);
+            let factor = 1u64.checked_shl(w.rejections.min(32)).unwrap_or(u64::MAX);
+            let ms = interval
+                .saturating_mul(factor)
+                .min(MAX_BACKOFF_MS.max(interval));
+            Next::Backoff {
+                ms,
+                rejections: w.rejections,
+            }
+        };
         let next = match outcome {
             ReplyOutcome::Failed => Next::After { ms: interval },
-            ReplyOutcome::Rejected => {
-                w.rejections = w.rejections.saturating_add(1);
-                let factor = 1u64.checked_shl(w.rejections.min(32)).unwrap_or(u64::MAX);
-                let ms = interval
-                    .saturating_mul(factor)
-                    .min(MAX_BACKOFF_MS.max(interval));
-                Next::Backoff {
-                    ms,
-                    rejections: w.rejections,
-                }
-            }
+            ReplyOutcome::Rejected => backoff(w),
+            // The dump did not close the gap: asking for it again at once would loop.
+            ReplyOutcome::Gap if w.dumped_last => backoff(w),
             ReplyOutcome::Gap => Next::Now,
             ReplyOutcome::Applied { new_events, more } => {
-                w.rejections = 0;
                 let dump = call.kind == Some(CallKind::Dump);
-                let long = events.long_poll_ms;
-                let held_full = long > 0 && held_ms.saturating_mul(2) >= long;
-                if more || dump || (long > 0 && (new_events || held_full)) {
+                // Only a page proves the worker healthy again: a dump that does not close a
+                // gap must not restart the backoff.
+                if !dump {
+                    w.rejections = 0;
+                }
+                w.dumped_last = dump;
+                let long = events.long_poll_ms > 0;
+                let held_full = held_ms.saturating_mul(2) >= events.long_poll_ms;
+                if (more && new_events) || (long && (dump || new_events || held_full)) {
                     Next::Now
                 } else {
                     Next::After { ms: interval }
@@ -267,6 +281,24 @@ mod tests {
     }
 
     const EV: CallKind = CallKind::Events { after: 5 };
+    const DUMP: CallKind = CallKind::Dump;
+
+    fn applied(new_events: bool, more: bool) -> ReplyOutcome {
+        ReplyOutcome::Applied { new_events, more }
+    }
+
+    /// Sends a call of `kind` at `sent` and replies `outcome` at `at`.
+    fn call(
+        s: &mut PollSchedule,
+        cfg: &EventsConfig,
+        kind: CallKind,
+        sent: u64,
+        outcome: ReplyOutcome,
+        at: u64,
+    ) -> Next {
+        s.sent(0, kind, call_timeout_ms(cfg, kind), sent);
+        s.replied(0, outcome, cfg, at)
+    }
 
     #[test]
     fn long_poll_paths_and_timeouts() {
@@ -280,12 +312,8 @@ mod tests {
             4000,
             "the wait plus the usual timeout"
         );
-        assert_eq!(call_path(&long, CallKind::Dump), "/kv/dump");
-        assert_eq!(
-            call_timeout_ms(&long, CallKind::Dump),
-            1000,
-            "dumps do not wait"
-        );
+        assert_eq!(call_path(&long, DUMP), "/kv/dump");
+        assert_eq!(call_timeout_ms(&long, DUMP), 1000, "dumps do not wait");
     }
 
     #[test]
@@ -301,31 +329,21 @@ mod tests {
             assert!(s.is_due(1, now));
         }
         // An event arrives at 1234 ms: the worker answers and is due again at once.
-        assert_eq!(
-            s.replied(
-                0,
-                ReplyOutcome::Applied {
-                    new_events: true,
-                    more: false
-                },
-                &cfg,
-                1234
-            ),
-            Next::Now
-        );
+        assert_eq!(s.replied(0, applied(true, false), &cfg, 1234), Next::Now);
         assert!(s.is_due(0, 1234));
-        s.sent(0, EV, 4000, 1234);
         // No event for the whole wait: the empty page also re-issues at once.
         assert_eq!(
-            s.replied(
-                0,
-                ReplyOutcome::Applied {
-                    new_events: false,
-                    more: false
-                },
-                &cfg,
-                4234
-            ),
+            call(&mut s, &cfg, EV, 1234, applied(false, false), 4234),
+            Next::Now
+        );
+    }
+
+    #[test]
+    fn after_a_dump_the_first_long_poll_goes_out_at_once() {
+        let cfg = events(3000);
+        let mut s = PollSchedule::new(1);
+        assert_eq!(
+            call(&mut s, &cfg, DUMP, 0, applied(false, false), 5),
             Next::Now
         );
     }
@@ -334,18 +352,9 @@ mod tests {
     fn an_endpoint_that_does_not_hold_calls_is_polled_at_the_interval() {
         let cfg = events(3000);
         let mut s = PollSchedule::new(1);
-        s.sent(0, EV, 4000, 0);
         // An empty page after 3 ms: the worker ignores wait_ms.
         assert_eq!(
-            s.replied(
-                0,
-                ReplyOutcome::Applied {
-                    new_events: false,
-                    more: false
-                },
-                &cfg,
-                3
-            ),
+            call(&mut s, &cfg, EV, 0, applied(false, false), 3),
             Next::After { ms: 100 }
         );
         assert!(!s.is_due(0, 50));
@@ -365,52 +374,27 @@ mod tests {
     }
 
     #[test]
-    fn plain_polling_keeps_its_interval_except_for_full_pages_and_dumps() {
+    fn plain_polling_keeps_its_interval_except_for_full_pages() {
         let cfg = events(0);
         let mut s = PollSchedule::new(1);
-        s.sent(0, EV, 1000, 0);
+        let every = Next::After { ms: 100 };
+        assert_eq!(call(&mut s, &cfg, EV, 0, applied(true, false), 10), every);
         assert_eq!(
-            s.replied(
-                0,
-                ReplyOutcome::Applied {
-                    new_events: true,
-                    more: false
-                },
-                &cfg,
-                10
-            ),
-            Next::After { ms: 100 }
-        );
-        s.sent(0, EV, 1000, 200);
-        assert_eq!(
-            s.replied(
-                0,
-                ReplyOutcome::Applied {
-                    new_events: true,
-                    more: true
-                },
-                &cfg,
-                210
-            ),
+            call(&mut s, &cfg, EV, 200, applied(true, true), 210),
             Next::Now
         );
-        s.sent(0, CallKind::Dump, 1000, 300);
         assert_eq!(
-            s.replied(
-                0,
-                ReplyOutcome::Applied {
-                    new_events: false,
-                    more: false
-                },
-                &cfg,
-                310
-            ),
-            Next::Now
+            call(&mut s, &cfg, DUMP, 300, applied(true, false), 310),
+            every
         );
-        s.sent(0, EV, 1000, 400);
+        // A page that claims more but carries nothing is no progress.
         assert_eq!(
-            s.replied(0, ReplyOutcome::Failed, &cfg, 410),
-            Next::After { ms: 100 }
+            call(&mut s, &cfg, EV, 350, applied(false, true), 360),
+            every
+        );
+        assert_eq!(
+            call(&mut s, &cfg, EV, 400, ReplyOutcome::Failed, 410),
+            every
         );
     }
 
@@ -421,8 +405,7 @@ mod tests {
         let mut waits = Vec::new();
         let mut now = 0;
         for _ in 0..12 {
-            s.sent(0, CallKind::Dump, 1000, now);
-            match s.replied(0, ReplyOutcome::Rejected, &cfg, now + 5) {
+            match call(&mut s, &cfg, DUMP, now, ReplyOutcome::Rejected, now + 5) {
                 Next::Backoff { ms, .. } => {
                     assert!(!s.is_due(0, now + 5 + ms - 1));
                     assert!(s.is_due(0, now + 5 + ms));
@@ -436,35 +419,61 @@ mod tests {
             waits,
             vec![200, 400, 800, 1600, 3200, 6400, 12800, 25600, 30000, 30000, 30000, 30000]
         );
-        // A gap (dump next) keeps the count; success resets it.
-        s.sent(0, EV, 1000, now);
-        assert_eq!(s.replied(0, ReplyOutcome::Gap, &cfg, now), Next::Now);
-        s.sent(0, CallKind::Dump, 1000, now);
         assert_eq!(
-            s.replied(0, ReplyOutcome::Rejected, &cfg, now),
+            call(&mut s, &cfg, DUMP, now, ReplyOutcome::Rejected, now),
             Next::Backoff {
                 ms: 30000,
                 rejections: 13
             }
         );
-        s.sent(0, CallKind::Dump, 1000, now);
-        s.replied(
-            0,
-            ReplyOutcome::Applied {
-                new_events: false,
-                more: false,
-            },
-            &cfg,
-            now,
-        );
-        s.sent(0, CallKind::Dump, 1000, now);
+        // A dump that applies is not enough; an applied page resets the count.
+        call(&mut s, &cfg, DUMP, now, applied(false, false), now);
         assert_eq!(
-            s.replied(0, ReplyOutcome::Rejected, &cfg, now),
+            call(&mut s, &cfg, DUMP, now, ReplyOutcome::Rejected, now),
+            Next::Backoff {
+                ms: 30000,
+                rejections: 14
+            }
+        );
+        call(&mut s, &cfg, EV, now, applied(false, false), now);
+        assert_eq!(
+            call(&mut s, &cfg, DUMP, now, ReplyOutcome::Rejected, now),
             Next::Backoff {
                 ms: 200,
                 rejections: 1
             }
         );
+    }
+
+    /// A worker whose dump does not close its gap (its dump's last id is older than its buffer)
+    /// would loop page -> gap -> dump -> page at network speed: the repeated gap backs off.
+    #[test]
+    fn a_gap_that_the_dump_did_not_close_backs_off() {
+        for long_poll_ms in [0, 3000] {
+            let cfg = events(long_poll_ms);
+            let mut s = PollSchedule::new(1);
+            assert_eq!(call(&mut s, &cfg, EV, 0, ReplyOutcome::Gap, 1), Next::Now);
+            let mut now = 1;
+            let mut waits = Vec::new();
+            for _ in 0..3 {
+                call(&mut s, &cfg, DUMP, now, applied(true, false), now);
+                match call(&mut s, &cfg, EV, now, ReplyOutcome::Gap, now) {
+                    Next::Backoff { ms, .. } => {
+                        waits.push(ms);
+                        now += ms;
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+            assert_eq!(waits, vec![200, 400, 800], "long_poll_ms {long_poll_ms}");
+            // A page applied after the dump: the next gap is an ordinary one again.
+            call(&mut s, &cfg, DUMP, now, applied(true, false), now);
+            call(&mut s, &cfg, EV, now, applied(true, false), now);
+            assert_eq!(
+                call(&mut s, &cfg, EV, now, ReplyOutcome::Gap, now),
+                Next::Now
+            );
+        }
     }
 
     #[test]

@@ -269,7 +269,7 @@ impl VmState {
             Next::Backoff { ms, rejections } => {
                 self.metrics.inc("events.backoff");
                 warn!(
-                    "kv-router: worker {}: {rejections} event replies in a row rejected; next fetch in {ms} ms",
+                    "kv-router: worker {}: {rejections} event replies refused (or gaps its dump did not close) since its last good page; next fetch in {ms} ms",
                     worker_id(&config, worker)
                 );
             }
