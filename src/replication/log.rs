@@ -97,12 +97,15 @@ pub fn read_head(store: &dyn SharedStore) -> Option<(LogHead, Option<u32>)> {
     Some((head, cas))
 }
 
-/// Creates the head and the ring's slot keys (empty) so that every later write to them has a
-/// version to check: Envoy cannot create a key conditionally. Runs at configuration; only at
+/// Creates the head, the sequence key and the ring's slot keys (empty) so that every later write
+/// to them has a version to check: Envoy cannot create a key conditionally. Runs at configuration; only at
 /// process start, before any batch exists, can two VMs both create a key.
 pub fn init(store: &dyn SharedStore) {
     if store.get(HEAD_KEY).0.is_none() {
         let _ = store.set(HEAD_KEY, b"", None);
+    }
+    if store.get(SEQ_KEY).0.is_none() {
+        let _ = store.set(SEQ_KEY, &[0; 16], None);
     }
     for n in 0..LOG_SLOTS {
         let key = slot_key(n);
@@ -356,10 +359,13 @@ fn read_batch(store: &dyn SharedStore, seq: u64) -> SlotRead {
 }
 
 fn read_seq_key(store: &dyn SharedStore) -> (u64, u64) {
-    let (bytes, _) = store.get(SEQ_KEY);
+    seq_words(store.get(SEQ_KEY).0.as_deref())
+}
+
+/// `(batch, head version)` from the 16-byte `ekr.log.seq` value (zeros when absent).
+fn seq_words(bytes: Option<&[u8]>) -> (u64, u64) {
     let word = |range: std::ops::Range<usize>| {
         bytes
-            .as_deref()
             .and_then(|b| b.get(range))
             .and_then(|b| b.try_into().ok())
             .map_or(0, u64::from_le_bytes)
@@ -371,13 +377,13 @@ fn read_seq_key(store: &dyn SharedStore) -> (u64, u64) {
 /// which concurrent writers get here.
 fn publish_seq(store: &dyn SharedStore, seq: u64, version: u64) {
     for _ in 0..APPEND_ATTEMPTS {
-        let (stored_seq, stored_version) = read_seq_key(store);
+        let (bytes, cas) = store.get(SEQ_KEY);
+        let (stored_seq, stored_version) = seq_words(bytes.as_deref());
         if stored_seq >= seq && stored_version >= version {
             return;
         }
         let mut value = stored_seq.max(seq).to_le_bytes().to_vec();
         value.extend_from_slice(&stored_version.max(version).to_le_bytes());
-        let (_, cas) = store.get(SEQ_KEY);
         // A mismatch means someone published meanwhile: read again.
         if store.set(SEQ_KEY, &value, cas).is_ok() {
             return;
