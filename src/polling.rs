@@ -9,8 +9,9 @@
 //!   applied page that carried events or that the worker held for at least half the wait, so the
 //!   next event is routable as soon as it exists; an empty page that came back early means the
 //!   endpoint does not hold calls, and the plain interval applies (no busy loop against it);
-//! * a gap: the dump at once, unless the last thing applied was a dump (the dump did not close
-//!   the gap): then the gap counts as a rejection and backs off;
+//! * a gap: the next call is the dump, at once for the first gap since the last applied page;
+//!   a second one (the dump did not close it) counts as a rejection and backs off, so a worker
+//!   whose dump never matches its buffer is not re-dumped at network speed;
 //! * plain polling: after `events.poll_interval_ms`;
 //! * failed (no answer, not 200): after the interval;
 //! * rejected (malformed, oversized, wrong block size, absurd ids): after an exponential backoff,
@@ -148,8 +149,10 @@ struct WorkerPoll {
     in_flight: Option<InFlight>,
     next_due_ms: u64,
     rejections: u32,
-    /// The last reply applied was a dump (no page since).
-    dumped_last: bool,
+    /// Gaps seen since the last applied page.
+    gaps_since_page: u32,
+    /// A gap was seen and no dump applied since: the next call is the dump.
+    dump_wanted: bool,
 }
 
 /// Per-worker poll state of this VM's poller.
@@ -174,6 +177,13 @@ impl PollSchedule {
             now_ms.saturating_sub(c.since_ms) < c.timeout_ms.saturating_add(LOST_CALL_MARGIN_MS)
         });
         !busy && w.next_due_ms <= now_ms
+    }
+
+    /// The worker's next call must be its dump (it showed a gap the dump has not closed yet).
+    pub fn wants_dump(&self, worker: u16) -> bool {
+        self.workers
+            .get(usize::from(worker))
+            .is_some_and(|w| w.dump_wanted)
     }
 
     /// Workers that are due, in order.
@@ -232,17 +242,26 @@ impl PollSchedule {
         let next = match outcome {
             ReplyOutcome::Failed => Next::After { ms: interval },
             ReplyOutcome::Rejected => backoff(w),
-            // The dump did not close the gap: asking for it again at once would loop.
-            ReplyOutcome::Gap if w.dumped_last => backoff(w),
-            ReplyOutcome::Gap => Next::Now,
+            ReplyOutcome::Gap => {
+                w.dump_wanted = true;
+                w.gaps_since_page = w.gaps_since_page.saturating_add(1);
+                if w.gaps_since_page > 1 {
+                    // The dump did not close the gap: asking for it again at once would loop.
+                    backoff(w)
+                } else {
+                    Next::Now
+                }
+            }
             ReplyOutcome::Applied { new_events, more } => {
                 let dump = call.kind == Some(CallKind::Dump);
                 // Only a page proves the worker healthy again: a dump that does not close a
                 // gap must not restart the backoff.
-                if !dump {
+                if dump {
+                    w.dump_wanted = false;
+                } else {
                     w.rejections = 0;
+                    w.gaps_since_page = 0;
                 }
-                w.dumped_last = dump;
                 let long = events.long_poll_ms > 0;
                 let held_full = held_ms.saturating_mul(2) >= events.long_poll_ms;
                 if (more && new_events) || (long && (dump || new_events || held_full)) {
@@ -445,20 +464,27 @@ mod tests {
         );
     }
 
-    /// A worker whose dump does not close its gap (its dump's last id is older than its buffer)
-    /// would loop page -> gap -> dump -> page at network speed: the repeated gap backs off.
+    /// A gap asks for the dump at once. A worker whose dump does not close its gap (its dump's
+    /// last id is older than its buffer) would loop page -> gap -> dump -> page at network
+    /// speed: the repeated gap backs off, and the call after the backoff is the dump again.
     #[test]
     fn a_gap_that_the_dump_did_not_close_backs_off() {
         for long_poll_ms in [0, 3000] {
             let cfg = events(long_poll_ms);
             let mut s = PollSchedule::new(1);
+            // Right after a dump, a first gap (the worker lost events since): the dump at once.
+            call(&mut s, &cfg, DUMP, 0, applied(true, false), 0);
+            assert!(!s.wants_dump(0));
             assert_eq!(call(&mut s, &cfg, EV, 0, ReplyOutcome::Gap, 1), Next::Now);
+            assert!(s.wants_dump(0));
             let mut now = 1;
             let mut waits = Vec::new();
             for _ in 0..3 {
                 call(&mut s, &cfg, DUMP, now, applied(true, false), now);
+                assert!(!s.wants_dump(0));
                 match call(&mut s, &cfg, EV, now, ReplyOutcome::Gap, now) {
                     Next::Backoff { ms, .. } => {
+                        assert!(s.wants_dump(0), "after the backoff, the dump");
                         waits.push(ms);
                         now += ms;
                     }
@@ -466,7 +492,10 @@ mod tests {
                 }
             }
             assert_eq!(waits, vec![200, 400, 800], "long_poll_ms {long_poll_ms}");
-            // A page applied after the dump: the next gap is an ordinary one again.
+            // A refused dump keeps the dump wanted.
+            call(&mut s, &cfg, DUMP, now, ReplyOutcome::Rejected, now);
+            assert!(s.wants_dump(0));
+            // A page applied after the dump: the next gap is a first one again.
             call(&mut s, &cfg, DUMP, now, applied(true, false), now);
             call(&mut s, &cfg, EV, now, applied(true, false), now);
             assert_eq!(

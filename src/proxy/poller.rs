@@ -40,7 +40,8 @@ impl Poller {
         failed
     }
 
-    /// The call the worker needs now: its events after the cursor, or its dump if it has none.
+    /// The call the worker needs now: its events after the cursor, or its dump if it has no
+    /// cursor or showed a gap.
     pub fn dispatch_next(
         &mut self,
         config: &Config,
@@ -48,7 +49,11 @@ impl Poller {
         worker: u16,
         now: u64,
     ) -> bool {
-        let cursor = head.workers.get(usize::from(worker)).and_then(|w| w.cursor);
+        let cursor = head
+            .workers
+            .get(usize::from(worker))
+            .and_then(|w| w.cursor)
+            .filter(|_| !self.schedule.wants_dump(worker));
         let kind = cursor.map_or(CallKind::Dump, |after| CallKind::Events { after });
         self.dispatch(config, worker, kind, now)
     }

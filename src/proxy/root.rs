@@ -274,12 +274,9 @@ impl VmState {
                 );
             }
             Next::Now if holds_lease(&HostStore, self.nonce, now) => {
-                if outcome == ReplyOutcome::Gap {
-                    self.poller.dispatch(&config, worker, CallKind::Dump, now);
-                } else {
-                    self.poller
-                        .dispatch_next(&config, &self.replica.head, worker, now);
-                }
+                // The dump if the reply showed a gap, else the next page (a long poll).
+                self.poller
+                    .dispatch_next(&config, &self.replica.head, worker, now);
             }
             Next::Now | Next::After { .. } => {}
         }
