@@ -67,6 +67,32 @@ impl RoutingMode {
     ];
 }
 
+/// What the filter does with a client's routing hints: header pins (`x-worker-instance-id`,
+/// `x-dp-rank`), body pins (`nvext.backend_instance_id`, `nvext.dp_rank`), allow-lists
+/// (`nvext.allowed_worker_ids`) and taints (`nvext.required_taints`, `nvext.preferred_taints`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClientHints {
+    /// Route as if the client sent none (counted in `client_hints.ignored`).
+    Ignore,
+    /// Refuse a request that carries any (403).
+    Reject,
+    /// Trusted clients: hints filter and pin the choice.
+    Honor,
+}
+
+impl ClientHints {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClientHints::Ignore => "ignore",
+            ClientHints::Reject => "reject",
+            ClientHints::Honor => "honor",
+        }
+    }
+}
+
+/// Largest accepted `client_routing_hints_max_items`.
+pub const MAX_HINT_ITEMS_LIMIT: u64 = 65_536;
+
 /// How the chosen address is written into `destination_header`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DestinationFormat {
@@ -84,7 +110,7 @@ pub enum Device {
     Cpu,
 }
 
-/// Cost weights, REFERENCE.md section 1. All finite and `>= 0`; `overlap_score_credit <= 1`.
+/// Cost weights of Dynamo's KV router (`kv_router` config). All finite and `>= 0`; `overlap_score_credit <= 1`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CostWeights {
     pub overlap_score_credit: f64,
@@ -162,6 +188,10 @@ pub struct EventsConfig {
     /// `>= poll_interval_ms`.
     pub stale_after_ms: u64,
     pub max_response_bytes: usize,
+    /// `> 0`: each events call asks the worker to hold it up to this long until an event exists
+    /// (`&wait_ms=`), and the poller re-issues it as soon as it returns. `0` = plain polling.
+    /// `long_poll_ms + timeout_ms <= stale_after_ms`.
+    pub long_poll_ms: u64,
 }
 
 impl Default for EventsConfig {
@@ -174,6 +204,7 @@ impl Default for EventsConfig {
             timeout_ms: 1000,
             stale_after_ms: 5000,
             max_response_bytes: 4 * 1024 * 1024,
+            long_poll_ms: 0,
         }
     }
 }
@@ -253,8 +284,11 @@ pub struct Config {
     pub llm_paths: Vec<String>,
     /// `1..=1 GiB`.
     pub max_body_bytes: usize,
+    /// Add the worker, overlap and costs to responses (`x-kv-router-reason` is always added).
     pub response_headers: bool,
-    pub allow_client_pinning: bool,
+    pub client_routing_hints: ClientHints,
+    /// Cap on each client hint list, `1..=65536`.
+    pub client_routing_hints_max_items: usize,
     /// Finite, `>= 0`.
     pub router_temperature: f64,
     pub cost: CostWeights,
@@ -661,7 +695,8 @@ const ROOT_FIELDS: &[&str] = &[
     "llm_paths",
     "max_body_bytes",
     "response_headers",
-    "allow_client_pinning",
+    "client_routing_hints",
+    "client_routing_hints_max_items",
     "router_temperature",
     "cost",
     "busy",
@@ -700,6 +735,7 @@ const EVENTS_FIELDS: &[&str] = &[
     "timeout_ms",
     "stale_after_ms",
     "max_response_bytes",
+    "long_poll_ms",
 ];
 const INDEX_FIELDS: &[&str] = &["max_blocks"];
 const WORKER_FIELDS: &[&str] = &[
@@ -814,8 +850,43 @@ fn compile(map: Map<String, Value>) -> Result<Config, ConfigError> {
         )?,
     } as usize;
 
-    let response_headers = root.take::<bool>("response_headers")?.unwrap_or(true);
-    let allow_client_pinning = root.take::<bool>("allow_client_pinning")?.unwrap_or(false);
+    let response_headers = root.take::<bool>("response_headers")?.unwrap_or(false);
+    if root.take_raw("allow_client_pinning").is_some() {
+        return Err(ConfigError::Invalid {
+            field: "allow_client_pinning".to_string(),
+            detail: "replaced by client_routing_hints (\"ignore\" | \"reject\" | \"honor\"), which covers header and body pins, allow-lists and taints alike".to_string(),
+        });
+    }
+    let client_routing_hints = variant(
+        &mut root,
+        "client_routing_hints",
+        ClientHints::Ignore,
+        &[
+            ("ignore", ClientHints::Ignore),
+            ("reject", ClientHints::Reject),
+            ("honor", ClientHints::Honor),
+        ],
+        &["ignore", "reject", "honor"],
+    )?;
+    if mode == RoutingMode::Direct && client_routing_hints != ClientHints::Honor {
+        return Err(ConfigError::Invalid {
+            field: "client_routing_hints".to_string(),
+            detail: format!(
+                "mode direct routes by the client's pin, so it needs \"honor\" (got \"{}\")",
+                client_routing_hints.as_str()
+            ),
+        });
+    }
+    let client_routing_hints_max_items = match root.take::<u64>("client_routing_hints_max_items")? {
+        None => crate::request::DEFAULT_MAX_HINT_ITEMS,
+        Some(v) => u64_in(
+            "client_routing_hints_max_items".to_string(),
+            v,
+            1,
+            MAX_HINT_ITEMS_LIMIT,
+            "within [1, 65536]",
+        )? as usize,
+    };
     let router_temperature = non_negative(&mut root, "router_temperature", 0.0)?;
 
     let cost = match root.take_raw("cost") {
@@ -870,7 +941,8 @@ fn compile(map: Map<String, Value>) -> Result<Config, ConfigError> {
         llm_paths,
         max_body_bytes,
         response_headers,
-        allow_client_pinning,
+        client_routing_hints,
+        client_routing_hints_max_items,
         router_temperature,
         cost,
         busy,
@@ -1052,6 +1124,25 @@ fn compile_events(v: Value) -> Result<EventsConfig, ConfigError> {
             "within [1, 1073741824]",
         )? as usize,
     };
+    let long_poll_ms = ms(
+        &mut o,
+        "long_poll_ms",
+        d.long_poll_ms,
+        0,
+        600_000,
+        "within [0, 600000]",
+    )?;
+    // An idle worker answers a long poll only when it expires: the worker must not look silent
+    // (stale) meanwhile.
+    if long_poll_ms > 0 && long_poll_ms + timeout_ms > stale_after_ms {
+        return Err(ConfigError::OutOfRange {
+            field: o.field_path("long_poll_ms"),
+            expected: "such that long_poll_ms + timeout_ms <= stale_after_ms",
+            got: format!(
+                "{long_poll_ms} (timeout_ms {timeout_ms}, stale_after_ms {stale_after_ms})"
+            ),
+        });
+    }
     o.finish()?;
     Ok(EventsConfig {
         cluster,
@@ -1061,6 +1152,7 @@ fn compile_events(v: Value) -> Result<EventsConfig, ConfigError> {
         timeout_ms,
         stale_after_ms,
         max_response_bytes,
+        long_poll_ms,
     })
 }
 
@@ -1260,7 +1352,8 @@ mod tests {
           "destination_header": "X-Gateway-Destination-Endpoint",
           "destination_format": "override_host", "fallback_count": 2,
           "llm_paths": ["/v1/completions", "/v1/chat/completions"],
-          "max_body_bytes": 8388608, "response_headers": true, "allow_client_pinning": false,
+          "max_body_bytes": 8388608, "response_headers": false, "client_routing_hints": "ignore",
+          "client_routing_hints_max_items": 64,
           "router_temperature": 0.0,
           "cost": {"overlap_score_credit": 1.0, "prefill_load_scale": 1.0,
                    "host_cache_hit_weight": 0.75, "disk_cache_hit_weight": 0.25,
@@ -1272,7 +1365,7 @@ mod tests {
           "device_ratio": 8.0, "tick_ms": 50,
           "events": {"cluster": "kv_events", "path": "/kv/events", "dump_path": "/kv/dump",
                      "poll_interval_ms": 100, "timeout_ms": 1000, "stale_after_ms": 5000,
-                     "max_response_bytes": 4194304},
+                     "max_response_bytes": 4194304, "long_poll_ms": 0},
           "index": {"max_blocks": 1048576},
           "workers": [
             {"id": 1, "address": "10.0.0.1:8000", "events_address": "10.0.0.1:8000",
@@ -1304,8 +1397,12 @@ mod tests {
         assert_eq!(c.fallback_count, 2);
         assert_eq!(c.llm_paths, vec!["/v1/completions", "/v1/chat/completions"]);
         assert_eq!(c.max_body_bytes, 8_388_608);
-        assert!(c.response_headers);
-        assert!(!c.allow_client_pinning);
+        assert!(
+            !c.response_headers,
+            "costs and worker ids are not sent to clients by default"
+        );
+        assert_eq!(c.client_routing_hints, ClientHints::Ignore);
+        assert_eq!(c.client_routing_hints_max_items, 64);
         assert_eq!(c.router_temperature, 0.0);
         assert_eq!(c.cost, CostWeights::default());
         assert_eq!(c.cost.host_cache_hit_weight, 0.75);
@@ -1507,5 +1604,62 @@ mod tests {
             r#"{"llm_paths": ["v1/completions"], "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#,
         );
         assert!(e.starts_with("llm_paths[0]:"), "{e}");
+    }
+
+    #[test]
+    fn client_routing_hints_one_knob_with_a_cap() {
+        let c = Config::from_json(
+            br#"{"client_routing_hints": "honor", "client_routing_hints_max_items": 8, "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.client_routing_hints, ClientHints::Honor);
+        assert_eq!(c.client_routing_hints_max_items, 8);
+        let e = err(
+            r#"{"client_routing_hints": "trust", "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#,
+        );
+        assert!(
+            e.starts_with("client_routing_hints: unknown value \"trust\""),
+            "{e}"
+        );
+        let e = err(
+            r#"{"client_routing_hints_max_items": 0, "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#,
+        );
+        assert!(
+            e.starts_with("client_routing_hints_max_items: must be within [1, 65536]"),
+            "{e}"
+        );
+        // The old header-only switch names its replacement.
+        let e = err(
+            r#"{"allow_client_pinning": true, "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#,
+        );
+        assert!(
+            e.starts_with("allow_client_pinning: replaced by client_routing_hints"),
+            "{e}"
+        );
+        // Direct mode is nothing but the client's pin.
+        let e = err(r#"{"mode": "direct", "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#);
+        assert!(e.starts_with("client_routing_hints: mode direct"), "{e}");
+        assert!(Config::from_json(
+            br#"{"mode": "direct", "client_routing_hints": "honor", "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#
+        )
+        .is_ok());
+    }
+
+    #[test]
+    fn long_poll_must_fit_inside_the_stale_window() {
+        let c = Config::from_json(
+            br#"{"events": {"long_poll_ms": 3000}, "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.events.long_poll_ms, 3000);
+        // 4500 + 1000 > 5000: an idle worker would turn stale between two answers.
+        let e = err(
+            r#"{"events": {"long_poll_ms": 4500}, "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#,
+        );
+        assert!(e.starts_with("events.long_poll_ms: must be such that long_poll_ms + timeout_ms <= stale_after_ms"), "{e}");
+        let e = err(
+            r#"{"events": {"long_poll_ms": 600001}, "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#,
+        );
+        assert!(e.starts_with("events.long_poll_ms: must be within"), "{e}");
     }
 }

@@ -1,4 +1,4 @@
-//! Dynamo's KV cost model (REFERENCE.md section 1). Lower is better. Pure: no side effects.
+//! Dynamo's KV cost model. Lower is better. Pure: no side effects.
 //!
 //! ```text
 //! raw_prefill_blocks = (active_prefill_tokens + isl_tokens) / block_size

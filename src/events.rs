@@ -22,6 +22,11 @@ use serde::Deserialize;
 use crate::hashing::{hash_seed, local_block_hashes};
 use crate::types::{DpRank, ExternalBlockHash, LocalBlockHash, StorageTier};
 
+/// Largest event id (and cursor) accepted: 2^63 - 1. Ids are counters from 0 or 1; anything
+/// near `u64::MAX` is a broken or hostile worker, and accepting it would leave no room for the
+/// next id (`cursor + 1`) to exist.
+pub const MAX_EVENT_ID: u64 = i64::MAX as u64;
+
 /// One normalized cache change on one worker.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum IndexEvent {
@@ -85,7 +90,7 @@ pub enum EventError {
     BlockSizeMismatch { expected: u32, got: u64 },
     /// The event at position `index` of the page has no `event_id`.
     MissingEventId { index: usize },
-    /// An event id (or cursor) outside 1..=u64::MAX (cursors may be 0).
+    /// An event id (or cursor) outside 1..=[`MAX_EVENT_ID`] (cursors may be 0).
     InvalidEventId { field: &'static str, value: i128 },
     /// Event ids in a page must strictly increase.
     NonIncreasingEventId { previous: u64, got: u64 },
@@ -341,14 +346,17 @@ fn malformed(err: &serde_json::Error) -> EventError {
 /// A positive event id (ids start at 1; 0 is the "nothing seen yet" cursor).
 fn positive_id(id: WireId, field: &'static str) -> Result<u64, EventError> {
     match u64::try_from(id.0) {
-        Ok(v) if v > 0 => Ok(v),
+        Ok(v) if v > 0 && v <= MAX_EVENT_ID => Ok(v),
         _ => Err(EventError::InvalidEventId { field, value: id.0 }),
     }
 }
 
 /// A cursor: 0 allowed.
 fn cursor_id(id: WireId, field: &'static str) -> Result<u64, EventError> {
-    u64::try_from(id.0).map_err(|_| EventError::InvalidEventId { field, value: id.0 })
+    match u64::try_from(id.0) {
+        Ok(v) if v <= MAX_EVENT_ID => Ok(v),
+        _ => Err(EventError::InvalidEventId { field, value: id.0 }),
+    }
 }
 
 fn parse_tier(event_id: u64, name: Option<&str>) -> Result<StorageTier, EventError> {
@@ -1333,6 +1341,53 @@ mod tests {
         }
         .to_string();
         assert!(e.contains("16") && e.contains("block_size"), "{e}");
+    }
+
+    /// A worker-supplied `u64::MAX` cursor would leave no next id (`after + 1` overflows): ids
+    /// above 2^63 - 1 are a protocol error, in pages and dumps alike.
+    #[test]
+    fn absurd_event_ids_and_cursors_are_rejected() {
+        let max = u64::MAX;
+        assert_eq!(
+            err_of(&format!(r#"{{"block_size": 4, "last_event_id": {max}}}"#)),
+            EventError::InvalidEventId {
+                field: "last_event_id",
+                value: i128::from(max)
+            }
+        );
+        let just_over = MAX_EVENT_ID + 1;
+        assert_eq!(
+            err_of(&format!(
+                r#"{{"block_size": 4, "first_event_id": {just_over}, "last_event_id": 1}}"#
+            )),
+            EventError::InvalidEventId {
+                field: "first_event_id",
+                value: i128::from(just_over)
+            }
+        );
+        assert_eq!(
+            err_of(&page(&format!(
+                r#"{{"event_id": {just_over}, "data": "cleared"}}"#
+            ))),
+            EventError::InvalidEventId {
+                field: "event_id",
+                value: i128::from(just_over)
+            }
+        );
+        let dump = format!(r#"{{"block_size": 4, "last_event_id": "{max}", "events": []}}"#);
+        assert!(matches!(
+            parse_dump(dump.as_bytes(), 4, MAX),
+            Err(EventError::InvalidEventId {
+                field: "last_event_id",
+                ..
+            })
+        ));
+        // The largest accepted id still parses.
+        let ok = format!(
+            r#"{{"block_size": 4, "last_event_id": {MAX_EVENT_ID}, "events": [{{"event_id": {MAX_EVENT_ID}, "data": "cleared"}}]}}"#
+        );
+        let page = parse_event_page(ok.as_bytes(), 4, MAX).unwrap();
+        assert_eq!(page.last_event_id, MAX_EVENT_ID);
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! Eligibility filters, applied before scoring in this order (REFERENCE.md section 1):
+//! Eligibility filters, applied before scoring in this order:
 //!
 //! 1. allow-list (`nvext.allowed_worker_ids`; ids the configuration does not know are ignored);
 //! 2. pin: worker id (+ DP rank). The worker must exist (`PinnedWorkerUnknown`) and survive the

@@ -10,10 +10,15 @@ pub mod filters;
 pub mod hashing;
 pub mod index;
 pub mod load;
+pub mod load_store;
+pub mod polling;
+pub mod replication;
 pub mod request;
 pub mod rng;
 pub mod router;
 pub mod select;
+pub mod store;
+pub mod text;
 pub mod types;
 
 // The adapter links proxy-wasm, whose exported `proxy_on_*` entry points import host functions

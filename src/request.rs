@@ -118,6 +118,30 @@ pub fn parse_header_pin(
     Ok(Pin { worker_id, dp_rank })
 }
 
+/// How much of the client's routing hints to read (see [`ParseOptions`]).
+pub const DEFAULT_MAX_HINT_ITEMS: usize = 64;
+
+/// What [`parse_request_with`] reads besides the prompt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ParseOptions {
+    /// Read the routing hints (`nvext.backend_instance_id`, `dp_rank`, `allowed_worker_ids`,
+    /// `required_taints`, `preferred_taints`). When false they are skipped unread (nothing is
+    /// allocated for them) and only their presence is noted in [`LlmRequest::routing_hints`].
+    pub read_hints: bool,
+    /// Most items accepted in each hint list (`allowed_worker_ids`, `required_taints`,
+    /// `preferred_taints`); more is [`RequestError::TooManyItems`].
+    pub max_hint_items: usize,
+}
+
+impl Default for ParseOptions {
+    fn default() -> Self {
+        ParseOptions {
+            read_hints: true,
+            max_hint_items: DEFAULT_MAX_HINT_ITEMS,
+        }
+    }
+}
+
 /// What the router needs from one request body.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct LlmRequest {
@@ -138,6 +162,9 @@ pub struct LlmRequest {
     /// Characters of the text prompt (completions `prompt` string) or of every string inside
     /// `messages` (chat); used to estimate `isl_tokens` when there are no token ids.
     pub text_chars: usize,
+    /// The body carried at least one routing hint (a non-null pin, allow-list or taint field),
+    /// whether or not it was read.
+    pub routing_hints: bool,
 }
 
 /// Why a body could not be read. Every variant is a client error (HTTP 400).
@@ -155,6 +182,11 @@ pub enum RequestError {
     },
     /// `prompt` is an array of prompts; the filter routes one prompt per request.
     BatchedPrompt,
+    /// A hint list longer than [`ParseOptions::max_hint_items`].
+    TooManyItems {
+        field: &'static str,
+        max: usize,
+    },
 }
 
 impl RequestError {
@@ -174,20 +206,33 @@ impl fmt::Display for RequestError {
                 f,
                 "prompt: batched prompts (an array of prompts) are not supported by the router; send one prompt per request"
             ),
+            RequestError::TooManyItems { field, max } => {
+                write!(f, "{field}: more than {max} items")
+            }
         }
     }
 }
 
 impl std::error::Error for RequestError {}
 
-/// Parses a request body for `endpoint`. See the module docs for the fields read.
+/// Parses a request body for `endpoint` with [`ParseOptions::default`] (hints read, lists
+/// capped at [`DEFAULT_MAX_HINT_ITEMS`]). See the module docs for the fields read.
 pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<LlmRequest, RequestError> {
+    parse_request_with(body, endpoint, &ParseOptions::default())
+}
+
+/// Parses a request body for `endpoint`, reading the routing hints as `opts` says.
+pub fn parse_request_with(
+    body: &[u8],
+    endpoint: Endpoint,
+    opts: &ParseOptions,
+) -> Result<LlmRequest, RequestError> {
     check_object_start(body)?;
     // The fast pass only ever returns what the serde pass would; when it gives up (no token
     // array to cut, or any error), the serde pass reads the original body.
-    match parse_fast(body, endpoint) {
+    match parse_fast(body, endpoint, opts) {
         Some(req) => Ok(req),
-        None => parse_object(body, endpoint, None),
+        None => parse_object(body, endpoint, None, opts),
     }
 }
 
@@ -195,7 +240,7 @@ pub fn parse_request(body: &[u8], endpoint: Endpoint) -> Result<LlmRequest, Requ
 #[cfg(test)]
 fn parse_request_serde(body: &[u8], endpoint: Endpoint) -> Result<LlmRequest, RequestError> {
     check_object_start(body)?;
-    parse_object(body, endpoint, None)
+    parse_object(body, endpoint, None, &ParseOptions::default())
 }
 
 /// An empty body, or one whose first value is not an object, gets its own error.
@@ -219,11 +264,14 @@ fn parse_object(
     body: &[u8],
     endpoint: Endpoint,
     prefill: Option<&Prefill>,
+    opts: &ParseOptions,
 ) -> Result<LlmRequest, RequestError> {
     let ctx = Ctx {
         field: Cell::new("(body)"),
         batched: Cell::new(false),
+        over_cap: Cell::new(false),
         prefill,
+        opts,
     };
     let mut de = serde_json::Deserializer::from_slice(body);
     let result = TopSeed {
@@ -235,6 +283,12 @@ fn parse_object(
     result.map_err(|e| {
         if ctx.batched.get() {
             return RequestError::BatchedPrompt;
+        }
+        if ctx.over_cap.get() {
+            return RequestError::TooManyItems {
+                field: ctx.field.get(),
+                max: opts.max_hint_items,
+            };
         }
         match e.classify() {
             serde_json::error::Category::Data => RequestError::BadField {
@@ -256,7 +310,7 @@ fn parse_object(
 /// that `[]` is an array value there, so the original (with the bigger array in its place) is
 /// valid JSON too; on valid JSON the structural scan finds exactly the values the visitors read,
 /// in the same order; and the visitors check that every recorded occurrence meets its `[]`.
-fn parse_fast(body: &[u8], endpoint: Endpoint) -> Option<LlmRequest> {
+fn parse_fast(body: &[u8], endpoint: Endpoint, opts: &ParseOptions) -> Option<LlmRequest> {
     let mut scan = Scan {
         body,
         pos: 0,
@@ -285,7 +339,7 @@ fn parse_fast(body: &[u8], endpoint: Endpoint) -> Option<LlmRequest> {
         prompts: Cell::new(scan.prompts),
         token_data: Cell::new(scan.token_data),
     };
-    let req = parse_object(&copy, endpoint, Some(&prefill)).ok()?;
+    let req = parse_object(&copy, endpoint, Some(&prefill), opts).ok()?;
     let drained = prefill.prompts.take().is_empty() && prefill.token_data.take().is_empty();
     drained.then_some(req)
 }
@@ -552,7 +606,10 @@ impl<'a> Scan<'a> {
 struct Ctx<'p> {
     field: Cell<&'static str>,
     batched: Cell<bool>,
+    /// A hint list went over `opts.max_hint_items` (the error names `field`).
+    over_cap: Cell<bool>,
     prefill: Option<&'p Prefill>,
+    opts: &'p ParseOptions,
 }
 
 /// Resolves an object key to its index in a fixed list without allocating.
@@ -576,6 +633,17 @@ impl<'de> Visitor<'de> for KeySeed {
 }
 
 const TOP_KEYS: &[&str] = &["model", "prompt", "messages", "stream", "nvext"];
+/// `NVEXT_KEYS` with their `nvext.` prefix, for error messages (same order).
+const NVEXT_FIELDS: [&str; 8] = [
+    "nvext.token_data",
+    "nvext.backend_instance_id",
+    "nvext.dp_rank",
+    "nvext.allowed_worker_ids",
+    "nvext.required_taints",
+    "nvext.preferred_taints",
+    "nvext.agent_hints",
+    "nvext.lora_name",
+];
 const NVEXT_KEYS: &[&str] = &[
     "token_data",
     "backend_instance_id",
@@ -824,26 +892,40 @@ impl<'de> Visitor<'de> for NvextSeed<'_, '_> {
                     }
                     *self.tokens = tokens;
                 }
+                Some(hint @ 1..=5) if !ctx.opts.read_hints => {
+                    ctx.field
+                        .set(NVEXT_FIELDS.get(hint).copied().unwrap_or("nvext"));
+                    // Skipped unread; `null` means absent, as everywhere.
+                    if map.next_value::<Option<IgnoredAny>>()?.is_some() {
+                        req.routing_hints = true;
+                    }
+                }
                 Some(1) => {
                     ctx.field.set("nvext.backend_instance_id");
                     req.pin.worker_id = map.next_value()?;
+                    req.routing_hints |= req.pin.worker_id.is_some();
                 }
                 Some(2) => {
                     ctx.field.set("nvext.dp_rank");
                     req.pin.dp_rank = map.next_value()?;
+                    req.routing_hints |= req.pin.dp_rank.is_some();
                 }
                 Some(3) => {
                     ctx.field.set("nvext.allowed_worker_ids");
-                    req.allowed_worker_ids = map.next_value()?;
+                    req.allowed_worker_ids = map.next_value_seed(Capped::<WorkerId>::new(ctx))?;
+                    req.routing_hints |= req.allowed_worker_ids.is_some();
                 }
                 Some(4) => {
                     ctx.field.set("nvext.required_taints");
-                    req.required_taints =
-                        map.next_value::<Option<Vec<String>>>()?.unwrap_or_default();
+                    req.required_taints = map
+                        .next_value_seed(Capped::<String>::new(ctx))?
+                        .unwrap_or_default();
+                    req.routing_hints |= !req.required_taints.is_empty();
                 }
                 Some(5) => {
                     ctx.field.set("nvext.preferred_taints");
-                    req.preferred_taints = map.next_value_seed(TaintWeights)?;
+                    req.preferred_taints = map.next_value_seed(TaintWeights { ctx })?;
+                    req.routing_hints |= !req.preferred_taints.is_empty();
                 }
                 Some(6) => {
                     ctx.field.set("nvext.agent_hints");
@@ -864,17 +946,68 @@ impl<'de> Visitor<'de> for NvextSeed<'_, '_> {
     }
 }
 
-/// `{taint: weight}` in body order; `null` = none.
-struct TaintWeights;
+/// A list of at most `opts.max_hint_items` items (`null` = absent); one more is an error, so a
+/// hostile body never makes the filter hold more than the cap.
+struct Capped<'c, T> {
+    ctx: &'c Ctx<'c>,
+    item: std::marker::PhantomData<T>,
+}
 
-impl<'de> DeserializeSeed<'de> for TaintWeights {
+impl<'c, T> Capped<'c, T> {
+    fn new(ctx: &'c Ctx<'c>) -> Self {
+        Capped {
+            ctx,
+            item: std::marker::PhantomData,
+        }
+    }
+}
+
+fn over_cap<E: de::Error>(ctx: &Ctx) -> E {
+    ctx.over_cap.set(true);
+    E::custom("too many items")
+}
+
+impl<'de, T: Deserialize<'de>> DeserializeSeed<'de> for Capped<'_, T> {
+    type Value = Option<Vec<T>>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de, T: Deserialize<'de>> Visitor<'de> for Capped<'_, T> {
+    type Value = Option<Vec<T>>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an array")
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let max = self.ctx.opts.max_hint_items;
+        let mut out = Vec::new();
+        while let Some(item) = seq.next_element::<T>()? {
+            if out.len() >= max {
+                return Err(over_cap(self.ctx));
+            }
+            out.push(item);
+        }
+        Ok(Some(out))
+    }
+}
+
+/// `{taint: weight}` in body order; `null` = none. At most `opts.max_hint_items` entries.
+struct TaintWeights<'c> {
+    ctx: &'c Ctx<'c>,
+}
+
+impl<'de> DeserializeSeed<'de> for TaintWeights<'_> {
     type Value = Vec<(String, f64)>;
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
         d.deserialize_any(self)
     }
 }
 
-impl<'de> Visitor<'de> for TaintWeights {
+impl<'de> Visitor<'de> for TaintWeights<'_> {
     type Value = Vec<(String, f64)>;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("an object mapping taint names to numeric weights")
@@ -883,8 +1016,12 @@ impl<'de> Visitor<'de> for TaintWeights {
         Ok(Vec::new())
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let max = self.ctx.opts.max_hint_items;
         let mut out = Vec::new();
         while let Some((k, w)) = map.next_entry::<String, f64>()? {
+            if out.len() >= max {
+                return Err(over_cap(self.ctx));
+            }
             if !w.is_finite() {
                 return Err(de::Error::custom(format_args!(
                     "weight of \"{k}\" must be finite"
@@ -979,6 +1116,110 @@ mod tests {
         assert_eq!(
             completions(r#"{"prompt": []}"#).unwrap().token_ids,
             Some(vec![])
+        );
+    }
+
+    fn ids(n: usize) -> String {
+        (0..n).map(|i| i.to_string()).collect::<Vec<_>>().join(",")
+    }
+
+    /// Every client list is capped; one item over is an error naming the field, on the fast
+    /// path (token ids present) and the serde path alike.
+    #[test]
+    fn hint_lists_are_capped() {
+        let opts = ParseOptions {
+            read_hints: true,
+            max_hint_items: 3,
+        };
+        let parse =
+            |body: String| parse_request_with(body.as_bytes(), Endpoint::Completions, &opts);
+        for prompt in [r#""text""#, "[1, 2, 3]"] {
+            let ok = parse(format!(
+                r#"{{"prompt": {prompt}, "nvext": {{"allowed_worker_ids": [{}], "required_taints": ["a", "b", "c"], "preferred_taints": {{"a": 1, "b": 1, "c": 1}}}}}}"#,
+                ids(3)
+            ))
+            .unwrap();
+            assert_eq!(ok.allowed_worker_ids.map(|l| l.len()), Some(3));
+            assert!(ok.routing_hints);
+            let over = |field: &str, value: &str| {
+                parse(format!(
+                    r#"{{"prompt": {prompt}, "nvext": {{"{field}": {value}}}}}"#
+                ))
+            };
+            let huge = format!("[{}]", ids(200_000));
+            assert_eq!(
+                over("allowed_worker_ids", &huge),
+                Err(RequestError::TooManyItems {
+                    field: "nvext.allowed_worker_ids",
+                    max: 3
+                })
+            );
+            assert_eq!(
+                over("required_taints", r#"["a", "b", "c", "d"]"#),
+                Err(RequestError::TooManyItems {
+                    field: "nvext.required_taints",
+                    max: 3
+                })
+            );
+            assert_eq!(
+                over("preferred_taints", r#"{"a": 1, "b": 1, "c": 1, "d": 1}"#),
+                Err(RequestError::TooManyItems {
+                    field: "nvext.preferred_taints",
+                    max: 3
+                })
+            );
+        }
+        let e = RequestError::TooManyItems {
+            field: "nvext.allowed_worker_ids",
+            max: 64,
+        };
+        assert_eq!(
+            e.to_string(),
+            "nvext.allowed_worker_ids: more than 64 items"
+        );
+        assert_eq!(e.http_status(), 400);
+    }
+
+    /// Untrusted clients: hints are skipped unread (no cap applies, nothing is allocated), and
+    /// their presence is noted; `null` counts as absent.
+    #[test]
+    fn unread_hints_are_only_noted() {
+        let opts = ParseOptions {
+            read_hints: false,
+            max_hint_items: 3,
+        };
+        let parse =
+            |body: &str| parse_request_with(body.as_bytes(), Endpoint::Completions, &opts).unwrap();
+        let huge = format!(
+            r#"{{"prompt": [1, 2], "nvext": {{"backend_instance_id": 2, "dp_rank": 1, "allowed_worker_ids": [{}], "required_taints": ["x"], "preferred_taints": {{"y": 1}}, "lora_name": "l"}}}}"#,
+            ids(200_000)
+        );
+        let r = parse(&huge);
+        assert!(r.routing_hints);
+        assert_eq!(r.pin, Pin::default());
+        assert_eq!(r.allowed_worker_ids, None);
+        assert!(r.required_taints.is_empty() && r.preferred_taints.is_empty());
+        assert_eq!(r.token_ids, Some(vec![1, 2]));
+        assert_eq!(r.lora_name.as_deref(), Some("l"), "not a routing hint");
+        for field in [
+            "backend_instance_id",
+            "dp_rank",
+            "allowed_worker_ids",
+            "required_taints",
+            "preferred_taints",
+        ] {
+            let r = parse(&format!(
+                r#"{{"prompt": "x", "nvext": {{"{field}": [1]}}}}"#
+            ));
+            assert!(r.routing_hints, "{field}");
+            let r = parse(&format!(
+                r#"{{"prompt": "x", "nvext": {{"{field}": null}}}}"#
+            ));
+            assert!(!r.routing_hints, "{field}: null is absent");
+        }
+        assert!(
+            !parse(r#"{"prompt": "x", "nvext": {"lora_name": "a", "agent_hints": {"osl": 3}}}"#)
+                .routing_hints
         );
     }
 
@@ -1161,7 +1402,12 @@ mod tests {
 
     /// The fast pass answered (rather than handing the body to the serde pass).
     fn fast_ids(body: &str) -> Option<Vec<u32>> {
-        let r = parse_fast(body.as_bytes(), Endpoint::Completions).expect(body);
+        let r = parse_fast(
+            body.as_bytes(),
+            Endpoint::Completions,
+            &ParseOptions::default(),
+        )
+        .expect(body);
         assert_eq!(Ok(r.clone()), completions(body), "{body}");
         r.token_ids
     }
@@ -1212,7 +1458,12 @@ mod tests {
             r#"{"prompt": [1, 18446744073709551616]}"#,
             r#"{"nvext": {"token_data": [1, 4294967296]}}"#,
         ] {
-            assert!(parse_fast(body.as_bytes(), Endpoint::Completions).is_none());
+            assert!(parse_fast(
+                body.as_bytes(),
+                Endpoint::Completions,
+                &ParseOptions::default()
+            )
+            .is_none());
             assert!(matches!(
                 same_as_serde(body),
                 Err(RequestError::BadField { .. })
@@ -1499,7 +1750,13 @@ mod tests {
         for round in 0..rounds {
             let body = g.body(round);
             let _ = same_as_serde(&body);
-            if parse_fast(body.as_bytes(), Endpoint::Completions).is_some() {
+            if parse_fast(
+                body.as_bytes(),
+                Endpoint::Completions,
+                &ParseOptions::default(),
+            )
+            .is_some()
+            {
                 fast_answers += 1;
             }
         }

@@ -3,8 +3,9 @@
 //! the decision in the load table is the caller's job (with `Decision::prefill_tokens` and
 //! `Decision::prompt_blocks`).
 //!
-//! * Effective pin = header pin merged over the body pin ([`Pin::merge`]); headers are only
-//!   passed by the adapter when `allow_client_pinning` is on.
+//! * Effective pin = header pin merged over the body pin ([`Pin::merge`]). Client hints (pins,
+//!   allow-lists, taints) only reach here when `client_routing_hints` is `honor`; otherwise the
+//!   adapter leaves them unread.
 //! * `isl_tokens` = the number of token ids, or for a text-only request `ceil(text_chars / 4)`
 //!   (the usual ~4 characters per token of English BPE vocabularies; only load is estimated from
 //!   it — a text-only request never gets overlap credit, reason `kv-text-only`).
@@ -22,6 +23,7 @@ use crate::load::SlotLoad;
 use crate::request::{LlmRequest, Pin};
 use crate::rng::Rng;
 use crate::select;
+use crate::text::excerpt;
 use crate::types::{DpRank, Overlap, SlotIdx, WorkerId};
 
 /// Characters per token assumed for requests without token ids.
@@ -29,7 +31,7 @@ pub const CHARS_PER_TOKEN_ESTIMATE: usize = 4;
 
 pub struct RouteInput<'a> {
     pub request: &'a LlmRequest,
-    /// Already gated by `allow_client_pinning` (default when off).
+    /// Already gated by `client_routing_hints` (default when not honoured).
     pub header_pin: Pin,
     /// The prompt's KV blocks, `ceil(isl_tokens / block_size)`: use [`prompt_blocks`].
     pub prompt_blocks: u32,
@@ -244,9 +246,11 @@ impl fmt::Display for RouteError {
                 write!(f, "all {eligible} eligible worker slots are over their busy thresholds")
             }
             RouteError::NoCompatibleWorker { reason } => match reason {
-                Incompatibility::AllowList { allowed } => {
-                    write!(f, "no configured worker is in nvext.allowed_worker_ids {allowed:?}")
-                }
+                Incompatibility::AllowList { allowed } => write!(
+                    f,
+                    "no configured worker is in nvext.allowed_worker_ids {}",
+                    list_excerpt(allowed.iter().map(|id| id.to_string()))
+                ),
                 Incompatibility::PinnedOutsideAllowList { worker_id } => {
                     write!(f, "pinned worker {worker_id} is not in nvext.allowed_worker_ids")
                 }
@@ -254,11 +258,13 @@ impl fmt::Display for RouteError {
                     write!(f, "no configured worker owns dp_rank {dp_rank}")
                 }
                 Incompatibility::ModelNotServed { model } => {
-                    write!(f, "no eligible worker serves model \"{model}\"")
+                    write!(f, "no eligible worker serves model \"{}\"", excerpt(model, 64))
                 }
-                Incompatibility::MissingTaints { taints } => {
-                    write!(f, "no eligible worker carries all required taints {taints:?}")
-                }
+                Incompatibility::MissingTaints { taints } => write!(
+                    f,
+                    "no eligible worker carries all required taints {}",
+                    list_excerpt(taints.iter().map(|t| format!("{:?}", excerpt(t, 32))))
+                ),
             },
             RouteError::NonFiniteCost { slot, cost } => {
                 write!(f, "internal error: cost of slot {slot} is not finite ({cost})")
@@ -268,6 +274,18 @@ impl fmt::Display for RouteError {
 }
 
 impl std::error::Error for RouteError {}
+
+/// Client-supplied lists in error messages: the first few items and the count, never the whole.
+fn list_excerpt(items: impl ExactSizeIterator<Item = String>) -> String {
+    const SHOWN: usize = 4;
+    let total = items.len();
+    let shown: Vec<String> = items.take(SHOWN).collect();
+    if total > SHOWN {
+        format!("[{}, … {total} in all]", shown.join(", "))
+    } else {
+        format!("[{}]", shown.join(", "))
+    }
+}
 
 /// Input tokens of a request: its token ids, else `ceil(text_chars / 4)`; saturates at u32::MAX.
 pub fn isl_tokens(request: &LlmRequest) -> u32 {
@@ -501,7 +519,7 @@ mod tests {
         decide(c, &input, &mut SelectorState::new(seed))
     }
 
-    /// REFERENCE / Dynamo docs worked example: block size 16, 160-token prompt (raw prefill 10
+    /// Dynamo docs worked example: block size 16, 160-token prompt (raw prefill 10
     /// blocks everywhere), device overlaps 2/5/8, decode 10/5/9 including this request. The
     /// request adds its blocks not already on the device (8/5/2), so the slots' existing decode
     /// loads are 2/0/7. Costs 8+10 = 18, 5+5 = 10, 2+9 = 11: worker 2 wins.
@@ -676,6 +694,36 @@ mod tests {
     }
 
     // ---- filters -------------------------------------------------------------------------
+
+    /// Error messages quote client lists and names only in part: a 200,000-id allow-list must not
+    /// come back as a 1.4 MB error body.
+    #[test]
+    fn errors_quote_client_input_only_in_part() {
+        let allowed: Vec<u64> = (1000..201_000).collect();
+        let e = RouteError::NoCompatibleWorker {
+            reason: Incompatibility::AllowList { allowed },
+        }
+        .to_string();
+        assert_eq!(
+            e,
+            "no configured worker is in nvext.allowed_worker_ids [1000, 1001, 1002, 1003, … 200000 in all]"
+        );
+        let e = RouteError::NoCompatibleWorker {
+            reason: Incompatibility::MissingTaints {
+                taints: vec!["t".repeat(100_000), "b".to_string()],
+            },
+        }
+        .to_string();
+        assert!(e.len() < 200, "{e}");
+        assert!(e.ends_with(r#""b"]"#), "{e}");
+        let e = RouteError::NoCompatibleWorker {
+            reason: Incompatibility::ModelNotServed {
+                model: "m".repeat(1 << 20),
+            },
+        }
+        .to_string();
+        assert!(e.len() < 200, "{e}");
+    }
 
     #[test]
     fn allow_list_restricts_candidates() {
@@ -944,7 +992,10 @@ mod tests {
 
     #[test]
     fn direct_mode_requires_a_pin() {
-        let c = config(r#""mode": "direct""#, THREE);
+        let c = config(
+            r#""mode": "direct", "client_routing_hints": "honor""#,
+            THREE,
+        );
         let mut req = tokens(64);
         let e = route(&c, &req, &[], &[], 1).unwrap_err();
         assert_eq!(e, RouteError::PinRequired);

@@ -228,37 +228,6 @@ fn allow_list_limits_candidates() {
 }
 
 #[test]
-fn header_pins_only_when_allowed() {
-    let workers = echo_workers(2, BLOCK);
-    let off = envoy_with(&workers, json!({"mode": "round-robin"}));
-    let on = envoy_with(
-        &workers,
-        json!({"mode": "round-robin", "allow_client_pinning": true}),
-    );
-    let body = completion(&tokens(1, 20)).to_string();
-    let mut seen_off = HashMap::new();
-    for _ in 0..6 {
-        let r = off
-            .send(
-                "/v1/completions",
-                &[("x-worker-instance-id", "2")],
-                body.as_bytes(),
-            )
-            .expect("req");
-        *seen_off.entry(served_by(&r).unwrap_or(0)).or_insert(0) += 1;
-        let r = on
-            .send(
-                "/v1/completions",
-                &[("x-worker-instance-id", "2")],
-                body.as_bytes(),
-            )
-            .expect("req");
-        assert_eq!(served_by(&r), Some(2), "the header pins when allowed");
-    }
-    assert_eq!(seen_off.len(), 2, "ignored when not allowed: {seen_off:?}");
-}
-
-#[test]
 fn pin_errors_are_distinct() {
     let workers = echo_workers(2, BLOCK);
     let list = json!([{"id": 1, "address": workers[0].addr, "dp_size": 2, "kv_capacity_blocks": 1000},

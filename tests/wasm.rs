@@ -2,7 +2,7 @@
 //! wasm32 under Node (`bash scripts/test-wasm.sh`, wasm-bindgen-test). On wasm32 `usize` is 32
 //! bits while hashes, engine block ids and worker ids stay u64: these tests pin the values that
 //! would break if any of them went through `usize` (hashes above 2^32, negative i64 engine
-//! hashes, `u64::MAX` event ids, snapshot and log codecs).
+//! hashes, event ids up to 2^63 - 1, snapshot and log codecs).
 
 // Tests fail by panicking; indexing known-length fixtures keeps them readable.
 #![allow(
@@ -15,7 +15,7 @@
 use envoy_kv_router::config::Config;
 use envoy_kv_router::events::{
     decode_log_batch, encode_log_batch, parse_dump, parse_event_page, IndexEvent, LogRecord,
-    NumberedEvent, ReportedLoad,
+    NumberedEvent, ReportedLoad, MAX_EVENT_ID,
 };
 use envoy_kv_router::hashing::{
     hash_seed, local_block_hashes, prompt_sequence_hashes, sequence_hashes, DYNAMO_HASH_SEED,
@@ -379,7 +379,7 @@ fn index_snapshot_round_trip_and_replay_agree() {
 // ---------------------------------------------------------------------------------------------
 
 fn event_page_parses_dynamo_and_vllm_shapes_with_64_bit_values() {
-    let body = r#"{"block_size": 4, "first_event_id": 4294967296, "last_event_id": 18446744073709551615,
+    let body = r#"{"block_size": 4, "first_event_id": 4294967296, "last_event_id": 9223372036854775807,
         "events": [
           {"event_id": 4294967297, "dp_rank": 1, "storage_tier": "host_pinned",
            "data": {"stored": {"parent_hash": 18446744073709551615,
@@ -390,18 +390,18 @@ fn event_page_parses_dynamo_and_vllm_shapes_with_64_bit_values() {
            "parent_block_hash": null, "token_ids": [1, 2, 3, 4, 4294967295, 6, 7, 8],
            "block_size": 4, "lora_name": "ad", "medium": "GPU"},
           {"event_id": 4294967300, "type": "AllBlocksCleared"},
-          {"event_id": 18446744073709551615, "dp_rank": 3, "data": "cleared"}
+          {"event_id": 9223372036854775807, "dp_rank": 3, "data": "cleared"}
         ],
         "load": {"num_waiting": 2, "num_running": 4294967295, "kv_usage": 0.5}}"#;
     let page = parse_event_page(body.as_bytes(), 4, MAX_PAGE).unwrap();
     assert_eq!(page.first_event_id, Some(1 << 32));
-    assert_eq!(page.last_event_id, u64::MAX);
+    assert_eq!(page.last_event_id, MAX_EVENT_ID);
     assert_eq!(
         page.load,
         Some(ReportedLoad { num_waiting: 2, num_running: u32::MAX, kv_usage: 0.5 })
     );
     let ids: Vec<u64> = page.events.iter().map(|e| e.event_id).collect();
-    assert_eq!(ids, vec![(1 << 32) + 1, (1 << 32) + 2, (1 << 32) + 3, (1 << 32) + 4, u64::MAX]);
+    assert_eq!(ids, vec![(1 << 32) + 1, (1 << 32) + 2, (1 << 32) + 3, (1 << 32) + 4, MAX_EVENT_ID]);
     assert_eq!(
         page.events[0].event,
         IndexEvent::Stored {
@@ -448,6 +448,9 @@ fn event_page_errors_reject_the_whole_page() {
     assert!(parse_event_page(bad_type.as_bytes(), 4, MAX_PAGE).is_err());
     let overflow = ok.replace(r#""event_id": 2,"#, r#""event_id": 18446744073709551616,"#);
     assert!(parse_event_page(overflow.as_bytes(), 4, MAX_PAGE).is_err());
+    // Ids past 2^63 - 1 leave no room for the next one: a protocol error.
+    let absurd = ok.replace(r#""last_event_id": 2"#, r#""last_event_id": 18446744073709551615"#);
+    assert!(parse_event_page(absurd.as_bytes(), 4, MAX_PAGE).is_err());
     // A dump takes only stored events, ids optional.
     let dump = r#"{"block_size": 4, "last_event_id": 57, "events": [
         {"data": {"stored": {"parent_hash": null, "blocks": [{"block_hash": 7, "tokens_hash": 99}]}}}]}"#;

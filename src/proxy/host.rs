@@ -3,6 +3,7 @@
 //! The SDK's convenience methods unwrap host results (and `get_map_value` unwraps UTF-8), so the
 //! adapter goes through these wrappers: failures become `None` / `false` and are counted by callers.
 
+use crate::store::{SharedStore, StoreError};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, Status};
 use std::time::{Duration, UNIX_EPOCH};
@@ -49,13 +50,21 @@ pub fn buffer(kind: BufferType, len: usize) -> Option<Vec<u8>> {
     }
 }
 
-pub fn shared_get(key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-    hostcalls::get_shared_data(key).unwrap_or((None, None))
-}
+/// Envoy's shared data (process-wide, per `vm_id`) as the core's [`SharedStore`].
+pub struct HostStore;
 
-/// `cas == None` writes unconditionally.
-pub fn shared_set(key: &str, value: &[u8], cas: Option<u32>) -> Result<(), Status> {
-    hostcalls::set_shared_data(key, Some(value), cas)
+impl SharedStore for HostStore {
+    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        hostcalls::get_shared_data(key).unwrap_or((None, None))
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        match hostcalls::set_shared_data(key, Some(value), cas) {
+            Ok(()) => Ok(()),
+            Err(Status::CasMismatch) => Err(StoreError::CasMismatch),
+            Err(_) => Err(StoreError::Failed),
+        }
+    }
 }
 
 pub fn local_reply(status: u32, headers: Vec<(&str, &str)>, body: &[u8]) -> bool {

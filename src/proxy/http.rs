@@ -6,17 +6,18 @@
 //! Response path: the first response bytes end the request's prefill; `on_log`, which Envoy calls
 //! for every stream however it ended, releases exactly what was booked.
 
-use super::host;
-use super::load_store;
+use super::host::{self, HostStore};
 use super::root::{worker_id, VmState};
-use crate::config::{Config, DestinationFormat, PrefillLoadModel, RoutingMode};
+use crate::config::{ClientHints, Config, DestinationFormat, PrefillLoadModel, RoutingMode};
 use crate::hashing::prompt_sequence_hashes;
 use crate::load::{output_milli_blocks, predicted_prefill_ms};
+use crate::load_store::{self, Release};
 use crate::request::{
-    parse_header_pin, parse_request, Endpoint, LlmRequest, Pin, RequestError, HEADER_DP_RANK,
-    HEADER_WORKER_ID,
+    parse_header_pin, parse_request_with, Endpoint, LlmRequest, ParseOptions, Pin, RequestError,
+    HEADER_DP_RANK, HEADER_WORKER_ID,
 };
 use crate::router::{decide, prompt_blocks, Decision, RouteError, RouteInput};
+use crate::text::{excerpt, MAX_EXCERPT_BYTES};
 use crate::types::SlotIdx;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
@@ -25,11 +26,18 @@ use std::rc::Rc;
 
 const REASON_HEADER: &str = "x-kv-router-reason";
 
-/// What the response headers report about the decision.
+/// What the response headers report about the decision: the reason always (a short word from a
+/// fixed set, e.g. `kv` or `fallback:invalid_json`), the rest only with `response_headers`.
 struct Outcome {
+    reason: String,
+    detail: Option<OutcomeDetail>,
+}
+
+/// The chosen worker, its overlap and every candidate's cost: operator debugging data that
+/// clients do not get unless `response_headers` is on.
+struct OutcomeDetail {
     worker: String,
     overlap_blocks: u32,
-    reason: String,
     costs: Option<String>,
 }
 
@@ -51,6 +59,8 @@ pub struct RequestContext {
     endpoint: Option<Endpoint>,
     header_pin: Pin,
     header_pin_error: Option<String>,
+    /// The client sent a pin header (read only with `client_routing_hints: honor`).
+    header_hints: bool,
     decided: bool,
     outcome: Option<Outcome>,
     booking: Option<Booking>,
@@ -63,6 +73,7 @@ impl RequestContext {
             endpoint: None,
             header_pin: Pin::default(),
             header_pin_error: None,
+            header_hints: false,
             decided: false,
             outcome: None,
             booking: None,
@@ -73,12 +84,23 @@ impl RequestContext {
         self.vm.try_borrow().ok().map(|vm| Rc::clone(&vm.config))
     }
 
-    fn read_header_pin(&mut self) {
+    /// Notes the pin headers (parsed only when client hints are honoured) and removes them: the
+    /// worker sees the filter's choice (`x-dp-rank` is set again for multi-rank workers), never
+    /// the client's.
+    fn take_header_pin(&mut self, policy: ClientHints) {
         let worker = host::header(MapType::HttpRequestHeaders, HEADER_WORKER_ID);
         let rank = host::header(MapType::HttpRequestHeaders, HEADER_DP_RANK);
-        match parse_header_pin(worker.as_deref(), rank.as_deref()) {
-            Ok(pin) => self.header_pin = pin,
-            Err(err) => self.header_pin_error = Some(err.to_string()),
+        self.header_hints = worker.is_some() || rank.is_some();
+        if !self.header_hints {
+            return;
+        }
+        host::set_header(MapType::HttpRequestHeaders, HEADER_WORKER_ID, None);
+        host::set_header(MapType::HttpRequestHeaders, HEADER_DP_RANK, None);
+        if policy == ClientHints::Honor {
+            match parse_header_pin(worker.as_deref(), rank.as_deref()) {
+                Ok(pin) => self.header_pin = pin,
+                Err(err) => self.header_pin_error = Some(err.to_string()),
+            }
         }
     }
 
@@ -99,8 +121,17 @@ impl RequestContext {
             vm.metrics.inc("rejected.bad_request");
             return reject(400, "invalid_request_error", &error, None);
         }
-        let request = match parse_request(body, endpoint) {
+        let honor = config.client_routing_hints == ClientHints::Honor;
+        let options = ParseOptions {
+            read_hints: honor,
+            max_hint_items: config.client_routing_hints_max_items,
+        };
+        let request = match parse_request_with(body, endpoint, &options) {
             Ok(request) => request,
+            Err(err @ RequestError::TooManyItems { .. }) => {
+                vm.metrics.inc("rejected.too_many_items");
+                return reject(400, "invalid_request_error", &err.to_string(), None);
+            }
             Err(RequestError::BatchedPrompt) => {
                 vm.metrics.inc("rejected.batched_prompt");
                 return reject(
@@ -123,6 +154,19 @@ impl RequestContext {
                 return Action::Continue;
             }
         };
+        if (request.routing_hints || self.header_hints) && !honor {
+            if config.client_routing_hints == ClientHints::Reject {
+                vm.metrics.inc("rejected.client_routing_hints");
+                return reject(
+                    403,
+                    "client_routing_hints_refused",
+                    "this gateway does not accept client routing hints (x-worker-instance-id, x-dp-rank, nvext.backend_instance_id, nvext.dp_rank, nvext.allowed_worker_ids, nvext.required_taints, nvext.preferred_taints)",
+                    None,
+                );
+            }
+            // Not read (the parser skipped them): the request is routed as if they were absent.
+            vm.metrics.inc("client_hints.ignored");
+        }
         let now = host::now_ms();
         // Only KV mode scores prefix overlap; the basic modes skip hashing and the index.
         let hashes = match &request.token_ids {
@@ -133,7 +177,7 @@ impl RequestContext {
         };
         // Events, stale flags and reported load the poller published since this thread's last
         // tick count at once.
-        if vm.replica.is_behind() {
+        if vm.replica.is_behind(&HostStore) {
             vm.sync_replica();
         }
         let mut overlaps = std::mem::take(&mut vm.overlaps);
@@ -142,7 +186,7 @@ impl RequestContext {
         } else {
             vm.replica.index.find_overlaps(&hashes, &mut overlaps);
         }
-        let mut load = load_store::read(&config).view(now);
+        let mut load = load_store::read(&HostStore, config.slots.len()).view(now);
         if config.load.reported_load {
             vm.merge_reported_load(&mut load);
         }
@@ -233,7 +277,7 @@ impl RequestContext {
             )),
             PrefillLoadModel::None => None,
         };
-        let booked = load_store::update(config, |table| {
+        let booked = load_store::update(&HostStore, config.slots.len(), |table| {
             table.admit(
                 key,
                 decision.slot,
@@ -244,7 +288,7 @@ impl RequestContext {
             );
             Some(())
         });
-        if booked.is_some() {
+        if booked.is_ok() {
             self.booking = Some(Booking {
                 key,
                 slot: decision.slot,
@@ -268,6 +312,10 @@ impl RequestContext {
         vm.metrics.add("overlap_blocks", u64::from(overlap_blocks));
         vm.metrics
             .histogram("overlap_blocks_per_request", u64::from(overlap_blocks));
+        let mut outcome = Outcome {
+            reason: reason.to_string(),
+            detail: None,
+        };
         if config.response_headers {
             let costs = (!decision.scores.is_empty()).then(|| {
                 decision
@@ -285,13 +333,13 @@ impl RequestContext {
                     .collect::<Vec<_>>()
                     .join(",")
             });
-            self.outcome = Some(Outcome {
+            outcome.detail = Some(OutcomeDetail {
                 worker: worker.id.to_string(),
                 overlap_blocks,
-                reason: reason.to_string(),
                 costs,
             });
         }
+        self.outcome = Some(outcome);
     }
 
     /// The safe route when the filter cannot decide: the next worker in turn, with the reason.
@@ -305,14 +353,14 @@ impl RequestContext {
                 &config.destination_header,
                 Some(&worker.address_text),
             );
-            if config.response_headers {
-                self.outcome = Some(Outcome {
+            self.outcome = Some(Outcome {
+                reason: reason.clone(),
+                detail: config.response_headers.then(|| OutcomeDetail {
                     worker: worker.id.to_string(),
                     overlap_blocks: 0,
-                    reason: reason.clone(),
                     costs: None,
-                });
-            }
+                }),
+            });
         }
         host::set_header(MapType::HttpRequestHeaders, REASON_HEADER, Some(&reason));
         vm.metrics.inc(&format!("fallback.{why}"));
@@ -347,13 +395,15 @@ impl RequestContext {
         };
         let key = booking.key;
         let now = host::now_ms();
-        if load_store::update(&config, |table| table.move_to(key, slot, now).then_some(()))
-            .is_some()
+        if load_store::update(&HostStore, config.slots.len(), |table| {
+            table.move_to(key, slot, now).then_some(())
+        })
+        .is_ok()
         {
             booking.slot = slot;
             booking.address = upstream;
-            if let Some(outcome) = self.outcome.as_mut() {
-                outcome.worker = worker.id.to_string();
+            if let Some(detail) = self.outcome.as_mut().and_then(|o| o.detail.as_mut()) {
+                detail.worker = worker.id.to_string();
             }
             if let Ok(mut vm) = self.vm.try_borrow_mut() {
                 vm.metrics.inc("load.moved_on_retry");
@@ -372,7 +422,9 @@ impl RequestContext {
         let key = booking.key;
         if let Some(config) = self.config() {
             let now = host::now_ms();
-            load_store::update(&config, |table| table.first_token(key, now).then_some(()));
+            let _ = load_store::update(&HostStore, config.slots.len(), |table| {
+                table.first_token(key, now).then_some(())
+            });
         }
     }
 
@@ -401,7 +453,7 @@ impl RequestContext {
         }
         booking.output_milli_blocks = milli;
         let key = booking.key;
-        load_store::update(&config, |table| {
+        let _ = load_store::update(&HostStore, config.slots.len(), |table| {
             table.set_output_milli_blocks(key, milli).then_some(())
         });
     }
@@ -421,7 +473,10 @@ fn count_sse_tokens(chunk: &[u8]) -> u32 {
     count
 }
 
+/// A local JSON error reply. The message is cut to a short excerpt: it may quote client input
+/// (a model name, a header value), and an error must never echo a large body back.
 fn reject(status: u32, kind: &str, message: &str, retry_after_secs: Option<u32>) -> Action {
+    let message = excerpt(message, MAX_EXCERPT_BYTES);
     let body = serde_json::json!({"error": {"message": message, "type": kind, "code": status}})
         .to_string();
     let retry = retry_after_secs.map(|s| s.to_string());
@@ -451,9 +506,7 @@ impl HttpContext for RequestContext {
         if self.endpoint.is_none() {
             return Action::Continue;
         }
-        if config.allow_client_pinning {
-            self.read_header_pin();
-        }
+        self.take_header_pin(config.client_routing_hints);
         if end_of_stream {
             return self.route(&[]);
         }
@@ -494,25 +547,27 @@ impl HttpContext for RequestContext {
         if let Some(outcome) = &self.outcome {
             host::set_header(
                 MapType::HttpResponseHeaders,
-                "x-kv-router-worker",
-                Some(&outcome.worker),
-            );
-            host::set_header(
-                MapType::HttpResponseHeaders,
-                "x-kv-router-overlap-blocks",
-                Some(&outcome.overlap_blocks.to_string()),
-            );
-            host::set_header(
-                MapType::HttpResponseHeaders,
                 REASON_HEADER,
                 Some(&outcome.reason),
             );
-            if let Some(costs) = &outcome.costs {
+            if let Some(detail) = &outcome.detail {
                 host::set_header(
                     MapType::HttpResponseHeaders,
-                    "x-kv-router-costs",
-                    Some(costs),
+                    "x-kv-router-worker",
+                    Some(&detail.worker),
                 );
+                host::set_header(
+                    MapType::HttpResponseHeaders,
+                    "x-kv-router-overlap-blocks",
+                    Some(&detail.overlap_blocks.to_string()),
+                );
+                if let Some(costs) = &detail.costs {
+                    host::set_header(
+                        MapType::HttpResponseHeaders,
+                        "x-kv-router-costs",
+                        Some(costs),
+                    );
+                }
             }
         }
         // A non-streamed response arrives whole: its headers mark the end of prefill.
@@ -540,14 +595,21 @@ impl HttpContext for RequestContext {
         let Some(booking) = self.booking.take() else {
             return;
         };
-        let Some(config) = self.config() else { return };
-        let released = load_store::update(&config, |table| {
-            table.release_at(booking.key, host::now_ms()).then_some(())
-        });
-        if released.is_none() {
-            if let Ok(mut vm) = self.vm.try_borrow_mut() {
-                vm.metrics.inc("load.release_failed");
+        let now = host::now_ms();
+        let Ok(mut vm) = self.vm.try_borrow_mut() else {
+            // Never expected (no other callback runs inside on_log); release without the queue.
+            if let Some(config) = self.config() {
+                let _ = load_store::update(&HostStore, config.slots.len(), |table| {
+                    table.release_at(booking.key, now).then_some(())
+                });
             }
+            return;
+        };
+        let slots = vm.config.slots.len();
+        match vm.releases.release(&HostStore, slots, booking.key, now) {
+            Release::Released => {}
+            Release::Unknown => vm.metrics.inc("load.release_unknown"),
+            Release::Deferred => vm.metrics.inc("load.release_deferred"),
         }
     }
 }

@@ -4,16 +4,19 @@
 //! request contexts share, and on every tick: applies new log batches, and, if it holds the poller
 //! lease, polls worker events, marks silent workers stale and reaps abandoned load entries.
 
-use super::host;
+use super::host::{self, HostStore};
 use super::http::RequestContext;
-use super::load_store;
 use super::metrics::Metrics;
-use super::poller::{hold_lease, CallKind, PendingCall, Poller};
-use super::replication::{self, Replica};
+use super::poller::{PendingCall, Poller};
 use crate::config::Config;
-use crate::events::{parse_dump, parse_event_page, EventError, EventPage, LogRecord};
+use crate::events::{parse_dump, parse_event_page, EventError, LogRecord};
 use crate::load::{merge_reported, SlotLoad};
+use crate::load_store::{self, PendingReleases};
+use crate::polling::{disposition, is_gap, CallKind, Disposition, Next, ReplyOutcome};
+use crate::replication::lease::{hold_lease, holds_lease};
+use crate::replication::log::{self as replication, Replica};
 use crate::router::SelectorState;
+use crate::text::{excerpt, MAX_EXCERPT_BYTES};
 use crate::types::Overlap;
 use log::{error, info, warn};
 use proxy_wasm::hostcalls;
@@ -40,6 +43,8 @@ pub struct VmState {
     block_size_warned: Vec<bool>,
     /// Stale flags per slot, from the poller's last published head (refreshed on each sync).
     pub stale_slots: Vec<bool>,
+    /// Load releases that contention deferred; retried until they land.
+    pub releases: PendingReleases,
 }
 
 impl VmState {
@@ -93,8 +98,7 @@ impl Context for RouterRoot {
             return;
         };
         let now = host::now_ms();
-        let next_due = now + vm.config.events.poll_interval_ms;
-        let Some(call) = vm.poller.complete(token_id, next_due) else {
+        let Some(call) = vm.poller.take(token_id) else {
             return;
         };
         let status = if num_headers == 0 {
@@ -102,24 +106,43 @@ impl Context for RouterRoot {
         } else {
             host::header(MapType::HttpCallResponseHeaders, ":status")
         };
-        if status.as_deref() != Some("200") {
-            vm.metrics.inc("events.fetch_failed");
-            log::debug!(
-                "kv-router: event fetch from worker {} failed: {}",
-                worker_id(&vm.config, call.worker),
-                status
-                    .as_deref()
-                    .unwrap_or("no response (connect failure or timeout)")
-            );
-            return;
-        }
-        let body = host::buffer(BufferType::HttpCallResponseBody, body_size).unwrap_or_default();
-        vm.handle_events_reply(call, &body, now);
+        let max_bytes = vm.config.events.max_response_bytes;
+        // The size is known before the body is copied into the VM: an oversized page never is.
+        let outcome = match disposition(status.as_deref(), body_size, max_bytes) {
+            Disposition::Failed => {
+                vm.metrics.inc("events.fetch_failed");
+                log::debug!(
+                    "kv-router: event fetch from worker {} failed: {}",
+                    worker_id(&vm.config, call.worker),
+                    status
+                        .as_deref()
+                        .unwrap_or("no response (connect failure or timeout)")
+                );
+                ReplyOutcome::Failed
+            }
+            Disposition::TooLarge { body_bytes } => {
+                vm.reject_page(
+                    call.worker,
+                    &EventError::TooLarge {
+                        body_bytes,
+                        max_bytes,
+                    },
+                );
+                ReplyOutcome::Rejected
+            }
+            Disposition::Read => {
+                let body =
+                    host::buffer(BufferType::HttpCallResponseBody, body_size).unwrap_or_default();
+                vm.handle_events_reply(call, &body, now)
+            }
+        };
+        vm.after_reply(call, outcome, now);
     }
 }
 
 impl VmState {
-    fn handle_events_reply(&mut self, call: PendingCall, body: &[u8], now: u64) {
+    /// Applies one page or dump to the log and says how it went.
+    fn handle_events_reply(&mut self, call: PendingCall, body: &[u8], now: u64) -> ReplyOutcome {
         let config = Rc::clone(&self.config);
         let worker = call.worker;
         let block_size = config.block_size;
@@ -132,13 +155,13 @@ impl VmState {
             Ok(page) => page,
             Err(err) => {
                 self.reject_page(worker, &err);
-                return;
+                return ReplyOutcome::Rejected;
             }
         };
         let reported = page.load;
         let workers = config.workers.len();
         let fingerprint = self.fingerprint;
-        match call.kind {
+        let outcome = match call.kind {
             CallKind::Dump => {
                 let last = page.last_event_id;
                 let events_count = page.events.len() as u64;
@@ -147,16 +170,17 @@ impl VmState {
                     last_event_id: last,
                     events: page.events,
                 };
-                let appended = replication::append(fingerprint, workers, now, &[record], |head| {
-                    let Some(w) = head.workers.get_mut(usize::from(worker)) else {
-                        return false;
-                    };
-                    w.cursor = Some(last);
-                    w.last_ok_ms = now;
-                    w.stale = false;
-                    w.reported = reported;
-                    true
-                });
+                let appended =
+                    replication::append(&HostStore, fingerprint, workers, now, &[record], |head| {
+                        let Some(w) = head.workers.get_mut(usize::from(worker)) else {
+                            return false;
+                        };
+                        w.cursor = Some(last);
+                        w.last_ok_ms = now;
+                        w.stale = false;
+                        w.reported = reported;
+                        true
+                    });
                 if appended {
                     self.metrics.inc("events.resyncs");
                     info!(
@@ -165,6 +189,12 @@ impl VmState {
                         events_count,
                         last
                     );
+                    ReplyOutcome::Applied {
+                        new_events: events_count > 0,
+                        more: false,
+                    }
+                } else {
+                    ReplyOutcome::Failed
                 }
             }
             CallKind::Events { after } => {
@@ -177,8 +207,7 @@ impl VmState {
                         page.first_event_id,
                         page.last_event_id
                     );
-                    self.poller.dispatch(&config, worker, CallKind::Dump, now);
-                    return;
+                    return ReplyOutcome::Gap;
                 }
                 let events: Vec<_> = page
                     .events
@@ -201,55 +230,97 @@ impl VmState {
                     w.reported = reported;
                     true
                 };
-                if events.is_empty() {
-                    replication::update_head(fingerprint, workers, now, edit);
-                } else if replication::append(
-                    fingerprint,
-                    workers,
-                    now,
-                    &[LogRecord::Events { worker, events }],
-                    edit,
-                ) {
+                let applied = if events.is_empty() {
+                    replication::update_head(&HostStore, fingerprint, workers, now, edit)
+                } else {
+                    replication::append(
+                        &HostStore,
+                        fingerprint,
+                        workers,
+                        now,
+                        &[LogRecord::Events { worker, events }],
+                        edit,
+                    )
+                };
+                if !applied {
+                    ReplyOutcome::Failed
+                } else {
                     self.metrics.add("events.received", count);
-                }
-                if more {
-                    self.poller.poll_soon(worker);
+                    ReplyOutcome::Applied {
+                        new_events: count > 0,
+                        more,
+                    }
                 }
             }
-        }
+        };
         if let Some(flag) = self.block_size_warned.get_mut(usize::from(worker)) {
             *flag = false;
         }
         self.sync_replica();
+        outcome
+    }
+
+    /// Schedules the worker's next call; sends it at once when it is due now and this VM is
+    /// still the poller (a long poll is re-issued the moment its reply is in).
+    fn after_reply(&mut self, call: PendingCall, outcome: ReplyOutcome, now: u64) {
+        let config = Rc::clone(&self.config);
+        let worker = call.worker;
+        match self.poller.replied(&config, worker, outcome, now) {
+            Next::Backoff { ms, rejections } => {
+                self.metrics.inc("events.backoff");
+                warn!(
+                    "kv-router: worker {}: {rejections} event replies refused (or gaps its dump did not close) since its last good page; next fetch in {ms} ms",
+                    worker_id(&config, worker)
+                );
+            }
+            Next::Now if holds_lease(&HostStore, self.nonce, now) => {
+                // The dump if the reply showed a gap, else the next page (a long poll).
+                self.poller
+                    .dispatch_next(&config, &self.replica.head, worker, now);
+            }
+            Next::Now | Next::After { .. } => {}
+        }
     }
 
     fn reject_page(&mut self, worker: u16, err: &EventError) {
         let id = worker_id(&self.config, worker);
         self.metrics.inc("events.pages_rejected");
-        if let EventError::BlockSizeMismatch { .. } = err {
-            self.metrics.inc("events.block_size_mismatch");
-            let warned = self
-                .block_size_warned
-                .get(usize::from(worker))
-                .copied()
-                .unwrap_or(false);
-            if !warned {
-                error!(
-                    "kv-router: worker {id}: {err}. Its KV events are ignored until the filter's block_size matches the engine's KV block size."
-                );
-                if let Some(flag) = self.block_size_warned.get_mut(usize::from(worker)) {
-                    *flag = true;
+        let text = err.to_string();
+        let text = excerpt(&text, MAX_EXCERPT_BYTES * 2);
+        match err {
+            EventError::BlockSizeMismatch { .. } => {
+                self.metrics.inc("events.block_size_mismatch");
+                let warned = self
+                    .block_size_warned
+                    .get(usize::from(worker))
+                    .copied()
+                    .unwrap_or(false);
+                if !warned {
+                    error!(
+                        "kv-router: worker {id}: {text}. Its KV events are ignored until the filter's block_size matches the engine's KV block size."
+                    );
+                    if let Some(flag) = self.block_size_warned.get_mut(usize::from(worker)) {
+                        *flag = true;
+                    }
                 }
+                return;
             }
-        } else {
-            warn!("kv-router: rejected an event page from worker {id}: {err}");
+            EventError::TooLarge { .. } => self.metrics.inc("events.pages_too_large"),
+            EventError::InvalidEventId { .. }
+            | EventError::NonIncreasingEventId { .. }
+            | EventError::LastEventIdBehind { .. }
+            | EventError::FirstEventIdAhead { .. } => {
+                self.metrics.inc("events.protocol_errors");
+            }
+            _ => {}
         }
+        warn!("kv-router: rejected an event page from worker {id}: {text}");
     }
 
     /// Applies new log batches and records what happened.
     pub fn sync_replica(&mut self) {
         let config = Rc::clone(&self.config);
-        let report = self.replica.sync(&config);
+        let report = self.replica.sync(&HostStore, &config, host::now_ms());
         let head = &self.replica.head;
         self.stale_slots.clear();
         self.stale_slots.extend(config.slots.iter().map(|slot| {
@@ -272,19 +343,40 @@ impl VmState {
     fn tick(&mut self) {
         let now = host::now_ms();
         let config = Rc::clone(&self.config);
+        if !self.releases.is_empty() {
+            self.releases.flush(&HostStore, config.slots.len());
+        }
+        let dropped = std::mem::take(&mut self.releases.dropped);
+        self.metrics.add("load.release_dropped", dropped);
         let lease_ms = (config.events.poll_interval_ms * 5)
             .max(config.tick_ms * 10)
             .max(1000);
-        let leader = hold_lease(self.nonce, now, lease_ms);
+        let leader = hold_lease(&HostStore, self.nonce, now, lease_ms);
         self.sync_replica();
         if !leader {
             return;
         }
+        self.fill_orphaned_batch(now);
         self.mark_stale_workers(now);
         let head = self.replica.head.clone();
         self.poller.dispatch_due(&config, &head, now);
-        self.replica.maybe_write_snapshot();
+        self.replica.maybe_write_snapshot(&HostStore);
         self.publish_gauges(now);
+    }
+
+    /// A batch claimed but never written blocks every replica; the poller fills it.
+    fn fill_orphaned_batch(&mut self, now: u64) {
+        let Some(seq) = self.replica.orphaned_batch(now) else {
+            return;
+        };
+        let workers = self.config.workers.len();
+        if replication::fill_orphan(&HostStore, self.fingerprint, workers, now, seq) {
+            self.metrics.inc("log.orphans_filled");
+            error!(
+                "kv-router: event log batch {seq} was claimed but never written (its VM died?); filled it, every worker re-syncs from its dump"
+            );
+        }
+        self.sync_replica();
     }
 
     /// A worker whose events could not be fetched for `stale_after_ms` loses its blocks.
@@ -302,6 +394,7 @@ impl VmState {
             .collect();
         for worker in lost {
             let appended = replication::append(
+                &HostStore,
                 self.fingerprint,
                 config.workers.len(),
                 now,
@@ -333,13 +426,14 @@ impl VmState {
 
     fn publish_gauges(&mut self, now: u64) {
         let config = Rc::clone(&self.config);
-        let reaped = load_store::reap(&config, now);
+        let slots = config.slots.len();
+        let reaped = load_store::reap(&HostStore, slots, now, config.load.request_timeout_ms);
         self.metrics.add("load.reaped", reaped as u64);
         self.metrics
             .gauge("index.entries", self.replica.index.entries() as u64);
         let stale = self.replica.head.workers.iter().filter(|w| w.stale).count();
         self.metrics.gauge("workers.stale", stale as u64);
-        let table = load_store::read(&config);
+        let table = load_store::read(&HostStore, slots);
         for (slot_idx, load) in table.view(now).iter().enumerate() {
             let Some(slot) = config.slots.get(slot_idx) else {
                 continue;
@@ -361,19 +455,9 @@ impl VmState {
         }
         self.metrics
             .gauge("load.active_entries", table.active_entries() as u64);
+        self.metrics
+            .gauge("load.deferred_releases", self.releases.len() as u64);
     }
-}
-
-/// Events were lost between `after` and the page: the worker no longer buffers `after + 1`, or
-/// its ids went backwards (it restarted), or the page skips ids.
-fn is_gap(page: &EventPage, after: u64) -> bool {
-    if page.first_event_id.is_some_and(|first| first > after + 1) || page.last_event_id < after {
-        return true;
-    }
-    let new_events = page.events.iter().filter(|e| e.event_id > after);
-    (after + 1..)
-        .zip(new_events)
-        .any(|(expected, e)| e.event_id != expected)
 }
 
 pub fn worker_id(config: &Config, worker: u16) -> u64 {
@@ -405,7 +489,7 @@ impl RootContext for RouterRoot {
             replica: Replica::new(&config, fingerprint),
             selector: SelectorState::new(nonce),
             metrics: Metrics::default(),
-            poller: Poller::default(),
+            poller: Poller::new(workers),
             next_request_key: 0,
             overlaps: Vec::with_capacity(config.slots.len()),
             block_size_warned: vec![false; workers],
@@ -413,8 +497,10 @@ impl RootContext for RouterRoot {
             fingerprint,
             nonce,
             config: Rc::clone(&config),
+            releases: PendingReleases::default(),
         };
-        load_store::init(&config);
+        load_store::init(&HostStore, config.slots.len());
+        replication::init(&HostStore);
         let _ = hostcalls::set_tick_period(Duration::from_millis(config.tick_ms));
         info!(
             "kv-router: configured: mode {:?}, {} workers ({} slots), block size {}",

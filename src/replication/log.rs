@@ -1,0 +1,789 @@
+//! The replicated event log that keeps every VM's KV index identical.
+//!
+//! Shared-data keys (fixed set, never per block or request):
+//! * `ekr.log.head`  – [`LogHead`]: last batch number, per-worker poll cursors and health.
+//! * `ekr.log.seq`   – 16 bytes: the last batch number and head version published (only grows),
+//!   so the request path can tell with one small read whether its replica is behind.
+//! * `ekr.log.<n>`   – batch `seq` lives in slot `seq % LOG_SLOTS`, prefixed by `seq` (LE u64) so a
+//!   reader can tell an older or newer batch from the one it wants.
+//! * `ekr.snapshot`  – the poller's index at some `seq` (LE u64 prefix), written every
+//!   `SNAPSHOT_EVERY` batches; replicas more than the ring behind restart from it.
+//!
+//! Append protocol. Normally only the lease holder appends, but during a lease hand-over the old
+//! holder may still be handling a reply while the new one appends, so it must hold for any
+//! number of concurrent writers:
+//! 1. *Claim*: read the head, apply the caller's edit, `seq += 1`, CAS-write the head. The head's
+//!    CAS serializes claims: exactly one writer moves `seq` from S to S+1.
+//! 2. *Write*: the claimant writes slot S+1 with CAS, and only while the slot holds an older
+//!    batch. So a batch number's content is written once and never changes until the ring laps.
+//! 3. *Publish* `ekr.log.seq`.
+//!
+//! Readers apply batches in order. A claimed batch whose slot is not written yet is *pending*:
+//! the reader stops there and resumes on its next sync (it is never skipped). A claim whose
+//! writer vanished between steps 1 and 2 (two adjacent host calls: only a VM dying there can do
+//! it) would block every reader, so the poller fills a batch pending for [`ORPHAN_AFTER_MS`] with
+//! "every worker lost" and resets every cursor: replicas converge and every worker re-syncs from
+//! its dump. If the claimant was only slow, its own write then finds the slot taken and drops
+//! its batch; the reset covers what it carried.
+//!
+//! Applying is deterministic, so replicas that apply the same batches hold the same index.
+
+use crate::config::Config;
+use crate::events::{decode_log_batch, encode_log_batch, IndexEvent, LogRecord, ReportedLoad};
+use crate::index::KvIndex;
+use crate::store::{SharedStore, StoreError};
+use crate::types::SlotIdx;
+use serde::{Deserialize, Serialize};
+
+pub const LOG_SLOTS: u64 = 64;
+const SNAPSHOT_EVERY: u64 = LOG_SLOTS / 2;
+const HEAD_KEY: &str = "ekr.log.head";
+const SEQ_KEY: &str = "ekr.log.seq";
+const SNAPSHOT_KEY: &str = "ekr.snapshot";
+const APPEND_ATTEMPTS: usize = 8;
+const SLOT_WRITE_ATTEMPTS: usize = 8;
+/// A claimed batch still unwritten after this long is presumed orphaned (see the module docs).
+/// A live claimant writes its slot right after claiming, within microseconds.
+pub const ORPHAN_AFTER_MS: u64 = 10_000;
+
+/// Per-worker state of the poller, kept in shared data so that a new lease holder carries on.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct WorkerPollState {
+    /// Last event id applied; `None` = never synced (or lost): the next fetch is a full dump.
+    pub cursor: Option<u64>,
+    pub last_ok_ms: u64,
+    pub stale: bool,
+    #[serde(default)]
+    pub reported: Option<ReportedLoad>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct LogHead {
+    /// Hash of the filter configuration that wrote this log; a new configuration starts a new epoch.
+    pub fingerprint: u64,
+    /// Replicas that applied less than this start from an empty index at this batch.
+    pub epoch_start: u64,
+    /// The last claimed batch.
+    pub seq: u64,
+    /// Bumped by every head update (cursors, stale flags, reported load).
+    #[serde(default)]
+    pub version: u64,
+    pub snapshot_seq: u64,
+    pub workers: Vec<WorkerPollState>,
+}
+
+impl LogHead {
+    fn fresh(fingerprint: u64, after_seq: u64, workers: usize, now_ms: u64) -> LogHead {
+        LogHead {
+            fingerprint,
+            epoch_start: after_seq,
+            seq: after_seq,
+            version: 0,
+            snapshot_seq: 0,
+            workers: vec![
+                WorkerPollState {
+                    last_ok_ms: now_ms,
+                    ..WorkerPollState::default()
+                };
+                workers
+            ],
+        }
+    }
+}
+
+pub fn read_head(store: &dyn SharedStore) -> Option<(LogHead, Option<u32>)> {
+    let (bytes, cas) = store.get(HEAD_KEY);
+    let head = serde_json::from_slice(&bytes?).ok()?;
+    Some((head, cas))
+}
+
+/// Creates the head, the sequence key and the ring's slot keys (empty) so that every later write
+/// to them has a version to check: Envoy cannot create a key conditionally. Runs at configuration; only at
+/// process start, before any batch exists, can two VMs both create a key.
+pub fn init(store: &dyn SharedStore) {
+    if store.get(HEAD_KEY).0.is_none() {
+        let _ = store.set(HEAD_KEY, b"", None);
+    }
+    if store.get(SEQ_KEY).0.is_none() {
+        let _ = store.set(SEQ_KEY, &[0; 16], None);
+    }
+    for n in 0..LOG_SLOTS {
+        let key = slot_key(n);
+        if store.get(&key).0.is_none() {
+            let _ = store.set(&key, &0u64.to_le_bytes(), None);
+        }
+    }
+}
+
+/// What one sync did, for stats.
+#[derive(Default, Debug, PartialEq)]
+pub struct SyncReport {
+    pub batches: u64,
+    pub events_applied: u64,
+    pub events_rejected: u64,
+    pub evicted: u64,
+    pub snapshot_loaded: bool,
+    pub lost_sync: bool,
+}
+
+/// This VM's position in the log and its index replica.
+pub struct Replica {
+    pub index: KvIndex,
+    pub applied_seq: u64,
+    fingerprint: u64,
+    /// The latest head seen (poll cursors, stale flags, reported load).
+    pub head: LogHead,
+    /// The claimed batch this replica waits for, and since when.
+    pending: Option<(u64, u64)>,
+}
+
+/// A ring slot read for one batch number.
+enum SlotRead {
+    Batch(Vec<LogRecord>),
+    /// Claimed but not written yet (the slot holds an older batch).
+    Pending,
+    /// The ring lapped it, or it does not decode.
+    Lost,
+}
+
+impl Replica {
+    pub fn new(config: &Config, fingerprint: u64) -> Replica {
+        Replica {
+            index: new_index(config),
+            applied_seq: 0,
+            fingerprint,
+            head: LogHead::default(),
+            pending: None,
+        }
+    }
+
+    /// Whether the log holds batches this replica has not applied, or the head changed since
+    /// this VM last read it (one 16-byte shared-data get).
+    pub fn is_behind(&self, store: &dyn SharedStore) -> bool {
+        let (seq, version) = read_seq_key(store);
+        seq > self.applied_seq || version > self.head.version
+    }
+
+    /// The batch this replica has waited for longer than [`ORPHAN_AFTER_MS`], if any.
+    pub fn orphaned_batch(&self, now_ms: u64) -> Option<u64> {
+        let (seq, since) = self.pending?;
+        (now_ms.saturating_sub(since) > ORPHAN_AFTER_MS).then_some(seq)
+    }
+
+    /// Applies every batch appended since the last sync, up to the first one still pending.
+    pub fn sync(&mut self, store: &dyn SharedStore, config: &Config, now_ms: u64) -> SyncReport {
+        let mut report = SyncReport::default();
+        let Some((head, _)) = read_head(store) else {
+            return report;
+        };
+        if head.fingerprint != self.fingerprint {
+            return report; // written under another configuration; the poller will start a new epoch
+        }
+        if self.applied_seq < head.epoch_start || self.applied_seq > head.seq {
+            self.index = new_index(config);
+            self.applied_seq = head.epoch_start;
+        }
+        if head.seq - self.applied_seq >= LOG_SLOTS {
+            if self.load_snapshot(store, config, &head) {
+                report.snapshot_loaded = true;
+            } else {
+                report.lost_sync = true;
+                self.index = new_index(config);
+                self.applied_seq = head.seq.saturating_sub(LOG_SLOTS - 1).max(head.epoch_start);
+            }
+        }
+        let mut waiting = None;
+        while self.applied_seq < head.seq {
+            let seq = self.applied_seq + 1;
+            match read_batch(store, seq) {
+                SlotRead::Batch(records) => {
+                    self.apply_records(config, &records, &mut report);
+                    self.applied_seq = seq;
+                    report.batches += 1;
+                }
+                SlotRead::Pending => {
+                    waiting = Some(seq);
+                    break;
+                }
+                SlotRead::Lost => {
+                    report.lost_sync = true;
+                    break;
+                }
+            }
+        }
+        self.pending = match (waiting, self.pending) {
+            (Some(seq), Some((same, since))) if same == seq => Some((seq, since)),
+            (Some(seq), _) => Some((seq, now_ms)),
+            (None, _) => None,
+        };
+        self.head = head;
+        report
+    }
+
+    fn load_snapshot(&mut self, store: &dyn SharedStore, config: &Config, head: &LogHead) -> bool {
+        let (Some(bytes), _) = store.get(SNAPSHOT_KEY) else {
+            return false;
+        };
+        let Some((seq, body)) = split_seq(&bytes) else {
+            return false;
+        };
+        if seq < head.epoch_start || seq > head.seq || head.seq - seq >= LOG_SLOTS {
+            return false;
+        }
+        match KvIndex::decode_snapshot(body, config.slots.len(), max_blocks(config)) {
+            Ok(index) => {
+                self.index = index;
+                self.applied_seq = seq;
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Writes this replica's index as the snapshot when it is due (the poller calls this).
+    pub fn maybe_write_snapshot(&self, store: &dyn SharedStore) {
+        if self.applied_seq == 0
+            || self.applied_seq % SNAPSHOT_EVERY != 0
+            || self.head.snapshot_seq >= self.applied_seq
+        {
+            return;
+        }
+        let mut bytes = self.applied_seq.to_le_bytes().to_vec();
+        bytes.extend_from_slice(&self.index.encode_snapshot());
+        if store.set(SNAPSHOT_KEY, &bytes, None).is_ok() {
+            let applied = self.applied_seq;
+            let _ = update_head(
+                store,
+                self.fingerprint,
+                self.head.workers.len(),
+                0,
+                |head| {
+                    head.snapshot_seq = head.snapshot_seq.max(applied);
+                    true
+                },
+            );
+        }
+    }
+
+    fn apply_records(&mut self, config: &Config, records: &[LogRecord], report: &mut SyncReport) {
+        for record in records {
+            match record {
+                LogRecord::Events { worker, events } => {
+                    for numbered in events {
+                        self.apply_event(config, *worker, &numbered.event, report);
+                    }
+                }
+                LogRecord::Resync { worker, events, .. } => {
+                    self.clear_worker(config, *worker);
+                    for numbered in events {
+                        self.apply_event(config, *worker, &numbered.event, report);
+                    }
+                }
+                LogRecord::WorkerLost { worker } => self.clear_worker(config, *worker),
+            }
+        }
+    }
+
+    fn clear_worker(&mut self, config: &Config, worker: u16) {
+        for slot in config.worker_slots(worker) {
+            self.index.clear_slot(slot);
+        }
+    }
+
+    fn apply_event(
+        &mut self,
+        config: &Config,
+        worker: u16,
+        event: &IndexEvent,
+        report: &mut SyncReport,
+    ) {
+        let slots: Vec<SlotIdx> = match event {
+            IndexEvent::Cleared { dp_rank: None } => config.worker_slots(worker).collect(),
+            IndexEvent::Cleared {
+                dp_rank: Some(rank),
+            }
+            | IndexEvent::Stored { dp_rank: rank, .. }
+            | IndexEvent::Removed { dp_rank: rank, .. } => {
+                config.slot_of(worker, *rank).into_iter().collect()
+            }
+        };
+        if slots.is_empty() {
+            report.events_rejected += 1; // a DP rank the configuration does not give this worker
+            return;
+        }
+        for slot in slots {
+            match self.index.apply(slot, event) {
+                Ok(stats) => {
+                    report.events_applied += 1;
+                    report.evicted += stats.evicted_blocks as u64;
+                }
+                Err(_) => report.events_rejected += 1,
+            }
+        }
+    }
+}
+
+fn max_blocks(config: &Config) -> usize {
+    usize::try_from(config.index.max_blocks).unwrap_or(usize::MAX)
+}
+
+fn new_index(config: &Config) -> KvIndex {
+    KvIndex::new(config.slots.len(), max_blocks(config))
+}
+
+fn split_seq(bytes: &[u8]) -> Option<(u64, &[u8])> {
+    let (seq_bytes, body) = bytes.split_at_checked(8)?;
+    let seq = u64::from_le_bytes(seq_bytes.try_into().ok()?);
+    Some((seq, body))
+}
+
+fn slot_key(seq: u64) -> String {
+    format!("ekr.log.{}", seq % LOG_SLOTS)
+}
+
+fn read_batch(store: &dyn SharedStore, seq: u64) -> SlotRead {
+    let (bytes, _) = store.get(&slot_key(seq));
+    let Some((stored_seq, body)) = bytes.as_deref().and_then(split_seq) else {
+        return SlotRead::Pending; // never written
+    };
+    if stored_seq < seq {
+        return SlotRead::Pending;
+    }
+    if stored_seq > seq {
+        return SlotRead::Lost;
+    }
+    match decode_log_batch(body) {
+        Ok(records) => SlotRead::Batch(records),
+        Err(_) => SlotRead::Lost,
+    }
+}
+
+fn read_seq_key(store: &dyn SharedStore) -> (u64, u64) {
+    seq_words(store.get(SEQ_KEY).0.as_deref())
+}
+
+/// `(batch, head version)` from the 16-byte `ekr.log.seq` value (zeros when absent).
+fn seq_words(bytes: Option<&[u8]>) -> (u64, u64) {
+    let word = |range: std::ops::Range<usize>| {
+        bytes
+            .and_then(|b| b.get(range))
+            .and_then(|b| b.try_into().ok())
+            .map_or(0, u64::from_le_bytes)
+    };
+    (word(0..8), word(8..16))
+}
+
+/// Raises `ekr.log.seq` to at least `(seq, version)`; it never goes back, whatever the order in
+/// which concurrent writers get here.
+fn publish_seq(store: &dyn SharedStore, seq: u64, version: u64) {
+    for _ in 0..APPEND_ATTEMPTS {
+        let (bytes, cas) = store.get(SEQ_KEY);
+        let (stored_seq, stored_version) = seq_words(bytes.as_deref());
+        if stored_seq >= seq && stored_version >= version {
+            return;
+        }
+        let mut value = stored_seq.max(seq).to_le_bytes().to_vec();
+        value.extend_from_slice(&stored_version.max(version).to_le_bytes());
+        // A mismatch means someone published meanwhile: read again.
+        if store.set(SEQ_KEY, &value, cas).is_ok() {
+            return;
+        }
+    }
+}
+
+/// Step 2 of the append protocol: writes batch `seq` into its slot unless the slot already holds
+/// that batch (or a later one). True if this call wrote it.
+fn write_slot(store: &dyn SharedStore, seq: u64, batch: &[u8]) -> bool {
+    let key = slot_key(seq);
+    let mut value = Vec::with_capacity(batch.len() + 8);
+    value.extend_from_slice(&seq.to_le_bytes());
+    value.extend_from_slice(batch);
+    for _ in 0..SLOT_WRITE_ATTEMPTS {
+        let (bytes, cas) = store.get(&key);
+        let stored = bytes.as_deref().and_then(split_seq).map(|(s, _)| s);
+        if stored.is_some_and(|s| s >= seq) {
+            return false;
+        }
+        match store.set(&key, &value, cas) {
+            Ok(()) => return true,
+            Err(StoreError::CasMismatch) => continue,
+            Err(StoreError::Failed) => return false,
+        }
+    }
+    false
+}
+
+/// Read-modify-write of the head under CAS. `edit` returns false to abandon the update (its
+/// precondition no longer holds). A head from another configuration is replaced by a new epoch.
+pub fn update_head(
+    store: &dyn SharedStore,
+    fingerprint: u64,
+    workers: usize,
+    now_ms: u64,
+    mut edit: impl FnMut(&mut LogHead) -> bool,
+) -> bool {
+    append_inner(store, fingerprint, workers, now_ms, None, &mut edit)
+}
+
+/// Appends one batch of `records` together with the head `edit` (both or neither). False when the
+/// edit declined, contention outlasted the retries, or (after an orphan fill) the batch's slot
+/// was taken.
+pub fn append(
+    store: &dyn SharedStore,
+    fingerprint: u64,
+    workers: usize,
+    now_ms: u64,
+    records: &[LogRecord],
+    mut edit: impl FnMut(&mut LogHead) -> bool,
+) -> bool {
+    let batch = encode_log_batch(records);
+    append_inner(store, fingerprint, workers, now_ms, Some(&batch), &mut edit)
+}
+
+/// Step 1 (claim, with the head edit) then steps 2 and 3 of the append protocol.
+fn append_inner(
+    store: &dyn SharedStore,
+    fingerprint: u64,
+    workers: usize,
+    now_ms: u64,
+    batch: Option<&[u8]>,
+    edit: &mut dyn FnMut(&mut LogHead) -> bool,
+) -> bool {
+    for _ in 0..APPEND_ATTEMPTS {
+        let Some(head) = claim(store, fingerprint, workers, now_ms, batch.is_some(), edit) else {
+            return false;
+        };
+        let Ok(head) = head else { continue };
+        let written = match batch {
+            Some(batch) => write_slot(store, head.seq, batch),
+            None => true,
+        };
+        publish_seq(store, head.seq, head.version);
+        if !written {
+            log::error!(
+                "kv-router: event log batch {} was filled as orphaned before its writer stored it; its events are dropped and every worker re-syncs",
+                head.seq
+            );
+        }
+        return written;
+    }
+    false
+}
+
+/// One claim attempt: `None` = the edit declined; `Some(Err(()))` = the head changed (retry);
+/// `Some(Ok(head))` = the head as committed.
+fn claim(
+    store: &dyn SharedStore,
+    fingerprint: u64,
+    workers: usize,
+    now_ms: u64,
+    with_batch: bool,
+    edit: &mut dyn FnMut(&mut LogHead) -> bool,
+) -> Option<Result<LogHead, ()>> {
+    // One read for the head and its version: a second read for the version alone could see a
+    // head written in between and let this claim overwrite it.
+    let (bytes, cas) = store.get(HEAD_KEY);
+    let current: Option<LogHead> = bytes.and_then(|b| serde_json::from_slice(&b).ok());
+    let mut head = match current {
+        Some(head) if head.fingerprint == fingerprint => head,
+        Some(old) => LogHead {
+            // Versions only grow, so that replicas notice the new epoch's head.
+            version: old.version,
+            ..LogHead::fresh(fingerprint, old.seq + 1, workers, now_ms)
+        },
+        None => LogHead::fresh(fingerprint, 0, workers, now_ms),
+    };
+    if !edit(&mut head) {
+        return None;
+    }
+    if with_batch {
+        head.seq += 1;
+    }
+    head.version += 1;
+    let encoded = serde_json::to_vec(&head).ok()?;
+    // `init` created the key, so there is always a version to check.
+    match store.set(HEAD_KEY, &encoded, cas) {
+        Ok(()) => Some(Ok(head)),
+        Err(StoreError::CasMismatch) => Some(Err(())),
+        Err(StoreError::Failed) => None,
+    }
+}
+
+/// Fills orphaned batch `seq` (see the module docs): every worker's blocks are dropped and every
+/// cursor reset, so each worker re-syncs from its dump. False if the slot was written meanwhile.
+pub fn fill_orphan(
+    store: &dyn SharedStore,
+    fingerprint: u64,
+    workers: usize,
+    now_ms: u64,
+    seq: u64,
+) -> bool {
+    let records: Vec<LogRecord> = (0..workers)
+        .filter_map(|w| u16::try_from(w).ok())
+        .map(|worker| LogRecord::WorkerLost { worker })
+        .collect();
+    if !write_slot(store, seq, &encode_log_batch(&records)) {
+        return false;
+    }
+    let reset = update_head(store, fingerprint, workers, now_ms, |head| {
+        for w in &mut head.workers {
+            w.cursor = None;
+            w.reported = None;
+        }
+        true
+    });
+    if !reset {
+        log::error!("kv-router: could not reset the worker cursors after filling orphaned batch {seq}; they re-sync on their next gap");
+    }
+    true
+}
+
+#[cfg(test)]
+#[allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+mod tests {
+    use super::*;
+    use crate::events::NumberedEvent;
+    use crate::store::fake::{MemStore, Op};
+    use crate::types::{ExternalBlockHash, LocalBlockHash, StorageTier};
+    use std::cell::Cell;
+    use std::rc::Rc;
+
+    const FP: u64 = 42;
+
+    fn config(workers: usize) -> Config {
+        let list: Vec<String> = (1..=workers)
+            .map(|i| format!(r#"{{"id": {i}, "address": "10.0.0.{i}:8000"}}"#))
+            .collect();
+        Config::from_json(format!(r#"{{"workers": [{}]}}"#, list.join(",")).as_bytes()).unwrap()
+    }
+
+    /// A batch that stores one block `hash` on `worker` (event id `id`).
+    fn stored(worker: u16, id: u64, hash: u64) -> LogRecord {
+        LogRecord::Events {
+            worker,
+            events: vec![NumberedEvent {
+                event_id: id,
+                event: IndexEvent::Stored {
+                    dp_rank: 0,
+                    tier: StorageTier::Device,
+                    parent: None,
+                    blocks: vec![(ExternalBlockHash(hash), LocalBlockHash(hash))],
+                },
+            }],
+        }
+    }
+
+    /// An append the way the poller makes one: the worker's cursor must still be `after`.
+    fn poller_append(
+        store: &MemStore,
+        worker: u16,
+        after: Option<u64>,
+        id: u64,
+        hash: u64,
+    ) -> bool {
+        append(store, FP, 2, 0, &[stored(worker, id, hash)], |head| {
+            let w = &mut head.workers[usize::from(worker)];
+            if w.cursor != after {
+                return false;
+            }
+            w.cursor = Some(id);
+            true
+        })
+    }
+
+    /// Every batch in the log, in order, as a fresh replica reads them.
+    fn batches(store: &MemStore) -> Vec<Vec<LogRecord>> {
+        let (head, _) = read_head(store).unwrap();
+        (head.epoch_start + 1..=head.seq)
+            .map(|seq| match read_batch(store, seq) {
+                SlotRead::Batch(records) => records,
+                SlotRead::Pending => panic!("batch {seq} pending"),
+                SlotRead::Lost => panic!("batch {seq} lost"),
+            })
+            .collect()
+    }
+
+    /// Two pollers during a lease hand-over: B appends in full between any two store operations
+    /// of A's append. Whatever the interleaving, each committed cursor move has its own batch in
+    /// the log, exactly once, and every replica reads the same log.
+    #[test]
+    fn concurrent_appends_never_share_or_lose_a_slot() {
+        // How many store operations A's append takes without interference.
+        let probe = MemStore::new();
+        init(&probe);
+        let before = probe.ops.get();
+        assert!(poller_append(&probe, 0, None, 1, 100));
+        let steps = probe.ops.get() - before;
+        assert!(steps >= 4, "claim and write are separate steps: {steps}");
+
+        for at in 1..=steps + 1 {
+            let store = MemStore::new();
+            init(&store);
+            let seen = Rc::new(Cell::new(0usize));
+            let b_result = Rc::new(Cell::new(None));
+            let (seen_h, b_h) = (Rc::clone(&seen), Rc::clone(&b_result));
+            store.set_hook(move |s: &MemStore, _op: &Op| {
+                seen_h.set(seen_h.get() + 1);
+                if seen_h.get() == at {
+                    b_h.set(Some(poller_append(s, 1, None, 7, 200)));
+                }
+            });
+            let a = poller_append(&store, 0, None, 1, 100);
+            store.clear_hook();
+            let b = b_result
+                .get()
+                .unwrap_or_else(|| poller_append(&store, 1, None, 7, 200));
+            assert!(
+                a && b,
+                "interleaving at op {at}: both appends succeed (a {a}, b {b})"
+            );
+
+            let (head, _) = read_head(&store).unwrap();
+            assert_eq!(head.workers[0].cursor, Some(1), "op {at}");
+            assert_eq!(head.workers[1].cursor, Some(7), "op {at}");
+            let log = batches(&store);
+            assert_eq!(log.len(), 2, "op {at}: one batch per append");
+            assert_eq!(
+                log.iter()
+                    .filter(|b| **b == vec![stored(0, 1, 100)])
+                    .count(),
+                1,
+                "op {at}: A's batch exactly once"
+            );
+            assert_eq!(
+                log.iter()
+                    .filter(|b| **b == vec![stored(1, 7, 200)])
+                    .count(),
+                1,
+                "op {at}: B's batch exactly once"
+            );
+        }
+    }
+
+    /// The same page handled by both pollers (the old holder's late reply and the new holder's
+    /// fetch): the cursor check lets one through, and the log holds it once.
+    #[test]
+    fn the_same_page_from_two_pollers_is_appended_once() {
+        for at in 1..=8 {
+            let store = MemStore::new();
+            init(&store);
+            let seen = Rc::new(Cell::new(0usize));
+            let seen_h = Rc::clone(&seen);
+            let b_result = Rc::new(Cell::new(None));
+            let b_h = Rc::clone(&b_result);
+            store.set_hook(move |s: &MemStore, _op: &Op| {
+                seen_h.set(seen_h.get() + 1);
+                if seen_h.get() == at {
+                    b_h.set(Some(poller_append(s, 0, None, 1, 100)));
+                }
+            });
+            let a = poller_append(&store, 0, None, 1, 100);
+            store.clear_hook();
+            let b = b_result.get().unwrap_or(false);
+            assert!(a != b, "op {at}: exactly one wins (a {a}, b {b})");
+            assert_eq!(batches(&store), vec![vec![stored(0, 1, 100)]], "op {at}");
+        }
+    }
+
+    #[test]
+    fn a_replica_waits_for_a_claimed_batch_instead_of_skipping_it() {
+        let config = config(2);
+        let store = MemStore::new();
+        init(&store);
+        assert!(poller_append(&store, 0, None, 1, 100));
+        // Claim batch 2 without writing it yet (a writer between steps 1 and 2).
+        let claimed = claim(&store, FP, 2, 0, true, &mut |_| true)
+            .unwrap()
+            .unwrap();
+        assert_eq!(claimed.seq, 2);
+        let mut replica = Replica::new(&config, FP);
+        let report = replica.sync(&store, &config, 1000);
+        assert_eq!((replica.applied_seq, report.lost_sync), (1, false));
+        assert_eq!(replica.orphaned_batch(1000 + ORPHAN_AFTER_MS), None);
+        // The claimant writes: the replica carries on.
+        assert!(write_slot(
+            &store,
+            2,
+            &encode_log_batch(&[stored(1, 3, 300)])
+        ));
+        replica.sync(&store, &config, 2000);
+        assert_eq!(replica.applied_seq, 2);
+        assert_eq!(replica.orphaned_batch(u64::MAX), None);
+        assert_eq!(replica.index.entries(), 2);
+    }
+
+    /// A claimant that never writes its batch: after `ORPHAN_AFTER_MS` the poller fills it; every
+    /// replica moves on, every cursor is reset (re-sync from dumps), and the claimant's late
+    /// write cannot change the filled batch.
+    #[test]
+    fn an_orphaned_claim_is_filled_and_every_worker_resyncs() {
+        let config = config(2);
+        let store = MemStore::new();
+        init(&store);
+        assert!(poller_append(&store, 0, None, 1, 100));
+        assert!(poller_append(&store, 1, None, 5, 500));
+        let orphan = claim(&store, FP, 2, 0, true, &mut |head| {
+            head.workers[0].cursor = Some(2);
+            true
+        })
+        .unwrap()
+        .unwrap();
+        let mut replica = Replica::new(&config, FP);
+        replica.sync(&store, &config, 10);
+        assert_eq!(replica.applied_seq, 2);
+        assert_eq!(replica.orphaned_batch(10 + ORPHAN_AFTER_MS), None);
+        replica.sync(&store, &config, 20 + ORPHAN_AFTER_MS);
+        assert_eq!(
+            replica.orphaned_batch(20 + ORPHAN_AFTER_MS),
+            Some(orphan.seq)
+        );
+
+        assert!(fill_orphan(&store, FP, 2, 30, orphan.seq));
+        assert!(!fill_orphan(&store, FP, 2, 31, orphan.seq), "filled once");
+        assert!(
+            !write_slot(&store, orphan.seq, &encode_log_batch(&[stored(0, 2, 999)])),
+            "the late claimant cannot overwrite the filled batch"
+        );
+        replica.sync(&store, &config, 40 + ORPHAN_AFTER_MS);
+        assert_eq!(replica.applied_seq, orphan.seq);
+        assert_eq!(replica.index.entries(), 0, "every worker's blocks dropped");
+        let (head, _) = read_head(&store).unwrap();
+        assert!(
+            head.workers.iter().all(|w| w.cursor.is_none()),
+            "every worker re-syncs"
+        );
+        // A second replica that starts now reads the same log.
+        let mut other = Replica::new(&config, FP);
+        other.sync(&store, &config, 50);
+        assert_eq!(other.applied_seq, replica.applied_seq);
+        assert_eq!(other.index.entries(), replica.index.entries());
+    }
+
+    #[test]
+    fn the_published_sequence_never_goes_back() {
+        let store = MemStore::new();
+        publish_seq(&store, 5, 9);
+        publish_seq(&store, 4, 8); // a slower writer publishing an older head
+        assert_eq!(read_seq_key(&store), (5, 9));
+        publish_seq(&store, 5, 10);
+        assert_eq!(read_seq_key(&store), (5, 10));
+    }
+
+    #[test]
+    fn a_lapped_slot_is_lost_not_pending() {
+        let store = MemStore::new();
+        init(&store);
+        assert!(write_slot(&store, 3 + LOG_SLOTS, &encode_log_batch(&[])));
+        assert!(matches!(read_batch(&store, 3), SlotRead::Lost));
+        assert!(matches!(read_batch(&store, 4), SlotRead::Pending));
+        assert!(
+            !write_slot(&store, 3, &encode_log_batch(&[])),
+            "never written backwards"
+        );
+    }
+}
