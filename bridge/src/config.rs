@@ -93,9 +93,49 @@ pub struct Args {
     #[arg(long, default_value_t = 100000)]
     pub replay_max_batches: usize,
 
+    /// Id of the first event: a number, or `time` (microseconds since the Unix epoch at start).
+    /// With `time`, a restarted bridge's ids start past its predecessor's, so a poller holding
+    /// an old cursor sees `first_event_id > after + 1` and re-syncs from the dump; with small
+    /// ids it could mistake the new ids for the old sequence once they pass its cursor.
+    #[arg(long, default_value = "1")]
+    pub first_event_id: FirstEventId,
+
     /// Largest payload frame decoded.
     #[arg(long, default_value_t = DEFAULT_MAX_PAYLOAD_BYTES)]
     pub max_payload_bytes: usize,
+}
+
+/// `--first-event-id`: a fixed id or the start time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FirstEventId {
+    Fixed(u64),
+    Time,
+}
+
+impl std::str::FromStr for FirstEventId {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "time" {
+            return Ok(FirstEventId::Time);
+        }
+        match s.parse::<u64>() {
+            // Below 2^53 so that JSON readers with f64 numbers keep every id exact.
+            Ok(n) if (1..1u64 << 53).contains(&n) => Ok(FirstEventId::Fixed(n)),
+            _ => Err(format!("`{s}`: expected `time` or an id in 1..2^53")),
+        }
+    }
+}
+
+impl FirstEventId {
+    pub fn resolve(self) -> u64 {
+        match self {
+            FirstEventId::Fixed(n) => n,
+            FirstEventId::Time => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| u64::try_from(d.as_micros()).unwrap_or(1).max(1)),
+        }
+    }
 }
 
 /// Everything the bridge needs, validated.
@@ -168,6 +208,7 @@ impl Args {
             engines,
             core: CoreLimits {
                 block_size: self.block_size,
+                first_event_id: self.first_event_id.resolve(),
                 max_blocks: self.max_blocks,
                 max_events: self.max_events,
                 max_ring_bytes: self.max_event_bytes,
@@ -251,6 +292,30 @@ mod tests {
         );
         assert_eq!(c.core.block_size, 32);
         assert_eq!(c.engines[1].topic, "kv");
+        assert_eq!(c.core.first_event_id, 1);
+        let t = parse(&[
+            "--block-size",
+            "32",
+            "--engine",
+            "tcp://h:1",
+            "--first-event-id",
+            "time",
+        ])
+        .unwrap();
+        assert!(
+            t.core.first_event_id > 1_700_000_000_000_000,
+            "{}",
+            t.core.first_event_id
+        );
+        assert!(parse(&[
+            "--block-size",
+            "32",
+            "--engine",
+            "tcp://h:1",
+            "--first-event-id",
+            "0"
+        ])
+        .is_err());
     }
 
     #[test]

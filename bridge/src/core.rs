@@ -18,6 +18,9 @@ use crate::wire::{EngineEvent, StoredBlocks};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CoreLimits {
     pub block_size: u32,
+    /// Id of the first event (1, or a time-based start so that a restarted bridge's ids jump
+    /// past the old ones; see `--first-event-id`).
+    pub first_event_id: u64,
     pub max_blocks: usize,
     pub max_events: usize,
     pub max_ring_bytes: usize,
@@ -50,7 +53,14 @@ pub enum Refusal {
         rank: DpRank,
         owner: usize,
     },
+    /// More distinct ranks than [`MAX_RANKS`] (a misbehaving publisher).
+    TooManyRanks {
+        rank: DpRank,
+    },
 }
+
+/// Distinct DP ranks the bridge tracks at most.
+pub const MAX_RANKS: usize = 4096;
 
 impl Refusal {
     pub fn label(&self) -> &'static str {
@@ -61,6 +71,7 @@ impl Refusal {
             Refusal::UnknownMedium { .. } => "unknown_medium",
             Refusal::MirrorFull { .. } => "mirror_full",
             Refusal::RankConflict { .. } => "rank_conflict",
+            Refusal::TooManyRanks { .. } => "too_many_ranks",
         }
     }
 }
@@ -102,6 +113,9 @@ impl std::fmt::Display for Refusal {
                 "dp_rank {rank} already comes from engine #{owner}: give each endpoint its own \
                  --dp-rank"
             ),
+            Refusal::TooManyRanks { rank } => {
+                write!(f, "dp_rank {rank} would be rank number {} (limit)", MAX_RANKS + 1)
+            }
         }
     }
 }
@@ -125,9 +139,13 @@ impl ApplyOutcome {
 }
 
 /// The canonical spelling of a medium (absent or empty = GPU), if the filter knows it.
+///
+/// vLLM 0.32 names its storage-offload tier `STORAGE`, which the filter does not know (it would
+/// reject the whole page): it is the disk tier, so it travels as `DISK`.
 pub fn canonical_medium(medium: Option<&str>) -> Result<String, Refusal> {
     let name = match medium {
         None | Some("") => "GPU".to_owned(),
+        Some(m) if m.eq_ignore_ascii_case("STORAGE") => "DISK".to_owned(),
         Some(m) => m.to_ascii_uppercase(),
     };
     match StorageTier::parse(Some(&name)) {
@@ -149,7 +167,11 @@ impl Core {
         Core {
             limits,
             mirror: Mirror::new(limits.max_blocks),
-            ring: EventRing::new(limits.max_events, limits.max_ring_bytes),
+            ring: EventRing::starting_at(
+                limits.first_event_id,
+                limits.max_events,
+                limits.max_ring_bytes,
+            ),
             rank_owner: BTreeMap::new(),
         }
     }
@@ -192,6 +214,10 @@ impl Core {
                 return out;
             }
             Some(_) => {}
+            None if self.rank_owner.len() >= MAX_RANKS => {
+                out.refused.push(Refusal::TooManyRanks { rank });
+                return out;
+            }
             None => {
                 self.rank_owner.insert(rank, engine);
             }
@@ -358,6 +384,7 @@ mod tests {
 
     const LIMITS: CoreLimits = CoreLimits {
         block_size: 2,
+        first_event_id: 1,
         max_blocks: 100,
         max_events: 100,
         max_ring_bytes: 1 << 20,
@@ -433,6 +460,11 @@ mod tests {
             ..StoredBlocks::default()
         });
         let odd_medium = stored(&[3], None, Some("TAPE"));
+        assert_eq!(canonical_medium(Some("storage")), Ok("DISK".to_owned()));
+        assert_eq!(
+            canonical_medium(Some("cpu_pinned")),
+            Ok("CPU_PINNED".to_owned())
+        );
         let out = core.apply(
             0,
             0,

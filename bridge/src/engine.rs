@@ -209,6 +209,7 @@ impl EngineTask {
             self.status(|s| {
                 s.state = "connected";
                 s.connected = true;
+                s.last_error = None;
             });
             debug!(
                 "engine {}: subscribed to {}",
@@ -575,12 +576,21 @@ impl EngineTask {
             .dp_rank
             .or(batch.dp_rank)
             .unwrap_or(u32::try_from(self.spec.index).unwrap_or(u32::MAX));
-        self.ranks.insert(rank);
         let index = self.spec.index;
         let outcome = self
             .shared
             .with_core(|core| core.apply(index, rank, &batch.events));
         self.shared.record(&outcome);
+        let rank_refused = outcome.refused.iter().any(|r| {
+            matches!(
+                r,
+                Refusal::RankConflict { .. } | Refusal::TooManyRanks { .. }
+            )
+        });
+        if !rank_refused {
+            // The ranks this endpoint fed: a reset clears exactly these.
+            self.ranks.insert(rank);
+        }
         for refusal in &outcome.refused {
             self.log_refusal(refusal);
         }
@@ -601,7 +611,8 @@ impl EngineTask {
         match refusal {
             Refusal::BlockSizeMismatch { .. }
             | Refusal::MirrorFull { .. }
-            | Refusal::RankConflict { .. } => {
+            | Refusal::RankConflict { .. }
+            | Refusal::TooManyRanks { .. } => {
                 error!(
                     "engine {}: event refused: {refusal} [{suppressed} similar suppressed]",
                     self.label

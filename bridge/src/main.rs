@@ -27,7 +27,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(async move {
+    let code = runtime.block_on(async move {
         let engines: Vec<String> = config.engines.iter().map(|e| e.endpoint.clone()).collect();
         let bridge = match Bridge::start(config).await {
             Ok(b) => b,
@@ -43,8 +43,12 @@ fn main() -> ExitCode {
         wait_for_signal().await;
         info!("shutting down");
         bridge.shutdown(Duration::from_secs(5)).await;
+        info!("stopped");
         ExitCode::SUCCESS
-    })
+    });
+    // Tasks of the zeromq crate may still hold sockets; do not wait for them.
+    runtime.shutdown_timeout(Duration::from_millis(200));
+    code
 }
 
 /// SIGTERM (Kubernetes) or Ctrl-C.

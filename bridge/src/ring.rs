@@ -26,9 +26,14 @@ pub struct PageLimits {
 
 impl EventRing {
     pub fn new(max_events: usize, max_bytes: usize) -> Self {
+        Self::starting_at(1, max_events, max_bytes)
+    }
+
+    /// A ring whose first event gets id `first_id` (at least 1).
+    pub fn starting_at(first_id: u64, max_events: usize, max_bytes: usize) -> Self {
         EventRing {
             entries: VecDeque::new(),
-            last_id: 0,
+            last_id: first_id.max(1) - 1,
             bytes: 0,
             max_events: max_events.max(1),
             max_bytes,
@@ -134,6 +139,14 @@ mod tests {
         assert_eq!(r.page(1, BIG), vec!["e2", "e3"]);
         assert!(r.page(3, BIG).is_empty());
         assert!(r.page(99, BIG).is_empty());
+    }
+
+    #[test]
+    fn ids_can_start_anywhere() {
+        let mut r = EventRing::starting_at(1_000_000, 10, 1 << 20);
+        assert_eq!((r.first_id(), r.last_id()), (1_000_000, 999_999));
+        assert_eq!(r.push("a".into()), 1_000_000);
+        assert_eq!(r.page(999_999, BIG), vec!["a"]);
     }
 
     #[test]

@@ -219,6 +219,7 @@ fn config(engines: &[(&FakeEngine, bool)], idle: Duration) -> BridgeConfig {
             .collect(),
         core: CoreLimits {
             block_size: BS as u32,
+            first_event_id: 1,
             max_blocks: 100_000,
             max_events: 100_000,
             max_ring_bytes: 64 << 20,

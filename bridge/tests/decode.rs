@@ -542,3 +542,69 @@ fn bad_events_are_skipped_and_bad_batches_refused() {
     let deep = vec![0x91u8; 100_000];
     assert_eq!(decode_batch(&deep, MAX).unwrap_err().label(), "msgpack");
 }
+
+#[test]
+fn every_fixture_matches_an_independent_decode() {
+    // EXPECTED.json: the fixtures decoded by msgspec, vLLM's own msgpack library
+    // (tests/data/vllm/make_expected.py).
+    let expected: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures_dir().join("EXPECTED.json")).unwrap(),
+    )
+    .unwrap();
+    let fixtures = fixtures();
+    let mut checked_events = 0;
+    for want in expected.as_array().unwrap() {
+        let seq = want["seq"].as_u64().unwrap() as usize;
+        let batch = decode(&fixtures[seq]);
+        assert_eq!(
+            batch.dp_rank,
+            want["dp_rank"].as_u64().map(|r| r as u32),
+            "seq {seq}"
+        );
+        assert!(
+            (batch.ts.unwrap() - want["ts"].as_f64().unwrap()).abs() < 1e-6,
+            "seq {seq}"
+        );
+        let want_events = want["events"].as_array().unwrap();
+        assert_eq!(batch.events.len(), want_events.len(), "seq {seq}");
+        for (got, w) in batch.events.iter().zip(want_events) {
+            let hashes = |v: &serde_json::Value| -> Vec<u64> {
+                v.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|h| h.as_u64().unwrap())
+                    .collect()
+            };
+            match (got, w["type"].as_str().unwrap()) {
+                (EngineEvent::Stored(s), "BlockStored") => {
+                    assert_eq!(s.block_hashes, hashes(&w["block_hashes"]), "seq {seq}");
+                    assert_eq!(s.parent, w["parent_block_hash"].as_u64(), "seq {seq}");
+                    let tokens: Vec<u32> = w["token_ids"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|t| t.as_u64().unwrap() as u32)
+                        .collect();
+                    assert_eq!(s.token_ids, tokens, "seq {seq}");
+                    assert_eq!(s.block_size, w["block_size"].as_u64());
+                    assert_eq!(s.medium.as_deref(), w["medium"].as_str());
+                    assert_eq!(s.lora_name.as_deref(), w["lora_name"].as_str());
+                }
+                (
+                    EngineEvent::Removed {
+                        block_hashes,
+                        medium,
+                    },
+                    "BlockRemoved",
+                ) => {
+                    assert_eq!(*block_hashes, hashes(&w["block_hashes"]), "seq {seq}");
+                    assert_eq!(medium.as_deref(), w["medium"].as_str());
+                }
+                (EngineEvent::AllCleared, "AllBlocksCleared") => {}
+                (got, want) => panic!("seq {seq}: decoded {got:?}, msgspec says {want}"),
+            }
+            checked_events += 1;
+        }
+    }
+    assert_eq!(checked_events, 18 - 8 + 8 + 47 + 1); // 10 single-store batches, 8+47 eviction, 1 clear
+}
