@@ -77,10 +77,11 @@ pub struct Args {
     #[arg(long, default_value_t = 30000)]
     pub max_wait_ms: u64,
 
-    /// Reconnect a live stream silent this long (the zeromq crate does not report a
-    /// publisher that went away; reconnection verifies the engine's history).
-    #[arg(long, default_value_t = 10000)]
-    pub idle_resubscribe_ms: u64,
+    /// Probe a live stream silent this long (the zeromq crate does not report a publisher
+    /// that went away); a dead one is reconnected, and the reconnection verifies the engine's
+    /// history. A restarted engine is noticed within about two periods.
+    #[arg(long, default_value_t = 5000)]
+    pub idle_probe_ms: u64,
 
     #[arg(long, default_value_t = 5000)]
     pub connect_timeout_ms: u64,
@@ -222,7 +223,7 @@ impl Args {
             },
             timing: EngineTiming {
                 connect_timeout: ms(self.connect_timeout_ms.max(1)),
-                idle_resubscribe: ms(self.idle_resubscribe_ms.max(100)),
+                idle_probe: ms(self.idle_probe_ms.max(10)),
                 replay_timeout: ms(self.replay_timeout_ms.max(1)),
                 replay_max_batches: self.replay_max_batches,
                 max_payload_bytes: self.max_payload_bytes,

@@ -8,8 +8,11 @@
 //!   different payload (or none) means the engine restarted, so its ranks are cleared and
 //!   rebuilt from its whole replay buffer. This catches restarts that sequence numbers alone
 //!   cannot (a new engine whose counter already passed ours);
-//! * the zeromq crate does not report a publisher that went away, so a stream silent for
-//!   `idle_resubscribe` is reconnected, and the reconnection verifies the anchor as above.
+//! * the zeromq crate does not report a publisher that went away (the SUB socket just stays
+//!   silent), so a stream silent for `idle_probe` is probed: a subscription message is written
+//!   to the publisher, which fails on a closed connection. Only then is the socket replaced, and
+//!   the reconnection verifies the anchor as above. (Replacing a live SUB socket instead would
+//!   leak its connection: the zeromq crate keeps a socket whose receive was pending alive.)
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeSet, HashMap};
@@ -43,7 +46,7 @@ pub struct EngineSpec {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EngineTiming {
     pub connect_timeout: Duration,
-    pub idle_resubscribe: Duration,
+    pub idle_probe: Duration,
     pub replay_timeout: Duration,
     pub replay_max_batches: usize,
     pub max_payload_bytes: usize,
@@ -267,14 +270,17 @@ impl EngineTask {
         let mut shutdown = self.shutdown.clone();
         loop {
             let received = tokio::select! {
-                r = tokio::time::timeout(self.timing.idle_resubscribe, sub.recv()) => r,
+                r = tokio::time::timeout(self.timing.idle_probe, sub.recv()) => r,
                 _ = shutdown.wait_for(|&s| s) => return,
             };
             match received {
                 Err(_) => {
-                    debug!(
-                        "engine {}: no batch for {:?}; resubscribing",
-                        self.label, self.timing.idle_resubscribe
+                    if self.probe(&mut sub).await {
+                        continue;
+                    }
+                    warn!(
+                        "engine {}: the publisher at {} went away; reconnecting",
+                        self.label, self.spec.endpoint
                     );
                     return;
                 }
@@ -289,6 +295,27 @@ impl EngineTask {
                 Ok(Ok(message)) => self.on_live(message).await,
             }
         }
+    }
+
+    /// Whether the live connection still stands: writes a subscription to a topic nothing
+    /// uses, and withdraws it. A closed connection fails the write (at the latest on the
+    /// second probe, once the peer's reset arrived).
+    async fn probe(&mut self, sub: &mut SubSocket) -> bool {
+        const PROBE_TOPIC: &str = "\u{1}kv-event-bridge-liveness";
+        let limit = Duration::from_secs(1);
+        let alive = matches!(
+            tokio::time::timeout(limit, sub.subscribe(PROBE_TOPIC)).await,
+            Ok(Ok(()))
+        ) && matches!(
+            tokio::time::timeout(limit, sub.unsubscribe(PROBE_TOPIC)).await,
+            Ok(Ok(()))
+        );
+        let result = if alive { "alive" } else { "dead" };
+        self.shared.metrics.inc(
+            "kv_bridge_idle_probes_total",
+            &[("engine", &self.label), ("result", result)],
+        );
+        alive
     }
 
     async fn on_live(&mut self, message: ZmqMessage) {

@@ -59,7 +59,11 @@ pub const COUNTERS: &[(&str, &str)] = &[
     ),
     (
         "kv_bridge_resubscribes_total",
-        "Live-stream reconnections (idle recycle or error).",
+        "Live-stream reconnections (publisher gone or stream error).",
+    ),
+    (
+        "kv_bridge_idle_probes_total",
+        "Liveness probes of a silent live stream, by result.",
     ),
     (
         "kv_bridge_page_requests_total",

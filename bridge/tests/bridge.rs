@@ -233,7 +233,7 @@ fn config(engines: &[(&FakeEngine, bool)], idle: Duration) -> BridgeConfig {
         },
         timing: EngineTiming {
             connect_timeout: Duration::from_secs(2),
-            idle_resubscribe: idle,
+            idle_probe: idle,
             replay_timeout: Duration::from_secs(2),
             replay_max_batches: 100_000,
             max_payload_bytes: 1 << 20,
@@ -815,7 +815,7 @@ async fn a_dead_publisher_is_noticed_and_its_successor_rebuilt() {
 
     // A real restart: the process (its sockets) goes away and a new one binds the same
     // addresses. The old TCP connection just ends; the zeromq crate does not report it, so the
-    // bridge notices through its idle resubscription and the anchor check.
+    // bridge notices through its idle probe, reconnects and checks the anchor.
     let (pub_at, replay_at) = (engine.pub_endpoint.clone(), engine.replay_endpoint.clone());
     engine.stop().await;
     let mut engine = FakeEngine::start_at(0, &pub_at, &replay_at).await;
@@ -828,5 +828,67 @@ async fn a_dead_publisher_is_noticed_and_its_successor_rebuilt() {
     let m = metrics(&bridge).await;
     assert!(metric(&m, "kv_bridge_resubscribes_total") >= 1, "{m}");
     assert_eq!(metric(&m, "kv_bridge_resets_total"), 1, "{m}");
+    bridge.shutdown(Duration::from_secs(5)).await;
+}
+
+/// Established TCP connections to `port` on this host (the bridge's side of its SUB sockets).
+fn connections_to(port: u16) -> usize {
+    let mut n = 0;
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let remote_port = fields
+                .get(2)
+                .and_then(|a| a.rsplit(':').next())
+                .and_then(|p| u16::from_str_radix(p, 16).ok());
+            if remote_port == Some(port) && fields.get(3) == Some(&"01") {
+                n += 1;
+            }
+        }
+    }
+    n
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_probes_keep_one_connection() {
+    let mut engine = FakeEngine::start(0).await;
+    let bridge = start_bridge_idle(&mut [(&mut engine, true)], Duration::from_millis(20)).await;
+    let seq = engine.publish(&store_batch(0, &[1], None)).await;
+    wait_for_seq(&bridge, 0, seq).await;
+    let port: u16 = engine
+        .pub_endpoint
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let probes = |m: &str| {
+        metric(
+            m,
+            "kv_bridge_idle_probes_total{engine=\"0\",result=\"alive\"}",
+        )
+    };
+    let probes_before = probes(&metrics(&bridge).await);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while probes(&metrics(&bridge).await) < probes_before + 30 {
+        assert!(Instant::now() < deadline, "the idle stream was not probed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // 30 silent periods: the stream was probed, never replaced (a replaced zeromq SUB socket
+    // whose receive was pending stays open: one leaked connection per period).
+    let m = metrics(&bridge).await;
+    assert_eq!(metric(&m, "kv_bridge_resubscribes_total"), 0, "{m}");
+    assert_eq!(
+        connections_to(port),
+        1,
+        "the bridge holds one connection to the publisher"
+    );
+    // And the stream still works.
+    let seq = engine.publish(&store_batch(0, &[2], Some(1))).await;
+    wait_for_seq(&bridge, 0, seq).await;
+    assert_consistent(&bridge, &[&engine]).await;
     bridge.shutdown(Duration::from_secs(5)).await;
 }
