@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::*;
+use envoy_kv_router::events::{parse_dump, parse_event_page, IndexEvent};
+use envoy_kv_router::index::KvIndex;
 use kv_event_bridge::config::BridgeConfig;
 use kv_event_bridge::core::CoreLimits;
 use kv_event_bridge::engine::{EngineSpec, EngineTiming};
@@ -473,7 +475,63 @@ async fn replay_page(bridge: &Bridge) -> (BlockSet, Vec<Value>) {
     (set, events)
 }
 
-/// The property: dump == reference == page replay.
+const SLOTS: usize = 4;
+
+/// Applies events the way the filter does (slot = dp_rank; a clear with a rank clears that slot
+/// only, without one every slot).
+fn apply_to_filter_index(index: &mut KvIndex, events: &[IndexEvent]) {
+    for event in events {
+        let slots: Vec<u16> = match event {
+            IndexEvent::Cleared { dp_rank: None } => (0..SLOTS as u16).collect(),
+            IndexEvent::Cleared { dp_rank: Some(r) }
+            | IndexEvent::Stored { dp_rank: r, .. }
+            | IndexEvent::Removed { dp_rank: r, .. } => vec![*r as u16],
+        };
+        for slot in slots {
+            // Unknown parents are rejected here as in the filter; both paths must agree.
+            let _ = index.apply(slot, event);
+        }
+    }
+}
+
+/// The filter's own index, fed once from the page (from id 1) and once from the dump, holds
+/// the same blocks per rank.
+async fn assert_filter_index_agrees(bridge: &Bridge) -> Vec<usize> {
+    let parse = |body: &str| parse_event_page(body.as_bytes(), BS as u32, 64 << 20).unwrap();
+    let mut from_page = KvIndex::new(SLOTS, 1 << 20);
+    let mut after = 0;
+    loop {
+        let page = parse(&get(bridge, &format!("/kv/events?after={after}")).await.1);
+        let events: Vec<IndexEvent> = page.events.iter().map(|e| e.event.clone()).collect();
+        apply_to_filter_index(&mut from_page, &events);
+        after = page.events.last().map_or(after, |e| e.event_id);
+        if after >= page.last_event_id {
+            break;
+        }
+    }
+    let dump = parse_dump(
+        get(bridge, "/kv/dump").await.1.as_bytes(),
+        BS as u32,
+        64 << 20,
+    )
+    .unwrap();
+    let mut from_dump = KvIndex::new(SLOTS, 1 << 20);
+    let events: Vec<IndexEvent> = dump.events.iter().map(|e| e.event.clone()).collect();
+    apply_to_filter_index(&mut from_dump, &events);
+    let per_slot = |i: &KvIndex| {
+        (0..SLOTS as u16)
+            .map(|s| i.slot_blocks(s))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        per_slot(&from_page),
+        per_slot(&from_dump),
+        "filter index: page replay vs dump"
+    );
+    per_slot(&from_dump)
+}
+
+/// The property: dump == reference == page replay (and the filter's index agrees).
 async fn assert_consistent(bridge: &Bridge, engines: &[&FakeEngine]) -> BlockSet {
     let histories: Vec<(u32, Vec<Vec<u8>>)> =
         engines.iter().map(|e| (e.rank, e.history())).collect();
@@ -486,6 +544,17 @@ async fn assert_consistent(bridge: &Bridge, engines: &[&FakeEngine]) -> BlockSet
         "page replay != full replay of the engine's history"
     );
     assert_eq!(last_id, events.len() as u64);
+    let per_slot = assert_filter_index_agrees(bridge).await;
+    for rank in 0..SLOTS as u32 {
+        // Every block the engine holds reaches the filter's index (no orphans in these runs).
+        let held = want
+            .iter()
+            .filter(|b| b.0 == rank)
+            .map(|b| b.2)
+            .collect::<BTreeSet<_>>()
+            .len();
+        assert_eq!(per_slot[rank as usize], held, "filter index, rank {rank}");
+    }
     want
 }
 
@@ -730,6 +799,20 @@ async fn dp_ranks_are_cleared_independently() {
     let blocks = assert_consistent(&bridge, &[&rank0, &rank1]).await;
     let by_rank: Vec<(u32, u64)> = blocks.iter().map(|b| (b.0, b.2)).collect();
     assert_eq!(by_rank, vec![(0, 3), (1, 1), (1, 5)]);
+    // As the filter reads it: a clear of rank 0 only (no rank would mean every rank).
+    let page = parse_event_page(
+        get(&bridge, "/kv/events?after=0").await.1.as_bytes(),
+        BS as u32,
+        1 << 20,
+    )
+    .unwrap();
+    let clears: Vec<&IndexEvent> = page
+        .events
+        .iter()
+        .map(|e| &e.event)
+        .filter(|e| matches!(e, IndexEvent::Cleared { .. }))
+        .collect();
+    assert_eq!(clears, vec![&IndexEvent::Cleared { dp_rank: Some(0) }]);
     bridge.shutdown(Duration::from_secs(5)).await;
 }
 
