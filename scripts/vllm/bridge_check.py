@@ -27,7 +27,7 @@ ap.add_argument("--replay", default="tcp://127.0.0.1:5558")
 ap.add_argument("--topic", default="kv")
 ap.add_argument("--block-size", type=int, default=32)
 ap.add_argument("--phases", default="prefix,decode,evict,reset",
-                help="comma list of: prefix, decode, evict, reset, check (check only)")
+                help="comma list, run in order: prefix, decode, evict, reset, check (check only)")
 ap.add_argument("--timeout", type=float, default=30.0)
 args = ap.parse_args()
 BS = args.block_size
@@ -182,26 +182,35 @@ def check(phase):
         print("  page vs dump:  ", sorted(b[2] for b in paged ^ dumped)[:10])
 
 
-phases = args.phases.split(",")
-shared = [4 + (i * 7) % 500 for i in range(96)]
-if "prefix" in phases:
+def phase_prefix():
+    shared = [4 + (i * 7) % 500 for i in range(96)]
     complete(shared + [100, 101, 102, 103], 8)
     check("prefix: 100-token prompt")
     complete(shared + [200 + i for i in range(40)], 8)
     check("prefix: 136 tokens sharing 96")
     complete(shared + [100, 101, 102, 103], 8)
     check("prefix: full hit (no event)")
-if "decode" in phases:
+
+
+def phase_decode():
     complete([300 + i for i in range(30)], 40)
     check("decode fills blocks")
-if "evict" in phases:
+
+
+def phase_evict():
     for k in range(8):
         complete([4 + ((i * 3 + 17 * k) % 500) for i in range(200)], 1)
     check("eviction: 8 x 200-token prompts in a 24-block cache")
-if "reset" in phases:
+
+
+def phase_reset():
     http_json(f"{args.api}/reset_prefix_cache", body={}, method="POST")
     complete([400 + i for i in range(40)], 1)
     check("reset_prefix_cache + request (AllBlocksCleared)")
-if "check" in phases:
-    check("check")
+
+
+PHASES = {"prefix": phase_prefix, "decode": phase_decode, "evict": phase_evict,
+          "reset": phase_reset, "check": lambda: check("check")}
+for name in args.phases.split(","):
+    PHASES[name]()
 sys.exit(1 if failures else 0)
