@@ -398,6 +398,9 @@ impl EngineTask {
     }
 
     fn replay_failed(&mut self, cause: &'static str, e: &ReplayError) {
+        if matches!(e, ReplayError::Cancelled) {
+            return;
+        }
         self.shared.metrics.inc(
             "kv_bridge_replays_total",
             &[("engine", &self.label), ("result", "failed")],
@@ -497,7 +500,8 @@ impl EngineTask {
         let mut shutdown = self.shutdown.clone();
         tokio::select! {
             r = replay.next() => r,
-            _ = shutdown.wait_for(|&s| s) => Ok(None),
+            // Not the end of the replay: nothing may be concluded from a cut-off reply.
+            _ = shutdown.wait_for(|&s| s) => Err(ReplayError::Cancelled),
         }
     }
 

@@ -33,6 +33,8 @@ pub enum ReplayError {
     TooLong {
         max_batches: usize,
     },
+    /// The bridge is shutting down.
+    Cancelled,
 }
 
 impl std::fmt::Display for ReplayError {
@@ -44,6 +46,7 @@ impl std::fmt::Display for ReplayError {
             Self::Timeout => f.write_str("replay socket did not answer in time"),
             Self::Malformed(e) => write!(f, "malformed replay reply: {e}"),
             Self::TooLong { max_batches } => write!(f, "replay longer than {max_batches} batches"),
+            Self::Cancelled => f.write_str("cancelled by shutdown"),
         }
     }
 }
