@@ -46,7 +46,9 @@ impl StorageTier {
         match name.to_ascii_uppercase().as_str() {
             "" | "GPU" | "DEVICE" | "CUDA" | "HBM" => Some(StorageTier::Device),
             "CPU" | "CPU_PINNED" | "HOST" | "HOST_PINNED" => Some(StorageTier::Host),
-            "DISK" | "NVME" | "SSD" | "EXTERNAL" | "REMOTE" | "SHARED" => Some(StorageTier::Disk),
+            "DISK" | "NVME" | "SSD" | "STORAGE" | "EXTERNAL" | "REMOTE" | "SHARED" => {
+                Some(StorageTier::Disk)
+            }
             _ => None,
         }
     }

@@ -1,0 +1,204 @@
+//! The HTTP side: `/kv/events` (with long poll), `/kv/dump`, `/health`, `/metrics`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use serde::Deserialize;
+
+use crate::metrics::render_gauge;
+use crate::ring::PageLimits;
+use crate::state::Shared;
+
+/// Limits of the HTTP side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HttpLimits {
+    pub page: PageLimits,
+    /// Cap on a long poll's `wait_ms`.
+    pub max_wait: Duration,
+}
+
+#[derive(Clone)]
+struct AppState {
+    shared: Arc<Shared>,
+    limits: HttpLimits,
+}
+
+pub fn router(shared: Arc<Shared>, limits: HttpLimits) -> Router {
+    Router::new()
+        .route("/kv/events", get(events))
+        .route("/kv/dump", get(dump))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .with_state(AppState { shared, limits })
+}
+
+#[derive(Deserialize)]
+struct EventsQuery {
+    after: Option<u64>,
+    wait_ms: Option<u64>,
+}
+
+fn json(status: StatusCode, body: String) -> Response {
+    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+async fn events(State(app): State<AppState>, query: Query<EventsQuery>) -> Response {
+    let shared = &app.shared;
+    shared
+        .metrics
+        .inc("kv_bridge_page_requests_total", &[("path", "/kv/events")]);
+    let after = query.after.unwrap_or(0);
+    if let Some(wait_ms) = query.wait_ms.filter(|&w| w > 0) {
+        let wait = Duration::from_millis(wait_ms).min(app.limits.max_wait);
+        let mut last_id = shared.last_id_watch();
+        let mut shutdown = shared.shutdown_watch();
+        // Wait only when nothing newer exists; a cursor ahead of us (a restarted bridge)
+        // gets its answer at once, so the poller notices and re-syncs.
+        if *last_id.borrow() == after {
+            let woke = tokio::select! {
+                r = tokio::time::timeout(wait, last_id.wait_for(|&id| id > after)) => matches!(r, Ok(Ok(_))),
+                _ = shutdown.wait_for(|&s| s) => false,
+            };
+            if woke {
+                shared.metrics.inc("kv_bridge_long_poll_wakeups_total", &[]);
+            }
+        }
+    }
+    let load = shared.load();
+    let body = shared.with_core(|core| core.page(after, app.limits.page, load));
+    json(StatusCode::OK, body)
+}
+
+async fn dump(State(app): State<AppState>) -> Response {
+    app.shared
+        .metrics
+        .inc("kv_bridge_page_requests_total", &[("path", "/kv/dump")]);
+    let body = app.shared.with_core(|core| core.dump());
+    json(StatusCode::OK, body)
+}
+
+async fn health(State(app): State<AppState>) -> Response {
+    let shared = &app.shared;
+    shared
+        .metrics
+        .inc("kv_bridge_page_requests_total", &[("path", "/health")]);
+    let engines = shared.engine_statuses();
+    let connected = engines.iter().filter(|e| e.connected).count();
+    let all_connected = connected == engines.len();
+    let (last_event_id, blocks) = shared.with_core(|c| (c.last_event_id(), c.mirror().entries()));
+    let body = serde_json::json!({
+        "status": if all_connected { "ok" } else { "connecting" },
+        "engines_connected": connected,
+        "last_event_id": last_event_id,
+        "mirror_blocks": blocks,
+        "load": shared.load(),
+        "engines": engines,
+    });
+    let status = if all_connected {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    json(status, body.to_string())
+}
+
+async fn metrics(State(app): State<AppState>) -> Response {
+    let shared = &app.shared;
+    shared
+        .metrics
+        .inc("kv_bridge_page_requests_total", &[("path", "/metrics")]);
+    let mut out = String::new();
+    shared.metrics.render_counters(&mut out);
+    let (blocks, max_blocks, ring_len, ring_bytes, ring_dropped, first, last) =
+        shared.with_core(|c| {
+            (
+                c.mirror().entries(),
+                c.mirror().max_blocks(),
+                c.ring().len(),
+                c.ring().bytes(),
+                c.ring().dropped(),
+                c.ring().first_id(),
+                c.ring().last_id(),
+            )
+        });
+    let one = |v: f64| vec![(String::new(), v)];
+    render_gauge(
+        &mut out,
+        "kv_bridge_mirror_blocks",
+        "Blocks in the mirror (rank, medium, hash entries).",
+        &one(blocks as f64),
+    );
+    render_gauge(
+        &mut out,
+        "kv_bridge_mirror_max_blocks",
+        "The mirror's bound (--max-blocks).",
+        &one(max_blocks as f64),
+    );
+    render_gauge(
+        &mut out,
+        "kv_bridge_page_events",
+        "Events buffered for the page.",
+        &one(ring_len as f64),
+    );
+    render_gauge(
+        &mut out,
+        "kv_bridge_page_bytes",
+        "Bytes of buffered page events.",
+        &one(ring_bytes as f64),
+    );
+    render_gauge(
+        &mut out,
+        "kv_bridge_page_events_dropped",
+        "Events pushed out of the page buffer by its bounds.",
+        &one(ring_dropped as f64),
+    );
+    render_gauge(
+        &mut out,
+        "kv_bridge_first_event_id",
+        "Oldest buffered event id.",
+        &one(first as f64),
+    );
+    render_gauge(
+        &mut out,
+        "kv_bridge_last_event_id",
+        "Newest event id.",
+        &one(last as f64),
+    );
+    let engines = shared.engine_statuses();
+    let per_engine = |f: &dyn Fn(&crate::state::EngineStatus) -> f64| -> Vec<(String, f64)> {
+        engines
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (format!("engine=\"{i}\""), f(e)))
+            .collect()
+    };
+    render_gauge(
+        &mut out,
+        "kv_bridge_engine_connected",
+        "1 when the engine's live stream is connected.",
+        &per_engine(&|e| f64::from(u8::from(e.connected))),
+    );
+    render_gauge(
+        &mut out,
+        "kv_bridge_engine_last_seq",
+        "Last sequence number applied (-1: none).",
+        &per_engine(&|e| e.last_seq.map_or(-1.0, |s| s as f64)),
+    );
+    render_gauge(
+        &mut out,
+        "kv_bridge_engine_partial_history",
+        "1 when the engine's blocks may be incomplete (late join or unrecoverable gap).",
+        &per_engine(&|e| f64::from(u8::from(e.partial_history))),
+    );
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        out,
+    )
+        .into_response()
+}

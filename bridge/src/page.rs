@@ -1,0 +1,175 @@
+//! JSON of the event page and the dump, in the vLLM shape the filter reads
+//! (docs/DESIGN.md, "Worker event endpoint").
+
+use serde::Serialize;
+
+use crate::mirror::{DpRank, DumpRun};
+
+/// An event as forwarded to the page.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PageEvent {
+    Stored {
+        dp_rank: DpRank,
+        medium: String,
+        parent: Option<u64>,
+        block_hashes: Vec<u64>,
+        token_ids: Vec<u32>,
+        lora_name: Option<String>,
+    },
+    Removed {
+        dp_rank: DpRank,
+        medium: String,
+        block_hashes: Vec<u64>,
+    },
+    /// Every block of one rank. The rank is always named: the filter reads a clear without
+    /// `dp_rank` as "every rank of the worker".
+    Cleared { dp_rank: DpRank },
+}
+
+impl PageEvent {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PageEvent::Stored { .. } => "BlockStored",
+            PageEvent::Removed { .. } => "BlockRemoved",
+            PageEvent::Cleared { .. } => "AllBlocksCleared",
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct StoredJson<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    event_id: Option<u64>,
+    dp_rank: DpRank,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    block_hashes: &'a [u64],
+    parent_block_hash: Option<u64>,
+    token_ids: &'a [u32],
+    block_size: u32,
+    medium: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lora_name: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct RemovedJson<'a> {
+    event_id: u64,
+    dp_rank: DpRank,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    block_hashes: &'a [u64],
+    medium: &'a str,
+}
+
+#[derive(Serialize)]
+struct ClearedJson {
+    event_id: u64,
+    dp_rank: DpRank,
+    #[serde(rename = "type")]
+    kind: &'static str,
+}
+
+/// One page event as JSON with its id.
+pub fn event_json(event_id: u64, event: &PageEvent, block_size: u32) -> String {
+    let kind = event.kind();
+    let json = match event {
+        PageEvent::Stored {
+            dp_rank,
+            medium,
+            parent,
+            block_hashes,
+            token_ids,
+            lora_name,
+        } => serde_json::to_string(&StoredJson {
+            event_id: Some(event_id),
+            dp_rank: *dp_rank,
+            kind,
+            block_hashes,
+            parent_block_hash: *parent,
+            token_ids,
+            block_size,
+            medium,
+            lora_name: lora_name.as_deref(),
+        }),
+        PageEvent::Removed {
+            dp_rank,
+            medium,
+            block_hashes,
+        } => serde_json::to_string(&RemovedJson {
+            event_id,
+            dp_rank: *dp_rank,
+            kind,
+            block_hashes,
+            medium,
+        }),
+        PageEvent::Cleared { dp_rank } => serde_json::to_string(&ClearedJson {
+            event_id,
+            dp_rank: *dp_rank,
+            kind,
+        }),
+    };
+    // These structs hold only numbers and strings: serialization cannot fail.
+    json.unwrap_or_default()
+}
+
+/// Worker-reported load, as the page's `load` object.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Load {
+    pub num_waiting: u32,
+    pub num_running: u32,
+    pub kv_usage: f64,
+}
+
+/// `GET /kv/events` body.
+pub fn page_json(
+    block_size: u32,
+    first_event_id: u64,
+    last_event_id: u64,
+    events: &[&str],
+    load: Option<Load>,
+) -> String {
+    let body_len: usize = events.iter().map(|e| e.len() + 1).sum();
+    let mut out = String::with_capacity(body_len + 160);
+    out.push_str(&format!(
+        "{{\"block_size\":{block_size},\"first_event_id\":{first_event_id},\"last_event_id\":{last_event_id},\"events\":["
+    ));
+    for (i, e) in events.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push_str(e);
+    }
+    out.push(']');
+    if let Some(load) = load {
+        out.push_str(",\"load\":");
+        out.push_str(&serde_json::to_string(&load).unwrap_or_else(|_| "null".to_owned()));
+    }
+    out.push('}');
+    out
+}
+
+/// `GET /kv/dump` body: the mirror as stored events (no ids) and the id it corresponds to.
+pub fn dump_json(block_size: u32, last_event_id: u64, runs: &[DumpRun]) -> String {
+    let mut out =
+        format!("{{\"block_size\":{block_size},\"last_event_id\":{last_event_id},\"events\":[");
+    for (i, run) in runs.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        let json = serde_json::to_string(&StoredJson {
+            event_id: None,
+            dp_rank: run.dp_rank,
+            kind: "BlockStored",
+            block_hashes: &run.block_hashes,
+            parent_block_hash: run.parent,
+            token_ids: &run.token_ids,
+            block_size,
+            medium: &run.medium,
+            lora_name: run.lora_name.as_deref(),
+        });
+        out.push_str(&json.unwrap_or_default());
+    }
+    out.push_str("]}");
+    out
+}
