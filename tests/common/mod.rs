@@ -13,12 +13,10 @@ pub fn echo_workers(count: u64, block_size: u32) -> Vec<Worker> {
         .expect("start mock workers")
 }
 
-/// A filter configuration listing `workers`, merged with `extra` (top-level keys override).
+/// A filter configuration listing `workers` (bridged ones with their bridge as
+/// `events_address`), merged with `extra` (top-level keys override).
 pub fn filter_config(workers: &[Worker], extra: Value) -> Value {
-    let list: Vec<Value> = workers
-        .iter()
-        .map(|w| json!({"id": w.id, "address": w.addr}))
-        .collect();
+    let list: Vec<Value> = workers.iter().map(Worker::filter_entry).collect();
     let mut config = json!({"workers": list, "response_headers": true});
     if let (Some(target), Some(extra)) = (config.as_object_mut(), extra.as_object()) {
         for (key, value) in extra {
