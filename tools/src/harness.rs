@@ -139,9 +139,13 @@ impl Worker {
         let stdout = child.stdout.take();
         let mut process = ProcessGuard { child };
         // The startup lines: `listening`, then one per ZMQ socket bound.
+        let has = |flag: &str| {
+            args.iter()
+                .any(|a| *a == flag || a.strip_prefix(flag).is_some_and(|r| r.starts_with('=')))
+        };
         let expected = 1
-            + usize::from(args.contains(&"--kv-events-endpoint"))
-            + usize::from(args.contains(&"--kv-events-replay-endpoint"));
+            + usize::from(has("--kv-events-endpoint"))
+            + usize::from(has("--kv-events-replay-endpoint"));
         let mut lines = Vec::new();
         if let Some(stdout) = stdout {
             let mut reader = BufReader::new(stdout);

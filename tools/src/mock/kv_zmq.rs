@@ -27,6 +27,8 @@ use crate::util::lock;
 
 /// Live messages queued for the PUB socket at most.
 pub const LIVE_QUEUE_BATCHES: usize = 4096;
+/// How long one replay reply may wait for its client before the replay is abandoned.
+const REPLAY_SEND_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Where and how to publish.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -318,9 +320,10 @@ async fn serve_replays(
             let Ok(message) = ZmqMessage::try_from(frames) else {
                 break;
             };
-            // The client may be gone: abandon the rest of its replay.
-            if router.send(message).await.is_err() {
-                break;
+            // A client that is gone or stopped reading must not hold up the next one.
+            match tokio::time::timeout(REPLAY_SEND_TIMEOUT, router.send(message)).await {
+                Ok(Ok(())) => {}
+                _ => break,
             }
         }
     }
