@@ -10,7 +10,7 @@ wasm:
 	bash scripts/build-wasm.sh
 
 tools:
-	cargo build --release -p envoy-kv-router-tools
+	cargo build --release -p envoy-kv-router-tools -p kv-event-bridge
 
 build: wasm tools
 

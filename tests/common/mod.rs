@@ -13,14 +13,12 @@ pub fn echo_workers(count: u64, block_size: u32) -> Vec<Worker> {
         .expect("start mock workers")
 }
 
-/// A filter configuration listing `workers`, merged with `extra` (top-level keys override).
-/// Tests read the decision from response headers and pin workers, so both are switched on here
-/// (the defaults are off: see `tests/client_trust.rs`).
+/// A filter configuration listing `workers` (bridged ones with their bridge as
+/// `events_address`), merged with `extra` (top-level keys override). Tests read the decision
+/// from response headers and pin workers, so both are switched on here (the defaults are off:
+/// see `tests/client_trust.rs`).
 pub fn filter_config(workers: &[Worker], extra: Value) -> Value {
-    let list: Vec<Value> = workers
-        .iter()
-        .map(|w| json!({"id": w.id, "address": w.addr}))
-        .collect();
+    let list: Vec<Value> = workers.iter().map(Worker::filter_entry).collect();
     let mut config =
         json!({"workers": list, "response_headers": true, "client_routing_hints": "honor"});
     if let (Some(target), Some(extra)) = (config.as_object_mut(), extra.as_object()) {

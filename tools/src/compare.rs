@@ -1,7 +1,11 @@
 //! Runs one workload through several routing modes back to back, each against a fresh fleet of
 //! mock workers (so every mode starts with cold caches) behind a fresh Envoy with the filter.
+//!
+//! By default the workers' KV events take the production path: the mock publishes them on ZMQ
+//! like vLLM, a `kv-event-bridge` per worker serves them, and the filter polls the bridges
+//! ([`EventsVia::Bridge`]). [`EventsVia::Http`] has the filter poll the mocks' own event pages.
 
-use crate::harness::{Envoy, EnvoyOptions, Worker};
+use crate::harness::{require_kv_event_bridge, Envoy, EnvoyOptions, Worker};
 use crate::loadgen::{
     print_comparison_table, run_workload, write_svg_chart, RunOptions, RunStats, Workload,
 };
@@ -9,6 +13,15 @@ use serde_json::{json, Value};
 use std::io;
 use std::path::Path;
 use std::time::Duration;
+
+/// Where the filter reads the workers' KV events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum EventsVia {
+    /// mock -> ZMQ -> kv-event-bridge -> filter: the path of a real engine.
+    Bridge,
+    /// The mock's own HTTP event page (no bridge).
+    Http,
+}
 
 /// The simulated fleet and the filter settings shared by every mode.
 #[derive(Clone, Debug)]
@@ -21,6 +34,7 @@ pub struct Fleet {
     pub envoy_threads: u32,
     /// Merged into the filter configuration of every mode (e.g. cost knobs).
     pub filter_extra: Value,
+    pub events_via: EventsVia,
 }
 
 impl Fleet {
@@ -31,28 +45,45 @@ impl Fleet {
             block_size,
             envoy_threads: 2,
             filter_extra: json!({}),
+            events_via: EventsVia::Bridge,
         }
+    }
+
+    /// Fails early, with how to fix it, when the fleet needs a binary that is not built.
+    pub fn check(&self) -> io::Result<()> {
+        if self.events_via == EventsVia::Bridge {
+            require_kv_event_bridge()
+                .map_err(|e| io::Error::new(e.kind(), format!("{e}; or use --events-via http")))?;
+        }
+        Ok(())
     }
 
     fn spawn_workers(&self) -> io::Result<Vec<Worker>> {
         let block = self.block_size.to_string();
         let mut args: Vec<&str> = vec!["--mode", "engine", "--block-size", &block];
         args.extend(self.worker_args.iter().map(String::as_str));
-        Worker::spawn_many(self.workers, &args)
+        match self.events_via {
+            EventsVia::Bridge => Worker::spawn_many_bridged(self.workers, self.block_size, &args),
+            EventsVia::Http => Worker::spawn_many(self.workers, &args),
+        }
     }
 
     /// The filter configuration for `mode` over `workers`.
     pub fn filter_config(&self, mode: &str, workers: &[Worker]) -> Value {
-        let list: Vec<Value> = workers
-            .iter()
-            .map(|w| json!({"id": w.id, "address": w.addr}))
-            .collect();
+        let list: Vec<Value> = workers.iter().map(Worker::filter_entry).collect();
+        // Bridges answer `/kv/events?wait_ms=` as soon as an event arrives, so a long poll puts
+        // events in the index without the poll interval's delay (2 s + the 1 s call timeout
+        // stays under the 5 s staleness bound).
+        let long_poll_ms = match self.events_via {
+            EventsVia::Bridge => 2000,
+            EventsVia::Http => 0,
+        };
         let mut config = json!({
             "mode": mode,
             "block_size": self.block_size,
             "workers": list,
             // Full caches re-sync from multi-megabyte dumps.
-            "events": {"max_response_bytes": 64 * 1024 * 1024},
+            "events": {"max_response_bytes": 64 * 1024 * 1024, "long_poll_ms": long_poll_ms},
         });
         if let (Some(target), Some(extra)) = (config.as_object_mut(), self.filter_extra.as_object())
         {
@@ -98,12 +129,17 @@ pub fn compare_modes(
     workload: &Workload,
     opts: &RunOptions,
 ) -> io::Result<Vec<(String, RunStats)>> {
+    fleet.check()?;
     modes
         .iter()
         .map(|mode| {
             eprintln!(
-                "== mode {mode}: {} workers, {} requests",
+                "== mode {mode}: {} workers ({}), {} requests",
                 fleet.workers,
+                match fleet.events_via {
+                    EventsVia::Bridge => "events: mock -> ZMQ -> kv-event-bridge -> filter",
+                    EventsVia::Http => "events: mock's HTTP page -> filter",
+                },
                 workload.requests.len()
             );
             run_mode(mode, fleet, workload, opts).map(|stats| (mode.to_string(), stats))

@@ -1,5 +1,9 @@
-//! Launches the real Envoy binary with the built filter, and mock workers, for integration tests
-//! and the demo.
+//! Launches the real Envoy binary with the built filter, mock workers and `kv-event-bridge`
+//! processes, for integration tests and the demo.
+//!
+//! A *bridged* worker ([`Worker::spawn_bridged`]) is an engine-mode mock publishing its KV events
+//! on ZMQ like vLLM, with a `kv-event-bridge` next to it serving them as the event page: the
+//! filter polls the bridge (`events_address`), the path a real engine takes.
 //!
 //! Every process is owned by a guard that kills it on drop, so a failing (panicking) test still
 //! tears everything down. Ports come from the OS (`--port 0` for workers, port 0 listeners for
@@ -52,6 +56,39 @@ pub fn mock_worker_bin() -> PathBuf {
         .map_or_else(|| root.join("target/debug/mock-worker"), |(_, p)| p)
 }
 
+/// `KV_EVENT_BRIDGE_BIN`, default `target/release/kv-event-bridge` (built by `make build`).
+pub fn kv_event_bridge_bin() -> PathBuf {
+    path_from_env(
+        "KV_EVENT_BRIDGE_BIN",
+        workspace_root().join("target/release/kv-event-bridge"),
+    )
+}
+
+/// The bridge binary, or an error that says how to build it.
+pub fn require_kv_event_bridge() -> std::io::Result<PathBuf> {
+    let bin = kv_event_bridge_bin();
+    if bin.is_file() {
+        Ok(bin)
+    } else {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!(
+                "kv-event-bridge not found at {}: build it with `cargo build --release -p \
+                 kv-event-bridge` (`make build` builds the workspace) or set KV_EVENT_BRIDGE_BIN",
+                bin.display()
+            ),
+        ))
+    }
+}
+
+/// Mock-worker flags that publish KV events on ZMQ, with a replay socket, on free ports.
+pub const ZMQ_PUBLISH_ARGS: [&str; 4] = [
+    "--kv-events-endpoint",
+    "tcp://127.0.0.1:0",
+    "--kv-events-replay-endpoint",
+    "tcp://127.0.0.1:0",
+];
+
 /// A child process killed (and reaped) on drop.
 pub struct ProcessGuard {
     child: Child,
@@ -79,11 +116,18 @@ pub struct Worker {
     pub id: u64,
     /// `ip:port` it serves on (traffic, events and admin).
     pub addr: String,
+    /// Its ZMQ PUB endpoint, when it publishes KV events there (`zmq` line).
+    pub zmq: Option<String>,
+    /// Its replay ROUTER endpoint (`replay` line).
+    pub replay: Option<String>,
+    /// The bridge serving its ZMQ events, for a bridged worker.
+    pub bridge: Option<Bridge>,
     process: ProcessGuard,
 }
 
 impl Worker {
-    /// Starts `mock-worker --port 0 --id <id> <args>` and waits for its `listening <addr>` line.
+    /// Starts `mock-worker --port 0 --id <id> <args>` and waits for its `listening <addr>` line
+    /// (then its `zmq`/`replay` lines when `args` ask for ZMQ publishing).
     pub fn spawn(id: u64, args: &[&str]) -> std::io::Result<Worker> {
         let mut child = Command::new(mock_worker_bin())
             .args(["--port", "0", "--id", &id.to_string()])
@@ -94,10 +138,24 @@ impl Worker {
             .spawn()?;
         let stdout = child.stdout.take();
         let mut process = ProcessGuard { child };
-        let mut line = String::new();
+        // The startup lines: `listening`, then one per ZMQ socket bound.
+        let has = |flag: &str| {
+            args.iter()
+                .any(|a| *a == flag || a.strip_prefix(flag).is_some_and(|r| r.starts_with('=')))
+        };
+        let expected = 1
+            + usize::from(has("--kv-events-endpoint"))
+            + usize::from(has("--kv-events-replay-endpoint"));
+        let mut lines = Vec::new();
         if let Some(stdout) = stdout {
             let mut reader = BufReader::new(stdout);
-            reader.read_line(&mut line)?;
+            for _ in 0..expected {
+                let mut line = String::new();
+                if reader.read_line(&mut line)? == 0 {
+                    break;
+                }
+                lines.push(line.trim().to_string());
+            }
             // Keep draining its stdout so the worker never blocks on a full pipe.
             std::thread::spawn(move || {
                 let mut sink = String::new();
@@ -106,18 +164,80 @@ impl Worker {
                 }
             });
         }
-        let Some(addr) = line.trim().strip_prefix("listening ").map(str::to_string) else {
+        let field = |prefix: &str| {
+            lines
+                .iter()
+                .find_map(|l| l.strip_prefix(prefix).map(str::to_string))
+        };
+        let Some(addr) = field("listening ") else {
             process.kill();
             return Err(std::io::Error::other(format!(
-                "mock-worker did not start: {line:?}"
+                "mock-worker did not start: {lines:?}"
             )));
         };
-        Ok(Worker { id, addr, process })
+        Ok(Worker {
+            id,
+            addr,
+            zmq: field("zmq "),
+            replay: field("replay "),
+            bridge: None,
+            process,
+        })
     }
 
     /// Starts `count` workers with ids 1..=count.
     pub fn spawn_many(count: u64, args: &[&str]) -> std::io::Result<Vec<Worker>> {
         (1..=count).map(|id| Worker::spawn(id, args)).collect()
+    }
+
+    /// Starts an engine-mode worker (`args` set the mode and its options; the KV block size must
+    /// be `block_size`) publishing on ZMQ, and a `kv-event-bridge` for it (replay socket and
+    /// load from the worker's `/metrics` included). The filter polls the bridge.
+    pub fn spawn_bridged(id: u64, block_size: u32, args: &[&str]) -> std::io::Result<Worker> {
+        require_kv_event_bridge()?;
+        let mut all: Vec<&str> = args.to_vec();
+        all.extend_from_slice(&ZMQ_PUBLISH_ARGS);
+        let mut worker = Worker::spawn(id, &all)?;
+        let Some(zmq) = worker.zmq.clone() else {
+            return Err(std::io::Error::other(
+                "mock-worker did not report its ZMQ endpoint (is it in engine mode?)",
+            ));
+        };
+        let metrics = format!("http://{}/metrics", worker.addr);
+        worker.bridge = Some(Bridge::spawn(&BridgeOptions {
+            label: format!("worker {id}"),
+            engine: zmq,
+            replay: worker.replay.clone(),
+            block_size,
+            engine_metrics_url: Some(metrics),
+            extra_args: Vec::new(),
+        })?);
+        Ok(worker)
+    }
+
+    /// Bridged workers with ids 1..=count.
+    pub fn spawn_many_bridged(
+        count: u64,
+        block_size: u32,
+        args: &[&str],
+    ) -> std::io::Result<Vec<Worker>> {
+        (1..=count)
+            .map(|id| Worker::spawn_bridged(id, block_size, args))
+            .collect()
+    }
+
+    /// Where the filter reads this worker's events: its bridge, else the worker itself.
+    pub fn events_addr(&self) -> &str {
+        self.bridge.as_ref().map_or(&self.addr, |b| &b.addr)
+    }
+
+    /// This worker's entry in the filter's `workers` list.
+    pub fn filter_entry(&self) -> Value {
+        let mut entry = json!({"id": self.id, "address": self.addr});
+        if let Some(bridge) = &self.bridge {
+            entry["events_address"] = json!(bridge.addr);
+        }
+        entry
     }
 
     pub fn admin(&self, path: &str, body: &Value) -> std::io::Result<client::Response> {
@@ -126,6 +246,142 @@ impl Worker {
 
     pub fn kill(&mut self) {
         self.process.kill();
+    }
+}
+
+/// How to start a `kv-event-bridge`.
+#[derive(Clone, Debug)]
+pub struct BridgeOptions {
+    /// Names the bridge in forwarded log lines.
+    pub label: String,
+    /// The engine's PUB endpoint (`--engine`).
+    pub engine: String,
+    /// Its replay endpoint (`--replay`).
+    pub replay: Option<String>,
+    pub block_size: u32,
+    /// The engine's Prometheus endpoint, for the page's `load`.
+    pub engine_metrics_url: Option<String>,
+    pub extra_args: Vec<String>,
+}
+
+/// A running `kv-event-bridge` on a free port. Its log goes to a file (warnings and errors are
+/// also echoed to stderr); the tail is printed if a test panics.
+pub struct Bridge {
+    /// `127.0.0.1:port` of its HTTP page.
+    pub addr: String,
+    pub log_path: PathBuf,
+    dir: PathBuf,
+    process: ProcessGuard,
+}
+
+/// The log line announcing the bridge's address: `kv-event-bridge on http://<addr> for ...`.
+const BRIDGE_LISTENING: &str = "kv-event-bridge on http://";
+
+impl Bridge {
+    /// Starts the bridge and waits (at most 30 s) until it is subscribed to the engine
+    /// (`/health` answers 200).
+    pub fn spawn(opts: &BridgeOptions) -> std::io::Result<Bridge> {
+        let bin = require_kv_event_bridge()?;
+        let dir = scratch_dir()?;
+        let log_path = dir.join("bridge.log");
+        let mut cmd = Command::new(bin);
+        cmd.args(["--engine", &opts.engine])
+            .args(["--block-size", &opts.block_size.to_string()])
+            .args(["--listen", "127.0.0.1:0"]);
+        if let Some(replay) = &opts.replay {
+            cmd.args(["--replay", replay]);
+        }
+        if let Some(url) = &opts.engine_metrics_url {
+            cmd.args(["--engine-metrics-url", url]);
+        }
+        // The address is read from the startup log line, so keep info logging on.
+        let child = cmd
+            .args(&opts.extra_args)
+            .env("RUST_LOG", "info")
+            .env("RUST_LOG_STYLE", "never")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        let mut process = ProcessGuard { child };
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        if let Some(stderr) = process.child.stderr.take() {
+            let mut log = std::fs::File::create(&log_path)?;
+            let label = opts.label.clone();
+            std::thread::spawn(move || {
+                use std::io::Write as _;
+                let mut reader = BufReader::new(stderr);
+                let mut line = String::new();
+                while reader.read_line(&mut line).map(|n| n > 0).unwrap_or(false) {
+                    let _ = log.write_all(line.as_bytes());
+                    if let Some(rest) = line.split_once(BRIDGE_LISTENING).map(|(_, r)| r) {
+                        let addr = rest.split_whitespace().next().unwrap_or("").to_string();
+                        let _ = addr_tx.send(addr);
+                    } else if line.contains(" WARN ") || line.contains(" ERROR ") {
+                        eprint!("[kv-event-bridge, {label}] {line}");
+                    }
+                    line.clear();
+                }
+            });
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let addr = loop {
+            match addr_rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(addr) => break addr,
+                Err(_) if !process.is_running() || Instant::now() >= deadline => {
+                    process.kill();
+                    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                    return Err(std::io::Error::other(format!(
+                        "kv-event-bridge did not start:\n{log}"
+                    )));
+                }
+                Err(_) => {}
+            }
+        };
+        let bridge = Bridge {
+            addr,
+            log_path,
+            dir,
+            process,
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !client::get(&bridge.addr, "/health").is_ok_and(|r| r.status == 200) {
+            if Instant::now() >= deadline {
+                return Err(std::io::Error::other(format!(
+                    "kv-event-bridge at {} is not connected to {} after 30 s:\n{}",
+                    bridge.addr,
+                    opts.engine,
+                    bridge.log()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(bridge)
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    pub fn kill(&mut self) {
+        self.process.kill();
+    }
+}
+
+impl Drop for Bridge {
+    fn drop(&mut self) {
+        self.process.kill();
+        if std::thread::panicking() {
+            let log = self.log();
+            let lines: Vec<&str> = log.lines().collect();
+            eprintln!(
+                "--- kv-event-bridge log ({}) ---\n{}",
+                self.log_path.display(),
+                lines[lines.len().saturating_sub(40)..].join("\n")
+            );
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 

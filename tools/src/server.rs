@@ -41,12 +41,20 @@ async fn serve(listener: TcpListener, app: Router) -> io::Result<()> {
 /// Serves `app` on `listener` until the process ends, printing `listening <ip:port>` as the first
 /// stdout line once the socket accepts connections.
 pub fn run(listener: TcpListener, app: Router) -> io::Result<()> {
+    run_announcing(listener, app, &[])
+}
+
+/// [`run`], printing `lines` after the `listening` line (other addresses the process serves).
+pub fn run_announcing(listener: TcpListener, app: Router, lines: &[String]) -> io::Result<()> {
     let addr = listener.local_addr()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     let mut out = io::stdout().lock();
     writeln!(out, "listening {addr}")?;
+    for line in lines {
+        writeln!(out, "{line}")?;
+    }
     out.flush()?;
     drop(out);
     rt.block_on(serve(listener, app))

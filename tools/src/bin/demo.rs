@@ -1,4 +1,5 @@
-//! `make demo`: Envoy with the filter in front of 4 mock vLLM-like workers on loopback. The same
+//! `make demo`: Envoy with the filter in front of 4 mock vLLM-like workers on loopback, whose KV
+//! events reach the filter as a real engine's do (mock -> ZMQ -> kv-event-bridge -> filter). The same
 //! shared-prefix workload runs through KV routing and through round-robin, each on a fresh
 //! fleet; the table and a TTFT chart (bench-out/demo-ttft.svg) compare them. Ctrl-C stops
 //! everything (the workers and Envoy share the terminal's process group).
@@ -6,7 +7,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use envoy_kv_router_tools::compare::{compare_modes, report_comparison, Fleet};
+use envoy_kv_router_tools::compare::{compare_modes, report_comparison, EventsVia, Fleet};
 use envoy_kv_router_tools::harness::workspace_root;
 use envoy_kv_router_tools::loadgen::{synthetic, RunOptions, SyntheticSpec};
 
@@ -37,6 +38,10 @@ struct Args {
     /// Routing modes to compare, in order.
     #[arg(long, default_value = "kv,round-robin")]
     modes: String,
+    /// How the workers' KV events reach the filter: through a kv-event-bridge per worker (ZMQ,
+    /// as with a real engine), or from the mocks' own HTTP event pages.
+    #[arg(long, value_enum, default_value_t = EventsVia::Bridge)]
+    events_via: EventsVia,
     /// Where the chart and the JSON summary go (default: bench-out/ in the workspace).
     #[arg(long)]
     out_dir: Option<PathBuf>,
@@ -52,7 +57,8 @@ fn main() {
         }
     };
     let worker_args: Vec<&str> = args.worker_args.split_whitespace().collect();
-    let fleet = Fleet::new(args.fleet, 64, &worker_args);
+    let mut fleet = Fleet::new(args.fleet, 64, &worker_args);
+    fleet.events_via = args.events_via;
     let modes: Vec<&str> = args.modes.split(',').filter(|m| !m.is_empty()).collect();
     println!(
         "demo: {} mock workers, workload {}, modes {}",

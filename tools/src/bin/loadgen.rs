@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{ArgGroup, Parser};
-use envoy_kv_router_tools::compare::{compare_modes, report_comparison, Fleet};
+use envoy_kv_router_tools::compare::{compare_modes, report_comparison, EventsVia, Fleet};
 use envoy_kv_router_tools::loadgen::{
     format_stats, load_mooncake, run_workload_on, synthetic, write_svg_chart, RunOptions,
     SyntheticSpec,
@@ -22,8 +22,9 @@ use serde_json::Value;
     group(ArgGroup::new("workload").required(true).args(["trace", "synthetic"])),
     group(ArgGroup::new("where").required(true).args(["target", "modes"])),
     after_help = "SPEC: groups=G,prefix=P,isl=I,osl=O,requests=N,(rate=R|concurrency=C)[,seed=S]\n\
---modes: start a fresh fleet of --fleet mock workers (engine mode, --worker-args) and a fresh \
-Envoy with the filter for each routing mode in turn, run the same workload through each, and \
+--modes: start a fresh fleet of --fleet mock workers (engine mode, --worker-args; each with a \
+kv-event-bridge fed over ZMQ unless --events-via http) and a fresh Envoy with the filter for \
+each routing mode in turn, run the same workload through each, and \
 print a side-by-side table (and --svg chart). The last line compares kv with round-robin.\n\
 Mooncake traces (JSON lines: timestamp, input_length, output_length, hash_ids): see \
 github.com/kvcache-ai/Mooncake, FAST25-release/traces/."
@@ -45,6 +46,10 @@ struct Args {
     /// KV block size of the fleet and the filter (--modes).
     #[arg(long, default_value_t = 64)]
     block_size: u32,
+    /// How the fleet's KV events reach the filter (--modes): a kv-event-bridge per worker fed
+    /// over ZMQ (as with a real engine), or the mocks' own HTTP event pages.
+    #[arg(long, value_enum, default_value_t = EventsVia::Bridge)]
+    events_via: EventsVia,
     /// JSON merged into the filter configuration of every mode (--modes).
     #[arg(long)]
     filter_json: Option<String>,
@@ -183,6 +188,7 @@ fn main() {
             args.block_size,
             &args.worker_args.split_whitespace().collect::<Vec<_>>(),
         );
+        fleet.events_via = args.events_via;
         if let Some(extra) = &args.filter_json {
             fleet.filter_extra = serde_json::from_str(extra)
                 .unwrap_or_else(|e| fail(&format!("--filter-json: {e}")));

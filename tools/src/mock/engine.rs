@@ -27,6 +27,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::event_log::EventLog;
 use super::kv_cache::{block_hashes, chain_hash, BlockHash, CacheEvent, KvCache};
+use super::kv_zmq::KvPublisher;
 use super::openai::VOCAB;
 use crate::util::lock;
 use crate::util::splitmix64;
@@ -591,14 +592,24 @@ struct Inner {
     core: EngineCore,
     log: EventLog,
     subs: HashMap<ReqId, UnboundedSender<Output>>,
+    publisher: Option<Arc<KvPublisher>>,
 }
 
 impl Inner {
+    /// Hands the step's cache events to the HTTP page and, as one batch, to the ZMQ publisher:
+    /// both paths carry the same events in the same order.
     fn publish_events(&mut self) {
+        let events = self.core.take_events();
+        if events.is_empty() {
+            return;
+        }
         let bs = self.core.cfg.block_size;
         let rank = self.core.cfg.dp_rank;
-        for ev in self.core.take_events() {
-            self.log.push(event_json(&ev, bs, rank));
+        for ev in &events {
+            self.log.push(event_json(ev, bs, rank));
+        }
+        if let Some(publisher) = &self.publisher {
+            publisher.publish(&events);
         }
     }
 
@@ -625,19 +636,32 @@ pub struct Engine {
     inner: Mutex<Inner>,
     wake: Condvar,
     block_size: usize,
+    publisher: Option<Arc<KvPublisher>>,
 }
 
 impl Engine {
     /// Starts the engine thread. `event_capacity` bounds the event buffer.
     pub fn start(cfg: EngineConfig, event_capacity: usize) -> Arc<Engine> {
+        Self::start_publishing(cfg, event_capacity, None)
+    }
+
+    /// Starts the engine thread; every batch of cache events also goes to `publisher` (ZMQ).
+    pub fn start_publishing(
+        cfg: EngineConfig,
+        event_capacity: usize,
+        publisher: Option<KvPublisher>,
+    ) -> Arc<Engine> {
+        let publisher = publisher.map(Arc::new);
         let engine = Arc::new(Engine {
             block_size: cfg.block_size,
             inner: Mutex::new(Inner {
                 core: EngineCore::new(cfg),
                 log: EventLog::new(event_capacity),
                 subs: HashMap::new(),
+                publisher: publisher.clone(),
             }),
             wake: Condvar::new(),
+            publisher,
         });
         let e = Arc::clone(&engine);
         std::thread::Builder::new()
@@ -705,6 +729,11 @@ impl Engine {
         let outs = g.core.reset();
         g.publish_events();
         g.deliver(outs);
+    }
+
+    /// The ZMQ publisher, when the engine publishes its events there too.
+    pub fn publisher(&self) -> Option<&KvPublisher> {
+        self.publisher.as_deref()
     }
 
     pub fn metrics(&self) -> EngineMetrics {

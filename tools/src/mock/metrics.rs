@@ -139,6 +139,36 @@ pub(super) fn render(w: &MockWorker) -> String {
         "First tokens sent (the count of the sum above).",
         w.first_tokens.load(Ordering::Relaxed) as f64,
     );
+    if let Backend::Engine(e) = &w.backend {
+        if let Some(p) = e.publisher() {
+            let c = &p.counters;
+            let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
+            line(
+                "mock_worker_kv_zmq_batches_total",
+                "counter",
+                "KV event batches published on ZMQ (the next sequence number).",
+                get(&c.batches),
+            );
+            line(
+                "mock_worker_kv_zmq_live_dropped_total",
+                "counter",
+                "Batches not sent live because the send queue was full (still replayable).",
+                get(&c.live_dropped),
+            );
+            line(
+                "mock_worker_kv_zmq_replays_total",
+                "counter",
+                "Replay requests answered.",
+                get(&c.replays),
+            );
+            line(
+                "mock_worker_kv_zmq_encode_errors_total",
+                "counter",
+                "Batches that could not be encoded (not published).",
+                get(&c.encode_errors),
+            );
+        }
+    }
     if let Ok(u) = crate::sys::usage() {
         line(
             "process_cpu_seconds_total",

@@ -14,6 +14,10 @@
 //! `POST /admin/load`, `POST /admin/reset`; echo mode only: `POST /admin/events`,
 //! `POST /admin/drop_events`, `POST /admin/dump`. See [`routes`].
 //!
+//! Engine mode can also publish its KV events on ZMQ exactly like vLLM 0.32
+//! (`--kv-events-endpoint`, [`kv_zmq`], [`vllm_wire`]), so that `kv-event-bridge` can serve them
+//! to the filter: the path a real engine takes.
+//!
 //! A client that goes away is noticed by the server (hyper drops the request's future or its
 //! response stream): delays end early, engine requests are aborted and `in_flight` drops.
 
@@ -22,9 +26,11 @@ pub mod engine;
 mod engine_api;
 pub mod event_log;
 pub mod kv_cache;
+pub mod kv_zmq;
 mod metrics;
 pub mod openai;
 pub mod routes;
+pub mod vllm_wire;
 
 use std::io;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -39,6 +45,7 @@ use crate::server::{self, Server};
 use crate::util::lock;
 use echo::EchoState;
 use engine::{Engine, EngineConfig};
+use kv_zmq::{KvPublisher, ZmqConfig};
 
 /// Event buffer bound in engine mode.
 pub const ENGINE_EVENT_CAPACITY: usize = 100_000;
@@ -82,7 +89,9 @@ fn positive_f64(s: &str) -> Result<f64, String> {
 #[command(
     name = "mock-worker",
     about = "A mock LLM worker (echo or vLLM-like engine) serving the KV event endpoint",
-    after_help = "--port 0 picks a free port; the first stdout line is `listening <ip:port>`."
+    after_help = "--port 0 picks a free port; the first stdout line is `listening <ip:port>`. \
+With --kv-events-endpoint the next lines are `zmq <endpoint>` and, with \
+--kv-events-replay-endpoint, `replay <endpoint>`, the bound addresses (port 0 resolved)."
 )]
 pub struct Options {
     #[arg(long, default_value = "127.0.0.1")]
@@ -119,6 +128,22 @@ pub struct Options {
     /// Bound of the engine's KV event buffer.
     #[arg(long, default_value_t = ENGINE_EVENT_CAPACITY)]
     pub event_capacity: usize,
+    /// Engine mode: also publish KV events on ZMQ as vLLM does, binding this PUB endpoint,
+    /// e.g. tcp://127.0.0.1:5557 (port 0: a free one; tcp://*:PORT: every interface).
+    #[arg(long, value_name = "ENDPOINT")]
+    pub kv_events_endpoint: Option<String>,
+    /// The replay ROUTER endpoint to bind (needs --kv-events-endpoint).
+    #[arg(long, value_name = "ENDPOINT")]
+    pub kv_events_replay_endpoint: Option<String>,
+    /// ZMQ topic of the KV events.
+    #[arg(long, default_value = vllm_wire::DEFAULT_TOPIC)]
+    pub kv_events_topic: String,
+    /// Batches kept for replay (vLLM's buffer_steps).
+    #[arg(long, default_value_t = 10_000, value_parser = positive)]
+    pub kv_events_replay_batches: usize,
+    /// Bytes of batches kept for replay.
+    #[arg(long, default_value_t = 64 << 20, value_parser = positive)]
+    pub kv_events_replay_bytes: usize,
 }
 
 impl Default for Options {
@@ -129,6 +154,31 @@ impl Default for Options {
 }
 
 impl Options {
+    /// Checks combinations of options that clap cannot.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.kv_events_endpoint.is_some() && self.mode != Mode::Engine {
+            return Err("--kv-events-endpoint needs --mode engine".into());
+        }
+        if self.kv_events_replay_endpoint.is_some() && self.kv_events_endpoint.is_none() {
+            return Err("--kv-events-replay-endpoint needs --kv-events-endpoint".into());
+        }
+        Ok(())
+    }
+
+    /// The ZMQ publisher's settings, when engine mode publishes on ZMQ.
+    pub fn zmq_config(&self) -> Option<ZmqConfig> {
+        let endpoint = self.kv_events_endpoint.clone()?;
+        Some(ZmqConfig {
+            endpoint,
+            replay_endpoint: self.kv_events_replay_endpoint.clone(),
+            topic: self.kv_events_topic.clone(),
+            replay_batches: self.kv_events_replay_batches,
+            replay_bytes: self.kv_events_replay_bytes,
+            block_size: self.block_size,
+            dp_rank: self.dp_rank,
+        })
+    }
+
     pub fn engine_config(&self) -> EngineConfig {
         EngineConfig {
             block_size: self.block_size,
@@ -214,7 +264,10 @@ impl Drop for InFlight {
 }
 
 impl MockWorker {
-    pub fn new(opts: Options) -> Arc<MockWorker> {
+    /// The worker's state; in engine mode with `--kv-events-endpoint`, its ZMQ sockets are bound
+    /// when this returns.
+    pub fn new(opts: Options) -> io::Result<Arc<MockWorker>> {
+        opts.validate().map_err(io::Error::other)?;
         let worker_id = opts
             .id
             .parse::<u64>()
@@ -224,10 +277,15 @@ impl MockWorker {
         let backend = match opts.mode {
             Mode::Echo => Backend::Echo(EchoState::new(opts.block_size)),
             Mode::Engine => {
-                Backend::Engine(Engine::start(opts.engine_config(), opts.event_capacity))
+                let publisher = opts.zmq_config().map(KvPublisher::start).transpose()?;
+                Backend::Engine(Engine::start_publishing(
+                    opts.engine_config(),
+                    opts.event_capacity,
+                    publisher,
+                ))
             }
         };
-        Arc::new(MockWorker {
+        Ok(Arc::new(MockWorker {
             opts,
             worker_id,
             id_header,
@@ -239,7 +297,17 @@ impl MockWorker {
             seq: AtomicU64::new(0),
             first_token_ns: AtomicU64::new(0),
             first_tokens: AtomicU64::new(0),
-        })
+        }))
+    }
+
+    /// `(PUB, replay ROUTER)` endpoints as bound, when engine mode publishes on ZMQ.
+    pub fn zmq_endpoints(&self) -> Option<(String, Option<String>)> {
+        match &self.backend {
+            Backend::Engine(e) => e
+                .publisher()
+                .map(|p| (p.endpoint.clone(), p.replay_endpoint.clone())),
+            Backend::Echo(_) => None,
+        }
     }
 
     pub fn options(&self) -> &Options {
@@ -327,14 +395,22 @@ impl MockWorker {
 /// Starts a worker in this process on `opts.host:opts.port` (0 = a free port).
 pub fn spawn(opts: Options) -> io::Result<(Server, Arc<MockWorker>)> {
     let listener = server::bind(&opts.host, opts.port)?;
-    let worker = MockWorker::new(opts);
+    let worker = MockWorker::new(opts)?;
     let server = server::spawn(listener, routes::router(Arc::clone(&worker)))?;
     Ok((server, worker))
 }
 
-/// Binds, prints `listening <ip:port>` as the first stdout line, and serves forever.
+/// Binds, prints `listening <ip:port>` as the first stdout line (then `zmq <endpoint>` and
+/// `replay <endpoint>` when publishing on ZMQ), and serves forever.
 pub fn run(opts: Options) -> io::Result<()> {
     let listener = server::bind(&opts.host, opts.port)?;
-    let worker = MockWorker::new(opts);
-    server::run(listener, routes::router(worker))
+    let worker = MockWorker::new(opts)?;
+    let mut announce = Vec::new();
+    if let Some((endpoint, replay)) = worker.zmq_endpoints() {
+        announce.push(format!("zmq {endpoint}"));
+        if let Some(replay) = replay {
+            announce.push(format!("replay {replay}"));
+        }
+    }
+    server::run_announcing(listener, routes::router(worker), &announce)
 }
