@@ -1,5 +1,5 @@
 # envoy-kv-router. `make test` and `make demo` do their own set-up on a fresh machine.
-.PHONY: all setup build wasm tools test test-native test-wasm demo bench bench-streams lint fmt clean
+.PHONY: all setup build wasm tools test test-native test-wasm demo container-demo bench bench-streams lint fmt clean
 
 all: build
 
@@ -15,12 +15,14 @@ tools:
 build: wasm tools
 
 # Native unit tests, the wasm32 logic tests under Node, and the integration tests that run the
-# real Envoy with the built .wasm and mock workers.
+# real Envoy with the built .wasm and mock workers; then the compose demo in real containers,
+# its Rust images fed with the binaries `build` made (scripts/container-demo.sh).
 test: setup build lint
 	cargo test --workspace --release
 	bash scripts/test-wasm.sh
 	bash scripts/check-compose.sh
 	bash scripts/check-deploy.sh
+	CONTAINER_DEMO_BUILD=prebuilt bash scripts/container-demo.sh
 
 test-native: build
 	cargo test --workspace --release
@@ -32,6 +34,12 @@ demo:
 	SETUP_WASM_TESTS=0 bash scripts/setup.sh
 	$(MAKE) build
 	target/release/demo
+
+# The compose demo with every image built from docker/*.Dockerfile (Rust compiled in the image).
+container-demo:
+	SETUP_WASM_TESTS=0 bash scripts/setup.sh
+	$(MAKE) wasm
+	bash scripts/container-demo.sh
 
 bench: build
 	cargo bench --bench router

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Validates docker-compose.yaml (no Docker daemon is needed for `config`).
+# Validates docker-compose.yaml (no Docker daemon is needed for `config`) and the build context
+# of docker/*.Dockerfile against .dockerignore (scripts/check_docker_context.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if docker compose version >/dev/null 2>&1; then
@@ -11,3 +12,4 @@ else
   exit 1
 fi
 echo "docker-compose.yaml: valid"
+python3 scripts/check_docker_context.py
