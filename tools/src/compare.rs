@@ -216,6 +216,60 @@ pub fn ttft_mean_speedup(
     (c > 0.0).then_some(b / c)
 }
 
+/// The routing-quality view of a comparison, one row per arm: TTFT (client-side, first streamed
+/// token) mean/p50/p90/p99, the workers' prefix-cache hit rate (their `/metrics`, before and
+/// after the run), and requests per worker: the busiest, the mean over all `workers` of the
+/// fleet (idle ones included) and their ratio.
+pub fn quality_table(results: &[(String, RunStats)], workers: u64) -> String {
+    use std::fmt::Write as _;
+    let ms = |v: f64| format!("{v:.0}");
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<26} {:>6} {:>5} {:>7} | {:>9} {:>8} {:>8} {:>8} | {:>7} {:>8} {:>8}",
+        "arm",
+        "done",
+        "err",
+        "hit",
+        "TTFT mean",
+        "p50",
+        "p90",
+        "p99",
+        "req max",
+        "req mean",
+        "max/mean"
+    );
+    for (name, s) in results {
+        let t = s.ttft();
+        let max = s.per_worker().iter().map(|(_, n)| *n).max().unwrap_or(0);
+        let mean = s.completed() as f64 / workers.max(1) as f64;
+        let ratio = if mean > 0.0 { max as f64 / mean } else { 0.0 };
+        let hit = s
+            .hit_rate()
+            .map_or_else(|| "-".to_string(), |h| format!("{:.1}%", h * 100.0));
+        let _ = writeln!(
+            out,
+            "{:<26} {:>6} {:>5} {:>7} | {:>9} {:>8} {:>8} {:>8} | {:>7} {:>8.1} {:>8.2}",
+            name,
+            s.completed(),
+            s.errors(),
+            hit,
+            ms(t.mean),
+            ms(t.p50),
+            ms(t.p90),
+            ms(t.p99),
+            max,
+            mean,
+            ratio
+        );
+    }
+    let _ = writeln!(
+        out,
+        "(TTFT in ms at the client; hit = the workers' prefix-cache hit rate during the run)"
+    );
+    out
+}
+
 /// Prints the side-by-side table, writes the chart and the JSON summary when asked, and ends with
 /// `kv_vs_round_robin ttft_mean_speedup=<x>` when both modes ran.
 pub fn report_comparison(

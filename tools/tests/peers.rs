@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use envoy_kv_router_tools::compare::{run_mode, Fleet};
+use envoy_kv_router_tools::compare::{quality_table, run_mode, Fleet};
 use envoy_kv_router_tools::loadgen::{synthetic, RunOptions, SyntheticSpec};
 use envoy_kv_router_tools::peer::{require_vllm_router, vllm_router_policy};
 
@@ -52,4 +52,13 @@ fn vllm_router_cache_aware_arm_serves_every_request_from_a_worker() {
     // whichever worker each request goes to (at most 9 cold prefixes: 3 groups x 3 workers).
     let hit = stats.hit_rate().unwrap();
     assert!(hit > 0.6 && hit <= 0.8 + 1e-9, "hit rate {hit}");
+    let table = quality_table(&[("vllm-router:cache_aware".into(), stats)], 3);
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("vllm-router:cache_aware "))
+        .expect(&table);
+    // done, err, then the mean of 60 requests over 3 workers.
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(&cells[1..3], ["60", "0"], "{row}");
+    assert!(row.contains(" 20.0 "), "{row}");
 }

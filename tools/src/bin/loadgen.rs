@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{ArgGroup, Parser};
-use envoy_kv_router_tools::compare::{compare_modes, report_comparison, EventsVia, Fleet};
+use envoy_kv_router_tools::compare::{
+    compare_modes, quality_table, report_comparison, EventsVia, Fleet,
+};
 use envoy_kv_router_tools::loadgen::{
     format_stats, load_mooncake, run_workload_on, synthetic, write_svg_chart, RunOptions,
     SyntheticSpec,
@@ -201,6 +203,7 @@ fn main() {
         let results = compare_modes(&modes, &fleet, &workload, &opts)
             .unwrap_or_else(|e| fail(&e.to_string()));
         report_comparison(&results, args.svg.as_deref(), args.json.as_deref());
+        print!("{}", quality_table(&results, args.fleet));
         return;
     }
     let targets: Vec<String> = args
