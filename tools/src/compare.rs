@@ -4,11 +4,17 @@
 //! By default the workers' KV events take the production path: the mock publishes them on ZMQ
 //! like vLLM, a `kv-event-bridge` per worker serves them, and the filter polls the bridges
 //! ([`EventsVia::Bridge`]). [`EventsVia::Http`] has the filter poll the mocks' own event pages.
+//!
+//! Peer arms (`vllm-router:<policy>`, see [`crate::peer`]) put vllm-router in front of the fresh
+//! fleet instead of Envoy; the workers publish their KV events on ZMQ (which `kv_aware` reads),
+//! with no bridge. The workload, the client measuring TTFT and the workers' `/metrics` giving
+//! the hit rate are the same for every arm.
 
-use crate::harness::{require_kv_event_bridge, Envoy, EnvoyOptions, Worker};
+use crate::harness::{require_kv_event_bridge, Envoy, EnvoyOptions, Worker, ZMQ_PUBLISH_ARGS};
 use crate::loadgen::{
     print_comparison_table, run_workload, write_svg_chart, RunOptions, RunStats, Workload,
 };
+use crate::peer::{require_vllm_router, vllm_router_policy, VllmRouter, VllmRouterOptions};
 use serde_json::{json, Value};
 use std::io;
 use std::path::Path;
@@ -49,9 +55,13 @@ impl Fleet {
         }
     }
 
-    /// Fails early, with how to fix it, when the fleet needs a binary that is not built.
-    pub fn check(&self) -> io::Result<()> {
-        if self.events_via == EventsVia::Bridge {
+    /// Fails early, with how to fix it, when an arm needs a binary that is not there.
+    pub fn check(&self, modes: &[&str]) -> io::Result<()> {
+        if modes.iter().any(|m| vllm_router_policy(m).is_some()) {
+            require_vllm_router()?;
+        }
+        let filter_arms = modes.iter().any(|m| vllm_router_policy(m).is_none());
+        if filter_arms && self.events_via == EventsVia::Bridge {
             require_kv_event_bridge()
                 .map_err(|e| io::Error::new(e.kind(), format!("{e}; or use --events-via http")))?;
         }
@@ -66,6 +76,15 @@ impl Fleet {
             EventsVia::Bridge => Worker::spawn_many_bridged(self.workers, self.block_size, &args),
             EventsVia::Http => Worker::spawn_many(self.workers, &args),
         }
+    }
+
+    /// The fleet of a peer arm: the same workers, publishing their KV events on ZMQ (no bridge).
+    fn spawn_publishing_workers(&self) -> io::Result<Vec<Worker>> {
+        let block = self.block_size.to_string();
+        let mut args: Vec<&str> = vec!["--mode", "engine", "--block-size", &block];
+        args.extend(self.worker_args.iter().map(String::as_str));
+        args.extend_from_slice(&ZMQ_PUBLISH_ARGS);
+        Worker::spawn_many(self.workers, &args)
     }
 
     /// The filter configuration for `mode` over `workers`.
@@ -95,13 +114,17 @@ impl Fleet {
     }
 }
 
-/// Runs `workload` once in `mode` on a fresh fleet and Envoy; everything is stopped afterwards.
+/// Runs `workload` once in `mode` on a fresh fleet and Envoy (or, for a `vllm-router:<policy>`
+/// arm, vllm-router); everything is stopped afterwards.
 pub fn run_mode(
     mode: &str,
     fleet: &Fleet,
     workload: &Workload,
     opts: &RunOptions,
 ) -> io::Result<RunStats> {
+    if let Some(policy) = vllm_router_policy(mode) {
+        return run_vllm_router(mode, policy, fleet, workload, opts);
+    }
     let workers = fleet.spawn_workers()?;
     let mut envoy_opts = EnvoyOptions::new(
         fleet.filter_config(mode, &workers),
@@ -122,6 +145,35 @@ pub fn run_mode(
     Ok(stats)
 }
 
+/// A peer arm: vllm-router with `policy` in front of a fresh fleet.
+fn run_vllm_router(
+    arm: &str,
+    policy: &str,
+    fleet: &Fleet,
+    workload: &Workload,
+    opts: &RunOptions,
+) -> io::Result<RunStats> {
+    let workers = fleet.spawn_publishing_workers()?;
+    let router = VllmRouter::start(
+        &VllmRouterOptions {
+            policy: policy.to_string(),
+            block_size: fleet.block_size,
+            model: opts.model.clone(),
+            extra_args: Vec::new(),
+        },
+        &workers,
+    )?;
+    // As for Envoy: let kv_aware's subscribers connect before traffic starts.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut opts = opts.clone();
+    opts.worker_addrs = workers.iter().map(|w| w.addr.clone()).collect();
+    opts.label = arm.to_string();
+    let stats = run_workload(&router.addr, workload, &opts);
+    drop(router);
+    drop(workers);
+    Ok(stats)
+}
+
 /// Runs every mode in turn and returns their stats in the same order.
 pub fn compare_modes(
     modes: &[&str],
@@ -129,16 +181,17 @@ pub fn compare_modes(
     workload: &Workload,
     opts: &RunOptions,
 ) -> io::Result<Vec<(String, RunStats)>> {
-    fleet.check()?;
+    fleet.check(modes)?;
     modes
         .iter()
         .map(|mode| {
             eprintln!(
                 "== mode {mode}: {} workers ({}), {} requests",
                 fleet.workers,
-                match fleet.events_via {
-                    EventsVia::Bridge => "events: mock -> ZMQ -> kv-event-bridge -> filter",
-                    EventsVia::Http => "events: mock's HTTP page -> filter",
+                match (vllm_router_policy(mode), fleet.events_via) {
+                    (Some(_), _) => "vllm-router instead of Envoy; events: mock -> ZMQ",
+                    (None, EventsVia::Bridge) => "events: mock -> ZMQ -> kv-event-bridge -> filter",
+                    (None, EventsVia::Http) => "events: mock's HTTP page -> filter",
                 },
                 workload.requests.len()
             );
@@ -161,6 +214,60 @@ pub fn ttft_mean_speedup(
     };
     let (c, b) = (mean(candidate)?, mean(baseline)?);
     (c > 0.0).then_some(b / c)
+}
+
+/// The routing-quality view of a comparison, one row per arm: TTFT (client-side, first streamed
+/// token) mean/p50/p90/p99, the workers' prefix-cache hit rate (their `/metrics`, before and
+/// after the run), and requests per worker: the busiest, the mean over all `workers` of the
+/// fleet (idle ones included) and their ratio.
+pub fn quality_table(results: &[(String, RunStats)], workers: u64) -> String {
+    use std::fmt::Write as _;
+    let ms = |v: f64| format!("{v:.0}");
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<26} {:>6} {:>5} {:>7} | {:>9} {:>8} {:>8} {:>8} | {:>7} {:>8} {:>8}",
+        "arm",
+        "done",
+        "err",
+        "hit",
+        "TTFT mean",
+        "p50",
+        "p90",
+        "p99",
+        "req max",
+        "req mean",
+        "max/mean"
+    );
+    for (name, s) in results {
+        let t = s.ttft();
+        let max = s.per_worker().iter().map(|(_, n)| *n).max().unwrap_or(0);
+        let mean = s.completed() as f64 / workers.max(1) as f64;
+        let ratio = if mean > 0.0 { max as f64 / mean } else { 0.0 };
+        let hit = s
+            .hit_rate()
+            .map_or_else(|| "-".to_string(), |h| format!("{:.1}%", h * 100.0));
+        let _ = writeln!(
+            out,
+            "{:<26} {:>6} {:>5} {:>7} | {:>9} {:>8} {:>8} {:>8} | {:>7} {:>8.1} {:>8.2}",
+            name,
+            s.completed(),
+            s.errors(),
+            hit,
+            ms(t.mean),
+            ms(t.p50),
+            ms(t.p90),
+            ms(t.p99),
+            max,
+            mean,
+            ratio
+        );
+    }
+    let _ = writeln!(
+        out,
+        "(TTFT in ms at the client; hit = the workers' prefix-cache hit rate during the run)"
+    );
+    out
 }
 
 /// Prints the side-by-side table, writes the chart and the JSON summary when asked, and ends with

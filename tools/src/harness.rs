@@ -95,6 +95,11 @@ pub struct ProcessGuard {
 }
 
 impl ProcessGuard {
+    /// Owns `child` from now on.
+    pub fn new(child: Child) -> ProcessGuard {
+        ProcessGuard { child }
+    }
+
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();

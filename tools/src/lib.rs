@@ -4,6 +4,7 @@
 //! * [`server`]: serving an axum router (foreground or on a background thread).
 //! * [`mock`]: the mock LLM worker (echo mode for tests, a vLLM-like engine for benchmarks).
 //! * [`loadgen`], [`compare`]: the async load generator and the mode-by-mode comparison.
+//! * [`peer`]: peer routers (`vllm-router`) as arms of the comparison.
 //! * [`harness`]: launches Envoy and mock workers for the integration tests and the demo.
 
 pub mod client;
@@ -11,6 +12,7 @@ pub mod compare;
 pub mod harness;
 pub mod loadgen;
 pub mod mock;
+pub mod peer;
 pub mod server;
 pub mod sse;
 pub mod sys;

@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{ArgGroup, Parser};
-use envoy_kv_router_tools::compare::{compare_modes, report_comparison, EventsVia, Fleet};
+use envoy_kv_router_tools::compare::{
+    compare_modes, quality_table, report_comparison, EventsVia, Fleet,
+};
 use envoy_kv_router_tools::loadgen::{
     format_stats, load_mooncake, run_workload_on, synthetic, write_svg_chart, RunOptions,
     SyntheticSpec,
@@ -26,6 +28,9 @@ use serde_json::Value;
 kv-event-bridge fed over ZMQ unless --events-via http) and a fresh Envoy with the filter for \
 each routing mode in turn, run the same workload through each, and \
 print a side-by-side table (and --svg chart). The last line compares kv with round-robin.\n\
+Peer arms: vllm-router:<policy> (cache_aware, power_of_two, round_robin, kv_aware, ...) puts \
+vllm-router (.venv, `make setup`) in front of the fresh fleet instead of Envoy; kv_aware reads \
+the workers' ZMQ KV events.\n\
 Mooncake traces (JSON lines: timestamp, input_length, output_length, hash_ids): see \
 github.com/kvcache-ai/Mooncake, FAST25-release/traces/."
 )]
@@ -34,7 +39,8 @@ struct Args {
     /// e.g. a fleet of mock workers addressed directly).
     #[arg(long, value_delimiter = ',')]
     target: Vec<String>,
-    /// Routing modes to compare, e.g. kv,round-robin (each on a fresh fleet and Envoy).
+    /// Routing modes to compare, e.g. kv,round-robin,vllm-router:cache_aware (each on a fresh
+    /// fleet and Envoy, or vllm-router for a vllm-router:<policy> arm).
     #[arg(long)]
     modes: Option<String>,
     /// Mock workers in the fleet of --modes.
@@ -197,6 +203,7 @@ fn main() {
         let results = compare_modes(&modes, &fleet, &workload, &opts)
             .unwrap_or_else(|e| fail(&e.to_string()));
         report_comparison(&results, args.svg.as_deref(), args.json.as_deref());
+        print!("{}", quality_table(&results, args.fleet));
         return;
     }
     let targets: Vec<String> = args
