@@ -19,8 +19,8 @@ use crate::cost::{self, CostInputs};
 use crate::filters;
 use crate::load::SlotLoad;
 use crate::request::{LlmRequest, Pin};
-pub use crate::route_error::{Incompatibility, RouteError};
 use crate::rng::Rng;
+pub use crate::route_error::{Incompatibility, RouteError};
 use crate::select;
 use crate::types::{Overlap, SlotIdx};
 

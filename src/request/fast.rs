@@ -15,7 +15,11 @@ use super::{Endpoint, LlmRequest, ParseOptions};
 /// that `[]` is an array value there, so the original (with the bigger array in its place) is
 /// valid JSON too; on valid JSON the structural scan finds exactly the values the visitors read,
 /// in the same order; and the visitors check that every recorded occurrence meets its `[]`.
-pub(super) fn parse_fast(body: &[u8], endpoint: Endpoint, opts: &ParseOptions) -> Option<LlmRequest> {
+pub(super) fn parse_fast(
+    body: &[u8],
+    endpoint: Endpoint,
+    opts: &ParseOptions,
+) -> Option<LlmRequest> {
     let mut scan = Scan {
         body,
         pos: 0,
