@@ -8,7 +8,7 @@
 //!
 //! Token ids dominate the body, so they take a fast path (`fast::parse_fast`): a structural scan of
 //! the top-level object (and of `nvext`) finds the arrays of plain non-negative integers in
-//! `prompt` and `nvext.token_data` and reads them with a hand-written loop (`fast::scan_token_ids`);
+//! `prompt` and `nvext.token_data` and reads them with a hand-written loop (`scan_token_ids`);
 //! the body is then copied with each such array cut down to `[]` and that copy goes through the
 //! same serde visitors, which validate everything else and take the ids from the scan (checking
 //! that they meet exactly the `[]`s that were cut, in order). Whatever the scan does not accept (a
