@@ -5,6 +5,7 @@ use core::fmt;
 
 use crate::types::StorageTier;
 
+/// Why a binary log batch or index snapshot could not be decoded.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CodecError {
     /// The input ends before a value that starts at `offset`.

@@ -28,8 +28,6 @@ pub enum LogRecord {
     WorkerLost { worker: u16 },
 }
 
-/// Why a binary log batch or index snapshot could not be decoded.
-
 const LOG_MAGIC: [u8; 3] = *b"EKL";
 const LOG_VERSION: u8 = 1;
 
