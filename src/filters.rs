@@ -16,7 +16,7 @@
 use crate::config::Config;
 use crate::load::SlotLoad;
 use crate::request::{LlmRequest, Pin};
-use crate::router::{Incompatibility, RouteError};
+use crate::route_error::{Incompatibility, RouteError};
 use crate::types::SlotIdx;
 
 /// Slots (ascending) that may serve `request` with effective pin `pin`.

@@ -15,6 +15,7 @@ pub mod polling;
 pub mod replication;
 pub mod request;
 pub mod rng;
+pub mod route_error;
 pub mod router;
 pub mod select;
 pub mod store;

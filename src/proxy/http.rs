@@ -7,7 +7,7 @@
 //! for every stream however it ended, releases exactly what was booked.
 
 use super::host::{self, HostStore};
-use super::root::{worker_id, VmState};
+use super::vm::{worker_id, VmState};
 use crate::config::{ClientHints, Config, DestinationFormat, PrefillLoadModel, RoutingMode};
 use crate::hashing::prompt_sequence_hashes;
 use crate::load::{output_milli_blocks, predicted_prefill_ms};

@@ -1,6 +1,7 @@
 //! The proxy-wasm adapter: the only code that talks to the host (Envoy).
 //!
-//! * `root`: per-VM state, configuration, the tick (log sync, event polling, load reaping).
+//! * `root`: the root context: configuration, the tick (log sync, event polling, load reaping).
+//! * `vm`: the per-VM state the root context owns and request contexts share.
 //! * `http`: one context per request: buffer the body, decide, steer, book and release load.
 //! * `poller`: sends worker event calls through the event cluster (one poller per process).
 //! * `metrics`, `host`: Envoy stats, thin non-panicking host-call wrappers, and the shared-data
@@ -11,6 +12,7 @@ pub mod http;
 pub mod metrics;
 pub mod poller;
 pub mod root;
+pub mod vm;
 
 #[cfg(all(target_arch = "wasm32", feature = "filter"))]
 proxy_wasm::main! {{

@@ -8,16 +8,15 @@ use super::host::{self, HostStore};
 use super::http::RequestContext;
 use super::metrics::Metrics;
 use super::poller::{PendingCall, Poller};
+use super::vm::{worker_id, VmState};
 use crate::config::Config;
 use crate::events::{parse_dump, parse_event_page, EventError, LogRecord};
-use crate::load::{merge_reported, SlotLoad};
 use crate::load_store::{self, PendingReleases};
 use crate::polling::{disposition, is_gap, CallKind, Disposition, Next, ReplyOutcome};
 use crate::replication::lease::{hold_lease, holds_lease};
 use crate::replication::log::{self as replication, Replica};
 use crate::router::SelectorState;
 use crate::text::{excerpt, MAX_EXCERPT_BYTES};
-use crate::types::Overlap;
 use log::{error, info, warn};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -26,50 +25,6 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
-
-/// Everything a VM keeps between requests. Request contexts borrow it briefly; callbacks use
-/// `try_borrow_mut` so that a re-entrant host callback can never panic.
-pub struct VmState {
-    pub config: Rc<Config>,
-    fingerprint: u64,
-    pub nonce: u64,
-    pub replica: Replica,
-    pub selector: SelectorState,
-    pub metrics: Metrics,
-    poller: Poller,
-    next_request_key: u64,
-    /// Reused per request so that overlap lookup allocates nothing.
-    pub overlaps: Vec<Overlap>,
-    block_size_warned: Vec<bool>,
-    /// Stale flags per slot, from the poller's last published head (refreshed on each sync).
-    pub stale_slots: Vec<bool>,
-    /// Load releases that contention deferred; retried until they land.
-    pub releases: PendingReleases,
-}
-
-impl VmState {
-    /// A key for one request's load entry, unique across the VMs of this process.
-    pub fn new_request_key(&mut self) -> u64 {
-        self.next_request_key += 1;
-        xxh3_64_with_seed(&self.next_request_key.to_le_bytes(), self.nonce)
-    }
-
-    /// Folds each worker's reported counters (from the last head) into the local load view.
-    pub fn merge_reported_load(&self, load: &mut [SlotLoad]) {
-        for (slot, view) in self.config.slots.iter().zip(load.iter_mut()) {
-            let index = usize::from(slot.worker);
-            let reported = self
-                .replica
-                .head
-                .workers
-                .get(index)
-                .and_then(|w| w.reported);
-            if let (Some(reported), Some(worker)) = (reported, self.config.workers.get(index)) {
-                merge_reported(view, &reported, worker.kv_capacity_blocks, worker.dp_size);
-            }
-        }
-    }
-}
 
 pub struct RouterRoot {
     context_id: u32,
@@ -458,10 +413,6 @@ impl VmState {
         self.metrics
             .gauge("load.deferred_releases", self.releases.len() as u64);
     }
-}
-
-pub fn worker_id(config: &Config, worker: u16) -> u64 {
-    config.workers.get(usize::from(worker)).map_or(0, |w| w.id)
 }
 
 impl RootContext for RouterRoot {

@@ -1,0 +1,234 @@
+//! The compact binary codec of the shared event log: batches of [`LogRecord`]s.
+
+use super::binary::{tier_code, CodecError, Reader, Writer};
+use super::{IndexEvent, NumberedEvent};
+use crate::types::{ExternalBlockHash, LocalBlockHash};
+
+// ---------------------------------------------------------------------------------------------
+// Shared-log codec
+// ---------------------------------------------------------------------------------------------
+
+/// One entry of the replicated event log. `worker` is the worker's index in the compiled
+/// configuration; the applier maps (worker, dp_rank) to slots.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LogRecord {
+    /// Events in id order.
+    Events {
+        worker: u16,
+        events: Vec<NumberedEvent>,
+    },
+    /// Clear every slot of the worker, then apply `events` (a dump); continue from
+    /// `last_event_id`.
+    Resync {
+        worker: u16,
+        last_event_id: u64,
+        events: Vec<NumberedEvent>,
+    },
+    /// Clear every slot of the worker (stale or removed).
+    WorkerLost { worker: u16 },
+}
+
+const LOG_MAGIC: [u8; 3] = *b"EKL";
+const LOG_VERSION: u8 = 1;
+
+const RECORD_EVENTS: u8 = 1;
+const RECORD_RESYNC: u8 = 2;
+const RECORD_WORKER_LOST: u8 = 3;
+
+const EVENT_STORED: u8 = 1;
+const EVENT_REMOVED: u8 = 2;
+const EVENT_CLEARED: u8 = 3;
+
+/// Smallest encodings, used to reject length prefixes that cannot fit before allocating.
+const MIN_RECORD_BYTES: usize = 3;
+const MIN_EVENT_BYTES: usize = 10;
+
+fn encode_event(w: &mut Writer, numbered: &NumberedEvent) {
+    w.u64(numbered.event_id);
+    match &numbered.event {
+        IndexEvent::Stored {
+            dp_rank,
+            tier,
+            parent,
+            blocks,
+        } => {
+            w.u8(EVENT_STORED);
+            w.u32(*dp_rank);
+            w.u8(tier_code(*tier));
+            match parent {
+                Some(p) => {
+                    w.u8(1);
+                    w.u64(p.0);
+                }
+                None => w.u8(0),
+            }
+            w.len_prefix(blocks.len());
+            for (ext, local) in blocks {
+                w.u64(ext.0);
+                w.u64(local.0);
+            }
+        }
+        IndexEvent::Removed {
+            dp_rank,
+            tier,
+            blocks,
+        } => {
+            w.u8(EVENT_REMOVED);
+            w.u32(*dp_rank);
+            w.u8(tier_code(*tier));
+            w.len_prefix(blocks.len());
+            for ext in blocks {
+                w.u64(ext.0);
+            }
+        }
+        IndexEvent::Cleared { dp_rank } => {
+            w.u8(EVENT_CLEARED);
+            match dp_rank {
+                Some(rank) => {
+                    w.u8(1);
+                    w.u32(*rank);
+                }
+                None => w.u8(0),
+            }
+        }
+    }
+}
+
+fn decode_event(r: &mut Reader<'_>) -> Result<NumberedEvent, CodecError> {
+    let event_id = r.u64()?;
+    let offset = r.offset();
+    let event = match r.u8()? {
+        EVENT_STORED => {
+            let dp_rank = r.u32()?;
+            let tier = r.tier()?;
+            let parent = if r.flag("parent")? {
+                Some(ExternalBlockHash(r.u64()?))
+            } else {
+                None
+            };
+            let count = r.count("stored blocks", 16)?;
+            let mut blocks = Vec::with_capacity(count);
+            for _ in 0..count {
+                blocks.push((ExternalBlockHash(r.u64()?), LocalBlockHash(r.u64()?)));
+            }
+            IndexEvent::Stored {
+                dp_rank,
+                tier,
+                parent,
+                blocks,
+            }
+        }
+        EVENT_REMOVED => {
+            let dp_rank = r.u32()?;
+            let tier = r.tier()?;
+            let count = r.count("removed blocks", 8)?;
+            let mut blocks = Vec::with_capacity(count);
+            for _ in 0..count {
+                blocks.push(ExternalBlockHash(r.u64()?));
+            }
+            IndexEvent::Removed {
+                dp_rank,
+                tier,
+                blocks,
+            }
+        }
+        EVENT_CLEARED => {
+            let dp_rank = if r.flag("cleared rank")? {
+                Some(r.u32()?)
+            } else {
+                None
+            };
+            IndexEvent::Cleared { dp_rank }
+        }
+        value => {
+            return Err(CodecError::InvalidTag {
+                field: "event",
+                value,
+                offset,
+            })
+        }
+    };
+    Ok(NumberedEvent { event_id, event })
+}
+
+fn encode_events(w: &mut Writer, events: &[NumberedEvent]) {
+    w.len_prefix(events.len());
+    for event in events {
+        encode_event(w, event);
+    }
+}
+
+fn decode_events(r: &mut Reader<'_>) -> Result<Vec<NumberedEvent>, CodecError> {
+    let count = r.count("events", MIN_EVENT_BYTES)?;
+    let mut events = Vec::with_capacity(count);
+    for _ in 0..count {
+        events.push(decode_event(r)?);
+    }
+    Ok(events)
+}
+
+/// Encodes one batch of the shared log: `"EKL"`, version, record count, records; little-endian.
+pub fn encode_log_batch(records: &[LogRecord]) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.bytes.extend_from_slice(&LOG_MAGIC);
+    w.u8(LOG_VERSION);
+    w.len_prefix(records.len());
+    for record in records {
+        match record {
+            LogRecord::Events { worker, events } => {
+                w.u8(RECORD_EVENTS);
+                w.u16(*worker);
+                encode_events(&mut w, events);
+            }
+            LogRecord::Resync {
+                worker,
+                last_event_id,
+                events,
+            } => {
+                w.u8(RECORD_RESYNC);
+                w.u16(*worker);
+                w.u64(*last_event_id);
+                encode_events(&mut w, events);
+            }
+            LogRecord::WorkerLost { worker } => {
+                w.u8(RECORD_WORKER_LOST);
+                w.u16(*worker);
+            }
+        }
+    }
+    w.bytes
+}
+
+/// Decodes a batch written by [`encode_log_batch`]; any truncation, unknown tag or trailing byte
+/// is an error (never a panic).
+pub fn decode_log_batch(bytes: &[u8]) -> Result<Vec<LogRecord>, CodecError> {
+    let mut r = Reader::new(bytes);
+    r.header(LOG_MAGIC, LOG_VERSION)?;
+    let count = r.count("records", MIN_RECORD_BYTES)?;
+    let mut records = Vec::with_capacity(count);
+    for _ in 0..count {
+        let offset = r.offset();
+        let record = match r.u8()? {
+            RECORD_EVENTS => LogRecord::Events {
+                worker: r.u16()?,
+                events: decode_events(&mut r)?,
+            },
+            RECORD_RESYNC => LogRecord::Resync {
+                worker: r.u16()?,
+                last_event_id: r.u64()?,
+                events: decode_events(&mut r)?,
+            },
+            RECORD_WORKER_LOST => LogRecord::WorkerLost { worker: r.u16()? },
+            value => {
+                return Err(CodecError::InvalidTag {
+                    field: "record",
+                    value,
+                    offset,
+                })
+            }
+        };
+        records.push(record);
+    }
+    r.finish()?;
+    Ok(records)
+}

@@ -1,0 +1,456 @@
+//! Worker KV event pages (JSON, see docs/DESIGN.md "Worker event endpoint") -> normalized
+//! [`IndexEvent`]s, and the compact binary codec of the shared event log.
+//!
+//! Validation is all-or-nothing per page: a page that fails any check is rejected whole, so the
+//! poller never applies half a page and its cursor stays consistent. Gap detection (comparing
+//! `first_event_id` with the cursor) is the poller's job, not this module's.
+//!
+//! Normalization rules:
+//! * Dynamo stored blocks carry their local hash (`tokens_hash`); vLLM `BlockStored` carries the
+//!   token ids, which we hash ourselves with the event's LoRA salt.
+//! * `dp_rank` absent means rank 0, except for "cleared" events, where absent means every rank of
+//!   the worker (a whole-worker reset must not leave other ranks' blocks behind).
+//! * Hashes are u64; negative i64 values are reinterpreted bit for bit (engines that emit signed
+//!   hashes); decimal strings are accepted (JSON producers that cannot emit 64-bit integers).
+//! * Unknown fields are ignored (engines add fields); unknown event types and tiers are errors.
+
+use core::fmt;
+
+use serde::de::{self, Deserializer, Visitor};
+use serde::Deserialize;
+
+use super::{EventError, EventPage, IndexEvent, NumberedEvent, ReportedLoad, MAX_EVENT_ID};
+use crate::hashing::{hash_seed, local_block_hashes};
+use crate::types::{DpRank, ExternalBlockHash, LocalBlockHash, StorageTier};
+
+// ---------------------------------------------------------------------------------------------
+// Wire types
+// ---------------------------------------------------------------------------------------------
+
+/// A 64-bit hash as found on the wire: u64, negative i64 (reinterpreted), or a decimal string.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct WireHash(u64);
+
+struct WireHashVisitor;
+
+impl Visitor<'_> for WireHashVisitor {
+    type Value = WireHash;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a 64-bit hash (integer or decimal string)")
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<WireHash, E> {
+        Ok(WireHash(v))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<WireHash, E> {
+        Ok(WireHash(u64::from_ne_bytes(v.to_ne_bytes())))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<WireHash, E> {
+        if let Ok(u) = v.parse::<u64>() {
+            return Ok(WireHash(u));
+        }
+        match v.parse::<i64>() {
+            Ok(i) => self.visit_i64(i),
+            Err(_) => Err(E::invalid_value(de::Unexpected::Str(v), &self)),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for WireHash {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(WireHashVisitor)
+    }
+}
+
+/// An event id or cursor as found on the wire, kept signed so "-1" is reported as a bad id rather
+/// than as a JSON type error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct WireId(i128);
+
+struct WireIdVisitor;
+
+impl Visitor<'_> for WireIdVisitor {
+    type Value = WireId;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an integer event id")
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<WireId, E> {
+        Ok(WireId(i128::from(v)))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<WireId, E> {
+        Ok(WireId(i128::from(v)))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<WireId, E> {
+        v.parse::<i128>()
+            .map(WireId)
+            .map_err(|_| E::invalid_value(de::Unexpected::Str(v), &self))
+    }
+}
+
+impl<'de> Deserialize<'de> for WireId {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(WireIdVisitor)
+    }
+}
+
+#[derive(Deserialize)]
+struct RawPage {
+    block_size: Option<u64>,
+    first_event_id: Option<WireId>,
+    last_event_id: Option<WireId>,
+    #[serde(default)]
+    events: Vec<RawEvent>,
+    load: Option<RawLoad>,
+}
+
+#[derive(Deserialize)]
+struct RawLoad {
+    num_waiting: Option<u32>,
+    num_running: Option<u32>,
+    kv_usage: Option<f64>,
+}
+
+/// Union of every event shape's fields; which ones are set tells the shape apart.
+#[derive(Deserialize)]
+struct RawEvent {
+    event_id: Option<WireId>,
+    dp_rank: Option<DpRank>,
+    storage_tier: Option<String>,
+    /// Dynamo's wrapped shape: `{"worker_id", "storage_tier", "event": {...}}`.
+    event: Option<Box<RawEvent>>,
+    /// Dynamo: `"cleared"`, `{"stored": {...}}` or `{"removed": {...}}`.
+    data: Option<serde_json::Value>,
+    /// vLLM: `BlockStored`, `BlockRemoved`, `AllBlocksCleared`.
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    block_hashes: Option<Vec<WireHash>>,
+    parent_block_hash: Option<WireHash>,
+    token_ids: Option<Vec<u32>>,
+    block_size: Option<u64>,
+    lora_name: Option<String>,
+    medium: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct RawDynamoStored {
+    parent_hash: Option<WireHash>,
+    blocks: Vec<RawDynamoBlock>,
+}
+
+#[derive(Deserialize)]
+struct RawDynamoBlock {
+    block_hash: WireHash,
+    tokens_hash: WireHash,
+}
+
+#[derive(Deserialize)]
+struct RawDynamoRemoved {
+    block_hashes: Vec<WireHash>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parsing
+// ---------------------------------------------------------------------------------------------
+
+fn malformed(err: &serde_json::Error) -> EventError {
+    EventError::Malformed {
+        reason: err.to_string(),
+    }
+}
+
+/// A positive event id (ids start at 1; 0 is the "nothing seen yet" cursor).
+fn positive_id(id: WireId, field: &'static str) -> Result<u64, EventError> {
+    match u64::try_from(id.0) {
+        Ok(v) if v > 0 && v <= MAX_EVENT_ID => Ok(v),
+        _ => Err(EventError::InvalidEventId { field, value: id.0 }),
+    }
+}
+
+/// A cursor: 0 allowed.
+fn cursor_id(id: WireId, field: &'static str) -> Result<u64, EventError> {
+    match u64::try_from(id.0) {
+        Ok(v) if v <= MAX_EVENT_ID => Ok(v),
+        _ => Err(EventError::InvalidEventId { field, value: id.0 }),
+    }
+}
+
+fn parse_tier(event_id: u64, name: Option<&str>) -> Result<StorageTier, EventError> {
+    StorageTier::parse(name).ok_or_else(|| EventError::UnknownTier {
+        event_id,
+        tier: name.unwrap_or_default().to_owned(),
+    })
+}
+
+fn ext_hashes(hashes: Vec<WireHash>) -> Vec<ExternalBlockHash> {
+    hashes.into_iter().map(|h| ExternalBlockHash(h.0)).collect()
+}
+
+/// Normalizes one Dynamo `data` value.
+fn dynamo_event(
+    event_id: u64,
+    dp_rank: Option<DpRank>,
+    tier_name: Option<&str>,
+    data: serde_json::Value,
+) -> Result<IndexEvent, EventError> {
+    let (kind, body) = match data {
+        serde_json::Value::String(kind) => (kind, serde_json::Value::Null),
+        serde_json::Value::Object(map) if map.len() == 1 => match map.into_iter().next() {
+            Some((kind, body)) => (kind, body),
+            None => (String::new(), serde_json::Value::Null),
+        },
+        other => {
+            return Err(EventError::UnknownEventType {
+                event_id,
+                kind: other.to_string(),
+            })
+        }
+    };
+    match kind.as_str() {
+        "stored" => {
+            let raw: RawDynamoStored = serde_json::from_value(body).map_err(|e| malformed(&e))?;
+            Ok(IndexEvent::Stored {
+                dp_rank: dp_rank.unwrap_or(0),
+                tier: parse_tier(event_id, tier_name)?,
+                parent: raw.parent_hash.map(|h| ExternalBlockHash(h.0)),
+                blocks: raw
+                    .blocks
+                    .into_iter()
+                    .map(|b| {
+                        (
+                            ExternalBlockHash(b.block_hash.0),
+                            LocalBlockHash(b.tokens_hash.0),
+                        )
+                    })
+                    .collect(),
+            })
+        }
+        "removed" => {
+            let raw: RawDynamoRemoved = serde_json::from_value(body).map_err(|e| malformed(&e))?;
+            Ok(IndexEvent::Removed {
+                dp_rank: dp_rank.unwrap_or(0),
+                tier: parse_tier(event_id, tier_name)?,
+                blocks: ext_hashes(raw.block_hashes),
+            })
+        }
+        "cleared" => Ok(IndexEvent::Cleared { dp_rank }),
+        _ => Err(EventError::UnknownEventType { event_id, kind }),
+    }
+}
+
+/// Normalizes one vLLM-shaped event.
+fn vllm_event(
+    event_id: u64,
+    kind: &str,
+    raw: RawEvent,
+    expected_block_size: u32,
+) -> Result<IndexEvent, EventError> {
+    let dp_rank = raw.dp_rank;
+    match kind {
+        "BlockStored" => {
+            if let Some(got) = raw.block_size {
+                if got != u64::from(expected_block_size) {
+                    return Err(EventError::BlockSizeMismatch {
+                        expected: expected_block_size,
+                        got,
+                    });
+                }
+            }
+            let tier = parse_tier(event_id, raw.medium.as_deref())?;
+            let hashes = raw.block_hashes.ok_or(EventError::MissingEventField {
+                event_id,
+                field: "block_hashes",
+            })?;
+            let tokens = raw.token_ids.ok_or(EventError::MissingEventField {
+                event_id,
+                field: "token_ids",
+            })?;
+            let expected_tokens = usize::try_from(expected_block_size)
+                .ok()
+                .and_then(|size| size.checked_mul(hashes.len()));
+            if expected_block_size == 0 || expected_tokens != Some(tokens.len()) {
+                return Err(EventError::TokenCountMismatch {
+                    event_id,
+                    tokens: tokens.len(),
+                    blocks: hashes.len(),
+                    block_size: expected_block_size,
+                });
+            }
+            let locals = local_block_hashes(
+                &tokens,
+                expected_block_size,
+                hash_seed(raw.lora_name.as_deref()),
+            );
+            Ok(IndexEvent::Stored {
+                dp_rank: dp_rank.unwrap_or(0),
+                tier,
+                parent: raw.parent_block_hash.map(|h| ExternalBlockHash(h.0)),
+                blocks: hashes
+                    .into_iter()
+                    .map(|h| ExternalBlockHash(h.0))
+                    .zip(locals)
+                    .collect(),
+            })
+        }
+        "BlockRemoved" => Ok(IndexEvent::Removed {
+            dp_rank: dp_rank.unwrap_or(0),
+            tier: parse_tier(event_id, raw.medium.as_deref())?,
+            blocks: ext_hashes(raw.block_hashes.ok_or(EventError::MissingEventField {
+                event_id,
+                field: "block_hashes",
+            })?),
+        }),
+        "AllBlocksCleared" => Ok(IndexEvent::Cleared { dp_rank }),
+        _ => Err(EventError::UnknownEventType {
+            event_id,
+            kind: kind.to_owned(),
+        }),
+    }
+}
+
+/// Normalizes one event of any shape. Without `id_required` (dumps) a missing id becomes 0.
+fn normalize_event(
+    index: usize,
+    mut raw: RawEvent,
+    expected_block_size: u32,
+    id_required: bool,
+) -> Result<NumberedEvent, EventError> {
+    // Unwrap Dynamo's `{"worker_id", "storage_tier", "event": {...}}`, the inner fields winning.
+    if let Some(inner) = raw.event.take() {
+        let mut inner = *inner;
+        inner.event_id = inner.event_id.or(raw.event_id);
+        inner.dp_rank = inner.dp_rank.or(raw.dp_rank);
+        inner.storage_tier = inner.storage_tier.or(raw.storage_tier.take());
+        raw = inner;
+    }
+    let event_id = match raw.event_id {
+        Some(id) => positive_id(id, "event_id")?,
+        None if id_required => return Err(EventError::MissingEventId { index }),
+        None => 0,
+    };
+    let event = if let Some(kind) = raw.kind.take() {
+        vllm_event(event_id, &kind, raw, expected_block_size)?
+    } else if let Some(data) = raw.data.take() {
+        dynamo_event(event_id, raw.dp_rank, raw.storage_tier.as_deref(), data)?
+    } else {
+        return Err(EventError::UnknownEventType {
+            event_id,
+            kind: "<no `type` or `data`>".to_owned(),
+        });
+    };
+    Ok(NumberedEvent { event_id, event })
+}
+
+/// Parses and validates the body shared by pages and dumps.
+fn parse_body(
+    body: &[u8],
+    expected_block_size: u32,
+    max_bytes: usize,
+    is_dump: bool,
+) -> Result<EventPage, EventError> {
+    if body.len() > max_bytes {
+        return Err(EventError::TooLarge {
+            body_bytes: body.len(),
+            max_bytes,
+        });
+    }
+    let raw: RawPage = serde_json::from_slice(body).map_err(|e| malformed(&e))?;
+    let got = raw.block_size.ok_or(EventError::MissingField {
+        field: "block_size",
+    })?;
+    if got != u64::from(expected_block_size) {
+        return Err(EventError::BlockSizeMismatch {
+            expected: expected_block_size,
+            got,
+        });
+    }
+    let last_event_id = cursor_id(
+        raw.last_event_id.ok_or(EventError::MissingField {
+            field: "last_event_id",
+        })?,
+        "last_event_id",
+    )?;
+    let first_event_id = raw
+        .first_event_id
+        .map(|id| cursor_id(id, "first_event_id"))
+        .transpose()?;
+
+    let mut events = Vec::with_capacity(raw.events.len());
+    let mut previous: Option<u64> = None;
+    for (index, raw_event) in raw.events.into_iter().enumerate() {
+        let numbered = normalize_event(index, raw_event, expected_block_size, !is_dump)?;
+        if is_dump {
+            if !matches!(numbered.event, IndexEvent::Stored { .. }) {
+                return Err(EventError::NonStoredEventInDump {
+                    event_id: numbered.event_id,
+                });
+            }
+        } else {
+            if let Some(previous) = previous {
+                if numbered.event_id <= previous {
+                    return Err(EventError::NonIncreasingEventId {
+                        previous,
+                        got: numbered.event_id,
+                    });
+                }
+            }
+            previous = Some(numbered.event_id);
+        }
+        events.push(numbered);
+    }
+    if !is_dump {
+        if let Some(max_event_id) = previous {
+            if last_event_id < max_event_id {
+                return Err(EventError::LastEventIdBehind {
+                    last_event_id,
+                    max_event_id,
+                });
+            }
+        }
+        if let (Some(first_event_id), Some(first)) = (first_event_id, events.first()) {
+            if first_event_id > first.event_id {
+                return Err(EventError::FirstEventIdAhead {
+                    first_event_id,
+                    first_in_page: first.event_id,
+                });
+            }
+        }
+    }
+    let load = raw.load.map(|l| ReportedLoad {
+        num_waiting: l.num_waiting.unwrap_or(0),
+        num_running: l.num_running.unwrap_or(0),
+        kv_usage: l.kv_usage.unwrap_or(0.0),
+    });
+    Ok(EventPage {
+        block_size: expected_block_size,
+        first_event_id,
+        last_event_id,
+        events,
+        load,
+    })
+}
+
+/// Parses a `GET /kv/events?after=N` response body.
+pub fn parse_event_page(
+    body: &[u8],
+    expected_block_size: u32,
+    max_bytes: usize,
+) -> Result<EventPage, EventError> {
+    parse_body(body, expected_block_size, max_bytes, false)
+}
+
+/// Parses a `GET /kv/dump` response body: only "stored" events, ids optional and unchecked (a dump
+/// is a state snapshot; its position is `last_event_id`). Events without an id get id 0.
+pub fn parse_dump(
+    body: &[u8],
+    expected_block_size: u32,
+    max_bytes: usize,
+) -> Result<EventPage, EventError> {
+    parse_body(body, expected_block_size, max_bytes, true)
+}

@@ -1,0 +1,61 @@
+//! The per-VM state that the root context owns and request contexts share. Its own module so
+//! that `http` and `root` both depend on it rather than on each other.
+
+use super::metrics::Metrics;
+use super::poller::Poller;
+use crate::config::Config;
+use crate::load::{merge_reported, SlotLoad};
+use crate::load_store::PendingReleases;
+use crate::replication::log::Replica;
+use crate::router::SelectorState;
+use crate::types::Overlap;
+use std::rc::Rc;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Everything a VM keeps between requests. Request contexts borrow it briefly; callbacks use
+/// `try_borrow_mut` so that a re-entrant host callback can never panic.
+pub struct VmState {
+    pub config: Rc<Config>,
+    pub(super) fingerprint: u64,
+    pub nonce: u64,
+    pub replica: Replica,
+    pub selector: SelectorState,
+    pub metrics: Metrics,
+    pub(super) poller: Poller,
+    pub(super) next_request_key: u64,
+    /// Reused per request so that overlap lookup allocates nothing.
+    pub overlaps: Vec<Overlap>,
+    pub(super) block_size_warned: Vec<bool>,
+    /// Stale flags per slot, from the poller's last published head (refreshed on each sync).
+    pub stale_slots: Vec<bool>,
+    /// Load releases that contention deferred; retried until they land.
+    pub releases: PendingReleases,
+}
+
+impl VmState {
+    /// A key for one request's load entry, unique across the VMs of this process.
+    pub fn new_request_key(&mut self) -> u64 {
+        self.next_request_key += 1;
+        xxh3_64_with_seed(&self.next_request_key.to_le_bytes(), self.nonce)
+    }
+
+    /// Folds each worker's reported counters (from the last head) into the local load view.
+    pub fn merge_reported_load(&self, load: &mut [SlotLoad]) {
+        for (slot, view) in self.config.slots.iter().zip(load.iter_mut()) {
+            let index = usize::from(slot.worker);
+            let reported = self
+                .replica
+                .head
+                .workers
+                .get(index)
+                .and_then(|w| w.reported);
+            if let (Some(reported), Some(worker)) = (reported, self.config.workers.get(index)) {
+                merge_reported(view, &reported, worker.kv_capacity_blocks, worker.dp_size);
+            }
+        }
+    }
+}
+
+pub fn worker_id(config: &Config, worker: u16) -> u64 {
+    config.workers.get(usize::from(worker)).map_or(0, |w| w.id)
+}
