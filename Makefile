@@ -21,6 +21,7 @@ test: setup build lint
 	bash scripts/test-wasm.sh
 	bash scripts/check-compose.sh
 	bash scripts/check-deploy.sh
+	bash scripts/fuzz.sh 15
 
 test-native: build
 	cargo test --workspace --release
