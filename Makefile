@@ -21,7 +21,7 @@ test: setup build lint
 	bash scripts/test-wasm.sh
 	bash scripts/check-compose.sh
 	bash scripts/check-deploy.sh
-	bash scripts/fuzz.sh 15
+	bash scripts/fuzz.sh
 
 test-native: build
 	cargo test --workspace --release
