@@ -23,6 +23,7 @@ test: setup build lint
 	bash scripts/check-compose.sh
 	bash scripts/check-deploy.sh
 	CONTAINER_DEMO_BUILD=prebuilt bash scripts/container-demo.sh
+	bash scripts/fuzz.sh
 
 test-native: build
 	cargo test --workspace --release
@@ -31,13 +32,13 @@ test-wasm:
 	bash scripts/test-wasm.sh
 
 demo:
-	SETUP_WASM_TESTS=0 bash scripts/setup.sh
+	SETUP_WASM_TESTS=0 SETUP_FUZZ=0 bash scripts/setup.sh
 	$(MAKE) build
 	target/release/demo
 
 # The compose demo with every image built from docker/*.Dockerfile (Rust compiled in the image).
 container-demo:
-	SETUP_WASM_TESTS=0 bash scripts/setup.sh
+	SETUP_WASM_TESTS=0 SETUP_FUZZ=0 bash scripts/setup.sh
 	$(MAKE) wasm
 	bash scripts/container-demo.sh
 

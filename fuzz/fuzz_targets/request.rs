@@ -1,0 +1,31 @@
+//! Request bodies: never panics, and the fast token-id scan agrees with the serde reference
+//! parser (the same request, or both errors).
+#![no_main]
+use envoy_kv_router::request::{
+    parse_request, parse_request_serde, parse_request_with, Endpoint, ParseOptions,
+};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    // First byte picks the endpoint and option set; the rest is the body.
+    let Some((&sel, body)) = data.split_first() else {
+        return;
+    };
+    let endpoint = if sel & 1 == 0 {
+        Endpoint::Completions
+    } else {
+        Endpoint::ChatCompletions
+    };
+    let fast = parse_request(body, endpoint);
+    let reference = parse_request_serde(body, endpoint);
+    match (&fast, &reference) {
+        (Ok(a), Ok(b)) => assert_eq!(a, b, "fast path and serde disagree"),
+        (Err(_), Err(_)) => {}
+        _ => panic!("fast path {fast:?} vs serde {reference:?}"),
+    }
+    let opts = ParseOptions {
+        read_hints: sel & 2 == 0,
+        max_hint_items: usize::from(sel >> 4),
+    };
+    let _ = parse_request_with(body, endpoint, &opts);
+});
