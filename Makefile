@@ -10,7 +10,7 @@ wasm:
 	bash scripts/build-wasm.sh
 
 tools:
-	cargo build --release -p envoy-kv-router-tools
+	cargo build --release -p envoy-kv-router-tools -p kv-event-bridge
 
 build: wasm tools
 
@@ -29,7 +29,7 @@ test-wasm:
 	bash scripts/test-wasm.sh
 
 demo:
-	SETUP_WASM_TESTS=0 bash scripts/setup.sh
+	SETUP_WASM_TESTS=0 SETUP_VLLM=0 bash scripts/setup.sh
 	$(MAKE) build
 	target/release/demo
 

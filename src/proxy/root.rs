@@ -9,7 +9,9 @@ use super::http::RequestContext;
 use super::metrics::Metrics;
 use super::poller::{PendingCall, Poller};
 use crate::config::Config;
-use crate::events::{parse_dump, parse_event_page, EventError, LogRecord};
+use crate::events::{
+    parse_dump, parse_event_page, EventError, IndexEvent, LogRecord, NumberedEvent,
+};
 use crate::load::{merge_reported, SlotLoad};
 use crate::load_store::{self, PendingReleases};
 use crate::polling::{disposition, is_gap, CallKind, Disposition, Next, ReplyOutcome};
@@ -68,6 +70,29 @@ impl VmState {
                 merge_reported(view, &reported, worker.kv_capacity_blocks, worker.dp_size);
             }
         }
+    }
+}
+
+/// How many events of each kind a page brought in (stats, counted once per process where
+/// `events.received` is).
+#[derive(Default)]
+struct EventKinds {
+    stored: u64,
+    removed: u64,
+    cleared: u64,
+}
+
+impl EventKinds {
+    fn of(events: &[NumberedEvent]) -> EventKinds {
+        let mut kinds = EventKinds::default();
+        for e in events {
+            match e.event {
+                IndexEvent::Stored { .. } => kinds.stored += 1,
+                IndexEvent::Removed { .. } => kinds.removed += 1,
+                IndexEvent::Cleared { .. } => kinds.cleared += 1,
+            }
+        }
+        kinds
     }
 }
 
@@ -217,6 +242,7 @@ impl VmState {
                 let cursor = events.last().map_or(after, |e| e.event_id);
                 let more = page.last_event_id > cursor;
                 let count = events.len() as u64;
+                let kinds = EventKinds::of(&events);
                 let edit = |head: &mut replication::LogHead| {
                     let Some(w) = head.workers.get_mut(usize::from(worker)) else {
                         return false;
@@ -246,6 +272,9 @@ impl VmState {
                     ReplyOutcome::Failed
                 } else {
                     self.metrics.add("events.received", count);
+                    self.metrics.add("events.stored", kinds.stored);
+                    self.metrics.add("events.removed", kinds.removed);
+                    self.metrics.add("events.cleared", kinds.cleared);
                     ReplyOutcome::Applied {
                         new_events: count > 0,
                         more,
