@@ -68,6 +68,15 @@ impl Group {
             .open(log)
             .expect("open log");
         let err = out.try_clone().expect("clone log handle");
+        // SAFETY: prctl is async-signal-safe and touches no memory of the parent. With it, a
+        // test process that dies without running its destructors sends the leader a SIGTERM
+        // (on which vLLM's API server stops its EngineCore and worker: checked by hand).
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                Ok(())
+            });
+        }
         let child = cmd
             .process_group(0)
             .stdin(Stdio::null())
@@ -133,20 +142,21 @@ pub fn log_tail(path: &Path, lines: usize) -> String {
 }
 
 /// A real vLLM engine (`scripts/vllm/serve.sh`, fast test configuration: eager, in-process
-/// worker, `NUM_BLOCKS` device blocks of 32 tokens).
+/// worker, blocks of 32 tokens).
 pub struct Engine {
     pub name: String,
     pub port: u16,
     pub pub_port: u16,
     pub replay_port: u16,
-    pub num_blocks: u32,
+    /// `--num-gpu-blocks-override`; `None`: sized by vLLM from `VLLM_CPU_KVCACHE_SPACE`.
+    pub num_blocks: Option<u32>,
     run_dir: PathBuf,
     pub log: PathBuf,
     group: Option<Group>,
 }
 
 impl Engine {
-    pub fn new(name: &str, ports: [u16; 3], num_blocks: u32, dir: &Path) -> Engine {
+    pub fn new(name: &str, ports: [u16; 3], num_blocks: Option<u32>, dir: &Path) -> Engine {
         Engine {
             name: name.to_string(),
             port: ports[0],
@@ -183,7 +193,10 @@ impl Engine {
             .env("KV_REPLAY_PORT", self.replay_port.to_string())
             .env("BLOCK_SIZE", "32")
             .env("MAX_LEN", "512")
-            .env("NUM_BLOCKS", self.num_blocks.to_string())
+            .env(
+                "NUM_BLOCKS",
+                self.num_blocks.map_or_else(String::new, |n| n.to_string()),
+            )
             .env("RUN_DIR", &self.run_dir);
         self.group = Some(Group::spawn(&mut cmd, &self.log));
     }
