@@ -134,10 +134,14 @@ impl Drop for Group {
     }
 }
 
-/// The last `lines` lines of a log file.
+/// The last `lines` lines of a log file, without the access-log lines of the bridge's metric
+/// scrapes (one a second: they would fill any tail).
 pub fn log_tail(path: &Path, lines: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
-    let all: Vec<&str> = text.lines().collect();
+    let all: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.contains("\"GET /metrics HTTP"))
+        .collect();
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
@@ -256,9 +260,7 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        if let Some(mut group) = self.group.take() {
-            group.stop(Duration::from_secs(5));
-        }
+        // The log as the failure left it, before the shutdown adds its own lines.
         if std::thread::panicking() {
             eprintln!(
                 "--- {} log tail ({}) ---\n{}",
@@ -266,6 +268,9 @@ impl Drop for Engine {
                 self.log.display(),
                 log_tail(&self.log, 40)
             );
+        }
+        if let Some(mut group) = self.group.take() {
+            group.stop(Duration::from_secs(5));
         }
     }
 }
@@ -334,14 +339,24 @@ impl Bridge {
 
 impl Drop for Bridge {
     fn drop(&mut self) {
-        self.group.stop(Duration::from_secs(2));
         if std::thread::panicking() {
+            let health = http::request(
+                &self.addr(),
+                "GET",
+                "/health",
+                &[],
+                &[],
+                Duration::from_secs(2),
+            )
+            .map_or_else(|e| e.to_string(), |r| r.text());
             eprintln!(
-                "--- {} log tail ({}) ---\n{}",
+                "--- {} /health: {health}\n--- {} log tail ({}) ---\n{}",
+                self.name,
                 self.name,
                 self.log.display(),
                 log_tail(&self.log, 30)
             );
         }
+        self.group.stop(Duration::from_secs(2));
     }
 }
