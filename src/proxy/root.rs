@@ -6,12 +6,10 @@
 
 use super::host::{self, HostStore};
 use super::http::RequestContext;
-use super::metrics::Metrics;
+use super::metrics::{EventKinds, Metrics};
 use super::poller::{PendingCall, Poller};
 use crate::config::Config;
-use crate::events::{
-    parse_dump, parse_event_page, EventError, IndexEvent, LogRecord, NumberedEvent,
-};
+use crate::events::{parse_dump, parse_event_page, EventError, LogRecord};
 use crate::load::{merge_reported, SlotLoad};
 use crate::load_store::{self, PendingReleases};
 use crate::polling::{disposition, is_gap, CallKind, Disposition, Next, ReplyOutcome};
@@ -70,29 +68,6 @@ impl VmState {
                 merge_reported(view, &reported, worker.kv_capacity_blocks, worker.dp_size);
             }
         }
-    }
-}
-
-/// How many events of each kind a page brought in (stats, counted once per process where
-/// `events.received` is).
-#[derive(Default)]
-struct EventKinds {
-    stored: u64,
-    removed: u64,
-    cleared: u64,
-}
-
-impl EventKinds {
-    fn of(events: &[NumberedEvent]) -> EventKinds {
-        let mut kinds = EventKinds::default();
-        for e in events {
-            match e.event {
-                IndexEvent::Stored { .. } => kinds.stored += 1,
-                IndexEvent::Removed { .. } => kinds.removed += 1,
-                IndexEvent::Cleared { .. } => kinds.cleared += 1,
-            }
-        }
-        kinds
     }
 }
 
@@ -272,9 +247,7 @@ impl VmState {
                     ReplyOutcome::Failed
                 } else {
                     self.metrics.add("events.received", count);
-                    self.metrics.add("events.stored", kinds.stored);
-                    self.metrics.add("events.removed", kinds.removed);
-                    self.metrics.add("events.cleared", kinds.cleared);
+                    self.metrics.add_event_kinds(kinds);
                     ReplyOutcome::Applied {
                         new_events: count > 0,
                         more,

@@ -44,11 +44,38 @@ pub fn check_prerequisites() {
     );
 }
 
-/// `count` distinct ports the OS says are free now (all held until every one is chosen).
+/// The first port of the kernel's ephemeral range (what outgoing connections use).
+fn ephemeral_start() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768)
+}
+
+/// `count` distinct ports free now on every address, below the ephemeral range: a restarted
+/// engine binds its ports again while its bridge keeps connecting to them, and a connection from
+/// an ephemeral port equal to the listening port would connect to itself and take the port.
 pub fn free_ports(count: usize) -> Vec<u16> {
-    let held: Vec<TcpListener> = (0..count)
-        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind a free port"))
-        .collect();
+    let top = ephemeral_start();
+    let bottom = 10_000u16.min(top / 2);
+    let span = u64::from(top - bottom);
+    let mut seed = u64::from(std::process::id())
+        ^ std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+    let mut held: Vec<TcpListener> = Vec::new();
+    for _ in 0..10_000 {
+        if held.len() == count {
+            break;
+        }
+        seed = envoy_kv_router_tools::util::splitmix64(seed);
+        let port = bottom + (seed % span) as u16;
+        // The engine's ZMQ sockets bind every address: a port free on 0.0.0.0 is free on all.
+        if let Ok(listener) = TcpListener::bind(("0.0.0.0", port)) {
+            held.push(listener);
+        }
+    }
+    assert_eq!(held.len(), count, "no {count} free ports below {top}");
     held.iter()
         .map(|l| l.local_addr().expect("local addr").port())
         .collect()
