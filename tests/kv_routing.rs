@@ -123,6 +123,36 @@ fn stored_attracts_and_removed_or_cleared_takes_the_credit_away() {
     assert_eq!(overlap, 0, "cleared: no credit left");
 }
 
+/// `events.stored|removed|cleared` split `events.received` by kind, once per process (not per
+/// Envoy thread); blocks that arrive in a dump are not events.
+#[test]
+fn received_events_are_counted_by_kind() {
+    let workers = echo_workers(2, BLOCK);
+    let envoy = kv_envoy(&workers, json!({}));
+    assert!(
+        envoy.wait_for(Duration::from_secs(5), |e| e.router_stat("events.resyncs")
+            >= 2)
+    );
+    let a = tokens(100, 2 * BLOCK);
+    let b = tokens(200, 3 * BLOCK);
+    publish(
+        &workers[0],
+        vec![
+            vllm_stored(&a, BLOCK, None, 10, "GPU"),
+            vllm_stored(&b, BLOCK, None, 20, "GPU"),
+            vllm_removed(&[11], "GPU"),
+        ],
+    );
+    publish(&workers[1], vec![json!({"type": "AllBlocksCleared"})]);
+    assert!(
+        envoy.wait_for(Duration::from_secs(5), |e| e.router_stat("events.received")
+            == 4)
+    );
+    let by_kind =
+        ["stored", "removed", "cleared"].map(|k| envoy.router_stat(&format!("events.{k}")));
+    assert_eq!(by_kind, [2, 1, 1]);
+}
+
 #[test]
 fn dynamo_shaped_events_route_too() {
     let workers = echo_workers(2, BLOCK);

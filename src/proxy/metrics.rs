@@ -4,11 +4,34 @@
 //! Every name comes from a bounded set (outcomes, reasons, configured worker ids), so the number
 //! of stats stays bounded too.
 
+use crate::events::{IndexEvent, NumberedEvent};
 use hashbrown::HashMap;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
 const PREFIX: &str = "kv_router.";
+
+/// How many events of each kind a page brought in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EventKinds {
+    pub stored: u64,
+    pub removed: u64,
+    pub cleared: u64,
+}
+
+impl EventKinds {
+    pub fn of(events: &[NumberedEvent]) -> EventKinds {
+        let mut kinds = EventKinds::default();
+        for e in events {
+            match e.event {
+                IndexEvent::Stored { .. } => kinds.stored += 1,
+                IndexEvent::Removed { .. } => kinds.removed += 1,
+                IndexEvent::Cleared { .. } => kinds.cleared += 1,
+            }
+        }
+        kinds
+    }
+}
 
 #[derive(Default)]
 pub struct Metrics {
@@ -44,6 +67,13 @@ impl Metrics {
         if let Some(id) = self.id(MetricType::Counter, name) {
             let _ = hostcalls::increment_metric(id, i64::try_from(amount).unwrap_or(i64::MAX));
         }
+    }
+
+    /// `events.stored`, `events.removed`, `events.cleared`: a page's events by kind.
+    pub fn add_event_kinds(&mut self, kinds: EventKinds) {
+        self.add("events.stored", kinds.stored);
+        self.add("events.removed", kinds.removed);
+        self.add("events.cleared", kinds.cleared);
     }
 
     pub fn gauge(&mut self, name: &str, value: u64) {

@@ -6,7 +6,7 @@
 
 use super::host::{self, HostStore};
 use super::http::RequestContext;
-use super::metrics::Metrics;
+use super::metrics::{EventKinds, Metrics};
 use super::poller::{PendingCall, Poller};
 use super::vm::{worker_id, VmState};
 use crate::config::Config;
@@ -172,6 +172,7 @@ impl VmState {
                 let cursor = events.last().map_or(after, |e| e.event_id);
                 let more = page.last_event_id > cursor;
                 let count = events.len() as u64;
+                let kinds = EventKinds::of(&events);
                 let edit = |head: &mut replication::LogHead| {
                     let Some(w) = head.workers.get_mut(usize::from(worker)) else {
                         return false;
@@ -201,6 +202,7 @@ impl VmState {
                     ReplyOutcome::Failed
                 } else {
                     self.metrics.add("events.received", count);
+                    self.metrics.add_event_kinds(kinds);
                     ReplyOutcome::Applied {
                         new_events: count > 0,
                         more,
