@@ -38,7 +38,7 @@ demo:
 
 # The compose demo with every image built from docker/*.Dockerfile (Rust compiled in the image).
 container-demo:
-	SETUP_WASM_TESTS=0 SETUP_FUZZ=0 bash scripts/setup.sh
+	SETUP_WASM_TESTS=0 SETUP_FUZZ=0 SETUP_VLLM=0 bash scripts/setup.sh
 	$(MAKE) wasm
 	bash scripts/container-demo.sh
 

@@ -552,8 +552,9 @@ impl Envoy {
             .arg(&config_path)
             .arg("--admin-address-path")
             .arg(&admin_path)
+            // Tests kill Envoy; without hot restart it keeps no shared-memory file in /dev/shm.
             .args([
-                "--use-dynamic-base-id",
+                "--disable-hot-restart",
                 "--concurrency",
                 &opts.concurrency.to_string(),
             ])
