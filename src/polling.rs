@@ -179,6 +179,15 @@ impl PollSchedule {
         !busy && w.next_due_ms <= now_ms
     }
 
+    /// Carries on a backoff another poller recorded in the shared head: no call before
+    /// `until_ms`, and the next rejection backs off from `rejections` on.
+    pub fn adopt_backoff(&mut self, worker: u16, until_ms: u64, rejections: u32) {
+        if let Some(w) = self.workers.get_mut(usize::from(worker)) {
+            w.next_due_ms = w.next_due_ms.max(until_ms);
+            w.rejections = w.rejections.max(rejections);
+        }
+    }
+
     /// The worker's next call must be its dump (it showed a gap the dump has not closed yet).
     pub fn wants_dump(&self, worker: u16) -> bool {
         self.workers
@@ -296,6 +305,21 @@ mod tests {
             timeout_ms: 1000,
             long_poll_ms,
             ..EventsConfig::default()
+        }
+    }
+
+    #[test]
+    fn a_new_poller_carries_on_the_backoff_recorded_in_the_head() {
+        let cfg = events(0);
+        // The previous poller saw 3 refusals and set the next fetch 800 ms out.
+        let mut s = PollSchedule::new(1);
+        s.adopt_backoff(0, 10_800, 3);
+        assert!(!s.is_due(0, 10_799), "no fetch before the recorded time");
+        assert!(s.is_due(0, 10_800));
+        // The next refusal doubles from there instead of restarting at the interval.
+        match call(&mut s, &cfg, DUMP, 10_800, ReplyOutcome::Rejected, 10_801) {
+            Next::Backoff { ms, rejections } => assert_eq!((ms, rejections), (1600, 4)),
+            other => panic!("expected a backoff, got {other:?}"),
         }
     }
 

@@ -32,6 +32,14 @@ impl Poller {
     /// Sends the calls that are due. Returns how many the host refused.
     pub fn dispatch_due(&mut self, config: &Config, head: &LogHead, now_ms: u64) -> usize {
         let mut failed = 0;
+        for (worker, state) in head.workers.iter().enumerate() {
+            if state.retry_after_ms > now_ms {
+                if let Ok(worker) = u16::try_from(worker) {
+                    self.schedule
+                        .adopt_backoff(worker, state.retry_after_ms, state.rejections);
+                }
+            }
+        }
         for worker in self.schedule.due(now_ms) {
             if !self.dispatch_next(config, head, worker, now_ms) {
                 failed += 1;

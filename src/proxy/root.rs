@@ -184,6 +184,8 @@ impl VmState {
                     w.last_ok_ms = now;
                     w.stale = false;
                     w.reported = reported;
+                    w.rejections = 0;
+                    w.retry_after_ms = 0;
                     true
                 };
                 let applied = if events.is_empty() {
@@ -225,6 +227,21 @@ impl VmState {
         match self.poller.replied(&config, worker, outcome, now) {
             Next::Backoff { ms, rejections } => {
                 self.metrics.inc("events.backoff");
+                let retry_after_ms = now.saturating_add(ms);
+                replication::update_head(
+                    &HostStore,
+                    self.fingerprint,
+                    config.workers.len(),
+                    now,
+                    |head| {
+                        let Some(w) = head.workers.get_mut(usize::from(worker)) else {
+                            return false;
+                        };
+                        w.rejections = rejections;
+                        w.retry_after_ms = retry_after_ms;
+                        true
+                    },
+                );
                 warn!(
                     "kv-router: worker {}: {rejections} event replies refused (or gaps its dump did not close) since its last good page; next fetch in {ms} ms",
                     worker_id(&config, worker)

@@ -55,6 +55,12 @@ pub struct WorkerPollState {
     pub stale: bool,
     #[serde(default)]
     pub reported: Option<ReportedLoad>,
+    /// Replies refused in a row, and no poller fetches before `retry_after_ms`: the backoff
+    /// survives a lease hand-over (a new poller would otherwise start again at the interval).
+    #[serde(default)]
+    pub rejections: u32,
+    #[serde(default)]
+    pub retry_after_ms: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
