@@ -5,6 +5,7 @@ use serde_json::{Map, Value};
 
 use super::fields::*;
 use super::{
+    WorkerKvMode,
     BusyThresholds, ClientHints, Config, ConfigError, CostWeights, DestinationFormat, Device,
     EventsConfig, IndexConfig, LoadConfig, PrefillLoadModel, RoutingMode, Slot, WorkerConfig,
     MAX_BLOCK_SIZE, MAX_BYTES_LIMIT, MAX_FALLBACK_COUNT, MAX_HINT_ITEMS_LIMIT,
@@ -33,6 +34,8 @@ const ROOT_FIELDS: &[&str] = &[
     "tick_ms",
     "events",
     "index",
+    "tokenizer",
+    "approximate",
     "workers",
 ];
 const COST_FIELDS: &[&str] = &[
@@ -77,6 +80,7 @@ const WORKER_FIELDS: &[&str] = &[
     "kv_capacity_blocks",
     "max_num_batched_tokens",
     "models",
+    "kv_mode",
 ];
 const MODE_NAMES: &[&str] = &[
     "kv",
@@ -252,6 +256,12 @@ pub(super) fn compile(map: Map<String, Value>) -> Result<Config, ConfigError> {
         Some(v) => compile_index(v)?,
     };
 
+    let tokenizer = match root.take_raw("tokenizer") {
+        None => None,
+        Some(v) => Some(super::tokenizer::compile_tokenizer(v)?),
+    };
+    let approximate_value = root.take_raw("approximate");
+
     let workers_value = root
         .take_raw("workers")
         .ok_or_else(|| ConfigError::Missing {
@@ -259,6 +269,16 @@ pub(super) fn compile(map: Map<String, Value>) -> Result<Config, ConfigError> {
         })?;
     root.finish()?;
     let (workers, slots) = compile_workers(workers_value, &busy)?;
+    let approximate = match approximate_value {
+        Some(v) => Some(super::approximate::compile_approximate(v, block_size)?),
+        // A worker that expects predictions implies the defaults.
+        None if workers.iter().any(|w| w.kv_mode.has_predictions()) => {
+            let mut c = super::ApproximateConfig::default();
+            super::approximate::finish(&mut c, block_size)?;
+            Some(c)
+        }
+        None => None,
+    };
 
     Ok(Config {
         mode,
@@ -279,6 +299,8 @@ pub(super) fn compile(map: Map<String, Value>) -> Result<Config, ConfigError> {
         tick_ms,
         events,
         index,
+        tokenizer,
+        approximate,
         workers,
         slots,
     })
@@ -619,6 +641,16 @@ fn compile_workers(
         for (m, model) in models.iter().enumerate() {
             non_empty(format!("{path}.models[{m}]"), model)?;
         }
+        let kv_mode = match o.take::<String>("kv_mode")? {
+            None => WorkerKvMode::Events,
+            Some(s) => WorkerKvMode::parse(&s).ok_or_else(|| ConfigError::Invalid {
+                field: o.field_path("kv_mode"),
+                detail: format!(
+                    "\"{s}\" is not one of {}",
+                    WorkerKvMode::NAMES.join(", ")
+                ),
+            })?,
+        };
         o.finish()?;
 
         // total <= u16::MAX was checked above, so these conversions cannot fail; map to the
@@ -648,6 +680,7 @@ fn compile_workers(
             kv_capacity_blocks,
             max_num_batched_tokens,
             models,
+            kv_mode,
             first_slot,
         });
     }

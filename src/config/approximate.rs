@@ -1,0 +1,103 @@
+//! `approximate` and `workers[].kv_mode`: routing without (or ahead of) KV events. The filter
+//! records its own decisions as predicted blocks on the chosen worker for `ttl_ms`
+//! (`crate::approx`), and text requests without token ids are hashed in fixed byte chunks.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::ConfigError;
+
+/// Where a worker's cached prefixes come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkerKvMode {
+    /// KV events only (precise).
+    Events,
+    /// No events expected: the worker is not polled; predicted entries only.
+    Approximate,
+    /// Events, with predicted entries bridging the event lag.
+    EventsAndApproximate,
+}
+
+impl WorkerKvMode {
+    pub const NAMES: &'static [&'static str] = &["events", "approximate", "events+approximate"];
+
+    pub fn parse(s: &str) -> Option<WorkerKvMode> {
+        match s {
+            "events" => Some(WorkerKvMode::Events),
+            "approximate" => Some(WorkerKvMode::Approximate),
+            "events+approximate" => Some(WorkerKvMode::EventsAndApproximate),
+            _ => None,
+        }
+    }
+
+    pub fn has_events(self) -> bool {
+        self != WorkerKvMode::Approximate
+    }
+
+    pub fn has_predictions(self) -> bool {
+        self != WorkerKvMode::Events
+    }
+}
+
+/// Compiled `approximate` object. Present (or implied by a worker's `kv_mode`) = the predicted
+/// store exists and text requests are routed by text prefix hashing.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ApproximateConfig {
+    /// How long a routing decision counts as cached blocks on the chosen worker. `>= 1`.
+    pub ttl_ms: u64,
+    /// Predicted (hash, worker) entries kept per VM; the oldest go first. `>= 1`.
+    pub max_blocks: usize,
+    /// Blocks recorded per decision (a prompt's leading blocks). `1..=4096`.
+    pub max_record_blocks: usize,
+    /// Bytes of rendered text per text block; `0` = 4 * `block_size` (about one KV block of
+    /// English text).
+    pub text_chunk_bytes: usize,
+}
+
+impl Default for ApproximateConfig {
+    fn default() -> Self {
+        ApproximateConfig {
+            ttl_ms: 120_000,
+            max_blocks: 65_536,
+            max_record_blocks: 1024,
+            text_chunk_bytes: 0,
+        }
+    }
+}
+
+pub(super) fn compile_approximate(
+    v: Value,
+    block_size: u32,
+) -> Result<ApproximateConfig, ConfigError> {
+    let mut c: ApproximateConfig =
+        serde_json::from_value(v).map_err(|e| ConfigError::Invalid {
+            field: "approximate".to_string(),
+            detail: e.to_string(),
+        })?;
+    finish(&mut c, block_size)?;
+    Ok(c)
+}
+
+/// Range checks and the `text_chunk_bytes` default.
+pub(super) fn finish(c: &mut ApproximateConfig, block_size: u32) -> Result<(), ConfigError> {
+    let range = |field: &str, got: u64, lo: u64, hi: u64, expected: &'static str| {
+        if (lo..=hi).contains(&got) {
+            Ok(())
+        } else {
+            Err(ConfigError::OutOfRange {
+                field: format!("approximate.{field}"),
+                expected,
+                got: got.to_string(),
+            })
+        }
+    };
+    range("ttl_ms", c.ttl_ms, 1, 86_400_000, "within [1, 86400000]")?;
+    range("max_blocks", c.max_blocks as u64, 1, 1 << 24, "within [1, 16777216]")?;
+    range("max_record_blocks", c.max_record_blocks as u64, 1, 4096, "within [1, 4096]")?;
+    range("text_chunk_bytes", c.text_chunk_bytes as u64, 0, 65_536, "within [0, 65536]")?;
+    if c.text_chunk_bytes == 0 {
+        c.text_chunk_bytes = 4 * block_size.max(1) as usize;
+    }
+    Ok(())
+}
