@@ -75,7 +75,10 @@ fn decode(b: &[u8]) -> Option<(u64, Record)> {
 
 fn read_seq(store: &dyn SharedStore) -> (u64, Option<u32>) {
     let (bytes, cas) = store.get(SEQ_KEY);
-    (bytes.as_deref().and_then(|b| u64_at(b, 0)).unwrap_or(0), cas)
+    (
+        bytes.as_deref().and_then(|b| u64_at(b, 0)).unwrap_or(0),
+        cas,
+    )
 }
 
 /// Creates the sequence key (once per process; later calls change nothing).
@@ -209,6 +212,7 @@ impl PredictedStore {
         let mut report = SyncReport::default();
         let (seq, _) = read_seq(store);
         if seq <= self.last_seen {
+            self.expire(now_ms);
             return report;
         }
         // Records older than the ring are gone.

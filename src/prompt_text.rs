@@ -150,8 +150,14 @@ mod tests {
             prompt_text(br#"{"prompt": "abc"}"#, Endpoint::Completions).unwrap(),
             "abc"
         );
-        assert_eq!(prompt_text(br#"{"prompt": [1, 2]}"#, Endpoint::Completions), None);
-        assert_eq!(prompt_text(br#"{"messages": 3}"#, Endpoint::ChatCompletions), None);
+        assert_eq!(
+            prompt_text(br#"{"prompt": [1, 2]}"#, Endpoint::Completions),
+            None
+        );
+        assert_eq!(
+            prompt_text(br#"{"messages": 3}"#, Endpoint::ChatCompletions),
+            None
+        );
     }
 
     #[test]

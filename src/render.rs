@@ -66,7 +66,11 @@ pub fn parse_reply(body: &[u8]) -> Result<Vec<u32>, RenderFailure> {
 
 /// Classifies a finished call: `status` is `None` when Envoy gave no response headers.
 /// Envoy answers a call that ran past its timeout with a local 504.
-pub fn classify(status: Option<&str>, body_bytes: usize, max_bytes: usize) -> Result<(), RenderFailure> {
+pub fn classify(
+    status: Option<&str>,
+    body_bytes: usize,
+    max_bytes: usize,
+) -> Result<(), RenderFailure> {
     match status {
         None => Err(RenderFailure::Error),
         Some("504") => Err(RenderFailure::Timeout),
@@ -158,7 +162,13 @@ mod tests {
         assert_eq!(parse_reply(cmpl), Ok(vec![4, 5]));
         let tok = br#"{"count": 2, "max_model_len": 2048, "tokens": [6, 7]}"#;
         assert_eq!(parse_reply(tok), Ok(vec![6, 7]));
-        for bad in [&b"[]"[..], b"{}", b"{\"token_ids\": []}", b"{\"token_ids\": [-1]}", b"nope"] {
+        for bad in [
+            &b"[]"[..],
+            b"{}",
+            b"{\"token_ids\": []}",
+            b"{\"token_ids\": [-1]}",
+            b"nope",
+        ] {
             assert_eq!(parse_reply(bad), Err(RenderFailure::BadReply));
         }
     }
@@ -166,7 +176,10 @@ mod tests {
     #[test]
     fn statuses() {
         assert_eq!(classify(Some("200"), 10, 100), Ok(()));
-        assert_eq!(classify(Some("200"), 101, 100), Err(RenderFailure::BadReply));
+        assert_eq!(
+            classify(Some("200"), 101, 100),
+            Err(RenderFailure::BadReply)
+        );
         assert_eq!(classify(Some("504"), 10, 100), Err(RenderFailure::Timeout));
         assert_eq!(classify(Some("500"), 10, 100), Err(RenderFailure::Error));
         assert_eq!(classify(None, 0, 100), Err(RenderFailure::Error));

@@ -70,11 +70,10 @@ pub(super) fn compile_approximate(
     v: Value,
     block_size: u32,
 ) -> Result<ApproximateConfig, ConfigError> {
-    let mut c: ApproximateConfig =
-        serde_json::from_value(v).map_err(|e| ConfigError::Invalid {
-            field: "approximate".to_string(),
-            detail: e.to_string(),
-        })?;
+    let mut c: ApproximateConfig = serde_json::from_value(v).map_err(|e| ConfigError::Invalid {
+        field: "approximate".to_string(),
+        detail: e.to_string(),
+    })?;
     finish(&mut c, block_size)?;
     Ok(c)
 }
@@ -93,9 +92,27 @@ pub(super) fn finish(c: &mut ApproximateConfig, block_size: u32) -> Result<(), C
         }
     };
     range("ttl_ms", c.ttl_ms, 1, 86_400_000, "within [1, 86400000]")?;
-    range("max_blocks", c.max_blocks as u64, 1, 1 << 24, "within [1, 16777216]")?;
-    range("max_record_blocks", c.max_record_blocks as u64, 1, 4096, "within [1, 4096]")?;
-    range("text_chunk_bytes", c.text_chunk_bytes as u64, 0, 65_536, "within [0, 65536]")?;
+    range(
+        "max_blocks",
+        c.max_blocks as u64,
+        1,
+        1 << 24,
+        "within [1, 16777216]",
+    )?;
+    range(
+        "max_record_blocks",
+        c.max_record_blocks as u64,
+        1,
+        4096,
+        "within [1, 4096]",
+    )?;
+    range(
+        "text_chunk_bytes",
+        c.text_chunk_bytes as u64,
+        0,
+        65_536,
+        "within [0, 65536]",
+    )?;
     if c.text_chunk_bytes == 0 {
         c.text_chunk_bytes = 4 * block_size.max(1) as usize;
     }

@@ -5,10 +5,9 @@ use serde_json::{Map, Value};
 
 use super::fields::*;
 use super::{
-    WorkerKvMode,
     BusyThresholds, ClientHints, Config, ConfigError, CostWeights, DestinationFormat, Device,
     EventsConfig, IndexConfig, LoadConfig, PrefillLoadModel, RoutingMode, Slot, WorkerConfig,
-    MAX_BLOCK_SIZE, MAX_BYTES_LIMIT, MAX_FALLBACK_COUNT, MAX_HINT_ITEMS_LIMIT,
+    WorkerKvMode, MAX_BLOCK_SIZE, MAX_BYTES_LIMIT, MAX_FALLBACK_COUNT, MAX_HINT_ITEMS_LIMIT,
 };
 use crate::types::{DpRank, SlotIdx, WorkerId};
 
@@ -645,10 +644,7 @@ fn compile_workers(
             None => WorkerKvMode::Events,
             Some(s) => WorkerKvMode::parse(&s).ok_or_else(|| ConfigError::Invalid {
                 field: o.field_path("kv_mode"),
-                detail: format!(
-                    "\"{s}\" is not one of {}",
-                    WorkerKvMode::NAMES.join(", ")
-                ),
+                detail: format!("\"{s}\" is not one of {}", WorkerKvMode::NAMES.join(", ")),
             })?,
         };
         o.finish()?;

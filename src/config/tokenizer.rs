@@ -58,7 +58,10 @@ pub(super) fn compile_tokenizer(v: Value) -> Result<TokenizerConfig, ConfigError
         });
     }
     check_url_path("tokenizer.chat_path".to_string(), &c.chat_path)?;
-    check_url_path("tokenizer.completions_path".to_string(), &c.completions_path)?;
+    check_url_path(
+        "tokenizer.completions_path".to_string(),
+        &c.completions_path,
+    )?;
     if !(1..=60_000).contains(&c.timeout_ms) {
         return Err(ConfigError::OutOfRange {
             field: "tokenizer.timeout_ms".to_string(),

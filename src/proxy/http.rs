@@ -10,18 +10,18 @@ use super::host::{self, HostStore};
 use super::vm::{worker_id, VmState};
 use crate::approx::Record;
 use crate::config::{ClientHints, Config, DestinationFormat, PrefillLoadModel, RoutingMode};
-use crate::prompt_text::{prompt_text, render_cache_key, text_prefix_hashes};
-use crate::render::{classify, parse_reply, RenderFailure};
-use crate::types::SequenceHash;
 use crate::hashing::prompt_sequence_hashes;
 use crate::load::{output_milli_blocks, predicted_prefill_ms};
 use crate::load_store::{self, Release};
+use crate::prompt_text::{prompt_text, render_cache_key, text_prefix_hashes};
+use crate::render::{classify, parse_reply, RenderFailure};
 use crate::request::{
     parse_header_pin, parse_request_with, Endpoint, LlmRequest, ParseOptions, Pin, RequestError,
     HEADER_DP_RANK, HEADER_WORKER_ID,
 };
 use crate::router::{decide, prompt_blocks, Decision, RouteError, RouteInput};
 use crate::text::{excerpt, MAX_EXCERPT_BYTES};
+use crate::types::SequenceHash;
 use crate::types::SlotIdx;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
@@ -262,7 +262,9 @@ impl RequestContext {
                 });
                 Action::Pause
             }
-            Err(_) => self.route_by_text(vm, config, request, &text, Some(RenderFailure::Unavailable)),
+            Err(_) => {
+                self.route_by_text(vm, config, request, &text, Some(RenderFailure::Unavailable))
+            }
         }
     }
 
@@ -277,7 +279,8 @@ impl RequestContext {
         failure: Option<RenderFailure>,
     ) -> Action {
         if let Some(f) = failure {
-            vm.metrics.inc(&format!("tokenizer.fallback.{}", f.as_str()));
+            vm.metrics
+                .inc(&format!("tokenizer.fallback.{}", f.as_str()));
         }
         let hashes = config.approximate.as_ref().map(|a| {
             text_prefix_hashes(
@@ -288,7 +291,13 @@ impl RequestContext {
             )
         });
         request.text_prefix = hashes.is_some();
-        self.decide_and_steer(vm, config, request, hashes, failure.map(RenderFailure::as_str))
+        self.decide_and_steer(
+            vm,
+            config,
+            request,
+            hashes,
+            failure.map(RenderFailure::as_str),
+        )
     }
 
     /// The tokenizer answered (or the call failed): route with its ids, else by text; resume.
@@ -343,7 +352,10 @@ impl RequestContext {
                 self.decide_and_steer(vm, &config, request, None, None)
             }
             Err(f) => {
-                log::debug!("kv-router: tokenizer call failed ({}); routing by text", f.as_str());
+                log::debug!(
+                    "kv-router: tokenizer call failed ({}); routing by text",
+                    f.as_str()
+                );
                 self.route_by_text(vm, &config, request, &pending.text, Some(f))
             }
         };
@@ -386,13 +398,13 @@ impl RequestContext {
         }
         if vm.predicted.is_some() && !hashes.is_empty() {
             vm.sync_predictions(now);
-            merge_predictions(vm, &config, &hashes, from_text, now, &mut overlaps);
+            merge_predictions(vm, config, &hashes, from_text, now, &mut overlaps);
         }
         let mut load = load_store::read(&HostStore, config.slots.len()).view(now);
         if config.load.reported_load {
             vm.merge_reported_load(&mut load);
         }
-        let prompt_blocks = prompt_blocks(&config, &request);
+        let prompt_blocks = prompt_blocks(config, &request);
         let input = RouteInput {
             request: &request,
             header_pin: self.header_pin,
@@ -401,18 +413,18 @@ impl RequestContext {
             load: &load,
             stale_slots: &vm.stale_slots,
         };
-        let decided = decide(&config, &input, &mut vm.selector);
+        let decided = decide(config, &input, &mut vm.selector);
         vm.overlaps = overlaps;
         match decided {
             Ok(decision) => {
-                self.steer(vm, &config, &decision, now, &request, note);
-                record_prediction(vm, &config, &decision, hashes, from_text, now);
+                self.steer(vm, config, &decision, now, &request, note);
+                record_prediction(vm, config, &decision, hashes, from_text, now);
                 Action::Continue
             }
             Err(RouteError::NonFiniteCost { slot, cost }) => {
                 // Corrupt load or overlap input: never fail the request for it.
                 log::error!("kv-router: slot {slot} scored a non-finite cost ({cost}); routing by the fallback rule");
-                self.fallback(vm, &config, "non_finite_cost");
+                self.fallback(vm, config, "non_finite_cost");
                 Action::Continue
             }
             Err(err) => {

@@ -11,10 +11,10 @@ use super::poller::{PendingCall, Poller};
 use super::vm::{worker_id, VmState};
 use crate::approx::{self, PredictedStore};
 use crate::config::Config;
-use crate::render::RenderCache;
 use crate::events::{parse_dump, parse_event_page, EventError, LogRecord};
 use crate::load_store::{self, PendingReleases};
 use crate::polling::{disposition, is_gap, CallKind, Disposition, Next, ReplyOutcome};
+use crate::render::RenderCache;
 use crate::replication::lease::{hold_lease, holds_lease};
 use crate::replication::log::{self as replication, Replica};
 use crate::router::SelectorState;
@@ -368,7 +368,12 @@ impl VmState {
             .enumerate()
             .filter(|(_, w)| !w.stale && now.saturating_sub(w.last_ok_ms) > stale_after)
             // A worker without events is never stale: nothing is expected from it.
-            .filter(|(i, _)| config.workers.get(*i).is_some_and(|w| w.kv_mode.has_events()))
+            .filter(|(i, _)| {
+                config
+                    .workers
+                    .get(*i)
+                    .is_some_and(|w| w.kv_mode.has_events())
+            })
             .filter_map(|(i, _)| u16::try_from(i).ok())
             .collect();
         for worker in lost {

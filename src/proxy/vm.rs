@@ -3,9 +3,9 @@
 
 use super::metrics::Metrics;
 use super::poller::Poller;
+use crate::approx::PredictedStore;
 use crate::config::Config;
 use crate::load::{merge_reported, SlotLoad};
-use crate::approx::PredictedStore;
 use crate::load_store::PendingReleases;
 use crate::render::RenderCache;
 use crate::replication::log::Replica;
