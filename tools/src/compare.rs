@@ -189,9 +189,19 @@ fn print_tokenizer_stats(envoy: &Envoy) {
         get("tokenizer.fallback.render_timeout"),
         get("tokenizer.fallback.render_error"),
     );
-    if let Ok(resp) = crate::client::get(&envoy.admin, "/stats?filter=tokenizer.render_ms") {
-        eprintln!("tokenizer render_ms histogram: {}", resp.text().trim());
+    // Envoy computes histogram quantiles at its stats flush (every 5 s): wait for one.
+    let deadline = std::time::Instant::now() + Duration::from_secs(12);
+    while std::time::Instant::now() < deadline {
+        if let Ok(resp) = crate::client::get(&envoy.admin, "/stats?filter=tokenizer.render_ms") {
+            let text = resp.text();
+            if text.contains("P50") {
+                eprintln!("tokenizer render_ms histogram: {}", text.trim());
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(500));
     }
+    eprintln!("tokenizer render_ms histogram: no flush within 12 s");
 }
 
 /// A peer arm: vllm-router with `policy` in front of a fresh fleet.
