@@ -335,3 +335,89 @@ fn clients_disconnecting_during_the_body_or_the_stream_leak_nothing() {
     route(&envoy, &completion(&tokens(8000, 64)));
     assert_index_matches(&envoy, &[&workers[0], &workers[1]]);
 }
+
+/// The test-only build whose VM traps on a request header (`scripts/build-wasm.sh
+/// --crash-trigger`, part of `make wasm`).
+fn crash_trigger_wasm() -> std::path::PathBuf {
+    let path = envoy_kv_router_tools::harness::workspace_root()
+        .join("target/envoy_kv_router_crash_trigger.wasm");
+    assert!(
+        path.is_file(),
+        "{} is missing: build it with `bash scripts/build-wasm.sh --crash-trigger` (`make wasm`)",
+        path.display()
+    );
+    path
+}
+
+#[test]
+fn a_vm_crash_is_reloaded_and_the_state_rebuilt_under_traffic() {
+    let workers = echo_workers(2, BLOCK);
+    // A booking whose VM died with it is reaped after this (the reloaded VM cannot release it).
+    let config = filter_config(
+        &workers,
+        json!({"block_size": BLOCK, "events": {"poll_interval_ms": 100},
+               "load": {"request_timeout_ms": 2000}}),
+    );
+    let envoy = start_envoy_with(&workers, config, |o| {
+        o.wasm = Some(crash_trigger_wasm());
+        o.concurrency = 1;
+    });
+    let prompt = tokens(11000, 4 * BLOCK);
+    cache_on(&envoy, &workers[1], &prompt, 1);
+    let traffic = Traffic::start(&envoy, vec![prompt.clone(), tokens(9300, 2 * BLOCK)]);
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| e.router_stat("routed.kv")
+            >= 20)
+    );
+
+    let crash = envoy
+        .send(
+            "/v1/completions",
+            &[
+                ("content-type", "application/json"),
+                ("x-kv-router-test-crash", "1"),
+            ],
+            completion(&prompt).to_string().as_bytes(),
+        )
+        .unwrap();
+    assert_eq!(crash.status, 503, "the request that crashed the VM");
+    assert!(
+        envoy.wait_for(Duration::from_secs(15), |e| {
+            e.stats()
+                .get("wasm.kv_router.vm_reload_success")
+                .is_some_and(|n| *n >= 1)
+        }),
+        "Envoy reloaded the VM"
+    );
+    // The reloaded VM routes on the index it rebuilt (shared log / dumps) and on new events.
+    assert!(
+        wait_for_overlap(&envoy, &completion(&prompt), 4, Duration::from_secs(10)),
+        "the index is back after the reload"
+    );
+    assert_eq!(route(&envoy, &completion(&prompt)).0, 2);
+    let fresh = tokens(12000, 3 * BLOCK);
+    cache_on(&envoy, &workers[0], &fresh, 1);
+    let outcomes = traffic.finish();
+    // Between the crash and the reload (Envoy's reload back-off, 0.1 s in the harness) Envoy
+    // fails requests fast with an empty 503: that is FAIL_RELOAD's contract. Nothing else fails.
+    let failed: u64 = outcomes
+        .iter()
+        .filter(|(k, _)| k.as_str() != "200")
+        .map(|(_, v)| *v)
+        .sum();
+    println!("VM crash under traffic: {outcomes:?}");
+    assert!(
+        outcomes.keys().all(|k| k == "200" || k == "503 "),
+        "only the reload window's fast 503s: {outcomes:?}"
+    );
+    assert!(outcomes.get("200").copied().unwrap_or(0) > failed);
+    for _ in 0..50 {
+        route(&envoy, &completion(&fresh));
+    }
+    assert!(
+        envoy.wait_for(Duration::from_secs(15), |e| load_gauges(e) == 0),
+        "load back to 0 (a booking of the dead VM reaped: {})",
+        envoy.router_stat("load.reaped")
+    );
+    assert_index_matches(&envoy, &[&workers[0], &workers[1]]);
+}
