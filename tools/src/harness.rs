@@ -548,6 +548,8 @@ pub fn bootstrap(opts: &EnvoyOptions, wasm: &Path, lds_path: Option<&Path>) -> V
         let watched = lds
             .parent()
             .map_or_else(String::new, |d| d.to_string_lossy().into_owned());
+        // Envoy wants a node identity for any xDS source, a file included.
+        config["node"] = json!({"id": "kv-router-test", "cluster": "kv-router-test"});
         config["dynamic_resources"] = json!({"lds_config": {"resource_api_version": "V3",
             "path_config_source": {"path": lds.to_string_lossy(), "watched_directory": {"path": watched}}}});
     }
