@@ -1,5 +1,5 @@
 # envoy-kv-router. `make test` and `make demo` do their own set-up on a fresh machine.
-.PHONY: all setup build wasm tools test test-native test-wasm demo container-demo bench bench-real-vllm bench-streams lint fmt clean
+.PHONY: all setup build wasm tools test soak test-native test-wasm demo container-demo bench bench-real-vllm bench-streams lint fmt clean
 
 all: build
 
@@ -8,6 +8,7 @@ setup:
 
 wasm:
 	bash scripts/build-wasm.sh
+	bash scripts/build-wasm.sh --crash-trigger
 
 tools:
 	cargo build --release -p envoy-kv-router-tools -p kv-event-bridge
@@ -24,6 +25,11 @@ test: setup build lint
 	bash scripts/check-deploy.sh
 	CONTAINER_DEMO_BUILD=prebuilt bash scripts/container-demo.sh
 	bash scripts/fuzz.sh
+
+# Mixed traffic with faults for SOAK_MINUTES (default 30) through the real Envoy, its memory
+# sampled into target/soak/memory.csv, the figures in target/soak/summary.json (tests/soak.rs).
+soak: build
+	nice cargo test --release --test soak -- --ignored --nocapture
 
 test-native: build
 	cargo test --workspace --release

@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Builds the filter for wasm32 and copies it to target/envoy_kv_router.wasm.
+# `--crash-trigger`: the test-only variant with the `test-crash-trigger` feature (a request header
+# traps the VM; tests/fault_matrix.rs) -> target/envoy_kv_router_crash_trigger.wasm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/wasm-env.sh
+features="" name=envoy_kv_router
+if [ "${1:-}" = "--crash-trigger" ]; then
+  features="--features test-crash-trigger" name=envoy_kv_router_crash_trigger
+fi
 # shellcheck disable=SC2086
-"$CARGO" build --profile wasm --target wasm32-unknown-unknown -p envoy-kv-router --lib $WASM_BUILD_FLAGS
+"$CARGO" build --profile wasm --target wasm32-unknown-unknown -p envoy-kv-router --lib $features $WASM_BUILD_FLAGS
 out="${CARGO_TARGET_DIR:-target}/wasm32-unknown-unknown/wasm/envoy_kv_router.wasm"
 mkdir -p target
-cp "$out" target/envoy_kv_router.wasm
-echo "built target/envoy_kv_router.wasm ($(wc -c < target/envoy_kv_router.wasm) bytes)"
+cp "$out" "target/$name.wasm"
+echo "built target/$name.wasm ($(wc -c < "target/$name.wasm") bytes)"

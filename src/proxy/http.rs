@@ -784,6 +784,8 @@ impl Context for RequestContext {
 
 impl HttpContext for RequestContext {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        #[cfg(feature = "test-crash-trigger")]
+        crate::proxy::crash_trigger::trap_if_asked();
         let Some(config) = self.config() else {
             return Action::Continue;
         };

@@ -7,6 +7,8 @@
 //! * `metrics`, `host`: Envoy stats, thin non-panicking host-call wrappers, and the shared-data
 //!   store the core's replication log, lease and load table run on.
 
+#[cfg(feature = "test-crash-trigger")]
+pub mod crash_trigger;
 pub mod host;
 pub mod http;
 pub mod metrics;

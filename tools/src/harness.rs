@@ -127,6 +127,8 @@ pub struct Worker {
     pub replay: Option<String>,
     /// The bridge serving its ZMQ events, for a bridged worker.
     pub bridge: Option<Bridge>,
+    /// The flags it was started with (after `--port` and `--id`), for [`Worker::restart`].
+    args: Vec<String>,
     process: ProcessGuard,
 }
 
@@ -134,8 +136,13 @@ impl Worker {
     /// Starts `mock-worker --port 0 --id <id> <args>` and waits for its `listening <addr>` line
     /// (then its `zmq`/`replay` lines when `args` ask for ZMQ publishing).
     pub fn spawn(id: u64, args: &[&str]) -> std::io::Result<Worker> {
+        Worker::spawn_on(id, 0, args)
+    }
+
+    /// [`Worker::spawn`] on a given port (0: a free one).
+    pub fn spawn_on(id: u64, port: u16, args: &[&str]) -> std::io::Result<Worker> {
         let mut child = Command::new(mock_worker_bin())
-            .args(["--port", "0", "--id", &id.to_string()])
+            .args(["--port", &port.to_string(), "--id", &id.to_string()])
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -186,8 +193,38 @@ impl Worker {
             zmq: field("zmq "),
             replay: field("replay "),
             bridge: None,
+            args: args.iter().map(|a| a.to_string()).collect(),
             process,
         })
+    }
+
+    /// Kills the worker and starts a fresh one with the same id, flags and address: an engine
+    /// restart (empty cache, event ids from 1 again). Not for bridged workers.
+    pub fn restart(&mut self) -> std::io::Result<()> {
+        self.process.kill();
+        let port = self
+            .addr
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse().ok())
+            .unwrap_or(0);
+        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        // The port was just freed; a listener in TIME_WAIT elsewhere can hold it for a moment.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match Worker::spawn_on(self.id, port, &args) {
+                Ok(fresh) => {
+                    *self = fresh;
+                    return Ok(());
+                }
+                Err(e) if Instant::now() >= deadline => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+
+    /// Whether its process still runs (false after [`Worker::kill`]).
+    pub fn is_running(&mut self) -> bool {
+        self.process.is_running()
     }
 
     /// Starts `count` workers with ids 1..=count.
@@ -399,6 +436,7 @@ pub enum Steering {
     OriginalDst,
 }
 
+#[derive(Clone)]
 pub struct EnvoyOptions {
     /// The filter's JSON configuration (the test writes its `workers`).
     pub filter_config: Value,
@@ -414,6 +452,11 @@ pub struct EnvoyOptions {
     pub log_level: &'static str,
     /// Load the Wasm filter (false: the same Envoy without it, for overhead comparisons).
     pub with_filter: bool,
+    /// The filter's .wasm (default [`wasm_path`]).
+    pub wasm: Option<PathBuf>,
+    /// Serve the listener from a watched LDS file instead of the bootstrap, so that
+    /// [`Envoy::update_filter_config`] can swap the filter's configuration while Envoy runs.
+    pub dynamic_listener: bool,
 }
 
 impl EnvoyOptions {
@@ -427,6 +470,8 @@ impl EnvoyOptions {
             buffer_limit_bytes: 16 * 1024 * 1024,
             log_level: "info",
             with_filter: true,
+            wasm: None,
+            dynamic_listener: false,
         }
     }
 }
@@ -450,7 +495,8 @@ fn socket_address(addr: &str) -> Value {
 }
 
 /// The Envoy bootstrap, the same shape as `envoy/envoy.yaml`, with ports chosen by the OS.
-pub fn bootstrap(opts: &EnvoyOptions, wasm: &Path) -> Value {
+/// With `lds_path`, the listener comes from that watched file (see [`lds_resources`]).
+pub fn bootstrap(opts: &EnvoyOptions, wasm: &Path, lds_path: Option<&Path>) -> Value {
     let endpoints: Vec<Value> = opts
         .worker_addrs
         .iter()
@@ -482,6 +528,43 @@ pub fn bootstrap(opts: &EnvoyOptions, wasm: &Path) -> Value {
             "original_dst_lb_config": {"use_http_header": true, "http_header_name": header}
         }),
     };
+    let listeners = if opts.dynamic_listener {
+        Vec::new()
+    } else {
+        vec![listener(opts, wasm, "127.0.0.1:0")]
+    };
+    let mut config = json!({
+        "admin": {"address": socket_address("127.0.0.1:0")},
+        "static_resources": {
+            "listeners": listeners,
+            "clusters": [worker_cluster, {
+                "name": "kv_events", "type": "ORIGINAL_DST", "connect_timeout": "1s",
+                "lb_policy": "CLUSTER_PROVIDED",
+                "original_dst_lb_config": {"use_http_header": true}
+            }]
+        }
+    });
+    if let Some(lds) = lds_path {
+        let watched = lds
+            .parent()
+            .map_or_else(String::new, |d| d.to_string_lossy().into_owned());
+        // Envoy wants a node identity for any xDS source, a file included.
+        config["node"] = json!({"id": "kv-router-test", "cluster": "kv-router-test"});
+        config["dynamic_resources"] = json!({"lds_config": {"resource_api_version": "V3",
+            "path_config_source": {"path": lds.to_string_lossy(), "watched_directory": {"path": watched}}}});
+    }
+    config
+}
+
+/// The LDS file's content: the one listener, on `address`.
+pub fn lds_resources(opts: &EnvoyOptions, wasm: &Path, address: &str) -> Value {
+    let mut listener = listener(opts, wasm, address);
+    listener["@type"] = json!("type.googleapis.com/envoy.config.listener.v3.Listener");
+    json!({"resources": [listener]})
+}
+
+/// The LLM listener on `address`, with the filter (when `opts.with_filter`) and the router.
+fn listener(opts: &EnvoyOptions, wasm: &Path, address: &str) -> Value {
     let timeout = format!("{}s", opts.route_timeout.as_secs_f64());
     let wasm_filter = json!({"name": "envoy.filters.http.wasm", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
@@ -489,6 +572,9 @@ pub fn bootstrap(opts: &EnvoyOptions, wasm: &Path) -> Value {
             "name": "kv_router", "root_id": "kv_router",
             "allow_on_headers_stop_iteration": true,
             "failure_policy": "FAIL_RELOAD",
+            // A crashed VM is replaced at the next request after this back-off; requests in
+            // between fail fast with a 503 (Envoy's default is 1 s).
+            "reload_config": {"backoff": {"base_interval": "0.1s", "max_interval": "1s"}},
             "vm_config": {"vm_id": "kv_router", "runtime": "envoy.wasm.runtime.v8",
                 "code": {"local": {"filename": wasm.to_string_lossy()}}},
             "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
@@ -501,11 +587,8 @@ pub fn bootstrap(opts: &EnvoyOptions, wasm: &Path) -> Value {
         vec![router]
     };
     json!({
-        "admin": {"address": socket_address("127.0.0.1:0")},
-        "static_resources": {
-            "listeners": [{
                 "name": "llm",
-                "address": socket_address("127.0.0.1:0"),
+                "address": socket_address(address),
                 "per_connection_buffer_limit_bytes": opts.buffer_limit_bytes,
                 "filter_chains": [{"filters": [{
                     "name": "envoy.filters.network.http_connection_manager",
@@ -519,14 +602,17 @@ pub fn bootstrap(opts: &EnvoyOptions, wasm: &Path) -> Value {
                                                  "num_retries": 2}}}]}]},
                         "http_filters": http_filters
                     }}]}]
-            }],
-            "clusters": [worker_cluster, {
-                "name": "kv_events", "type": "ORIGINAL_DST", "connect_timeout": "1s",
-                "lb_policy": "CLUSTER_PROVIDED",
-                "original_dst_lb_config": {"use_http_header": true}
-            }]
-        }
     })
+}
+
+/// Writes the LDS file atomically (a rename into the watched directory, which Envoy reloads).
+fn write_lds(path: &Path, opts: &EnvoyOptions, address: &str) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let wasm = opts.wasm.clone().unwrap_or_else(wasm_path);
+    let tmp = dir.with_extension("tmp.json");
+    std::fs::write(&tmp, lds_resources(opts, &wasm, address).to_string())?;
+    std::fs::rename(&tmp, path)
 }
 
 /// A running Envoy with the filter loaded.
@@ -536,7 +622,17 @@ pub struct Envoy {
     /// `127.0.0.1:port` of the admin API.
     pub admin: String,
     pub dir: PathBuf,
+    /// With [`EnvoyOptions::dynamic_listener`]: the options the LDS file was written from.
+    dynamic: Option<EnvoyOptions>,
     process: ProcessGuard,
+}
+
+/// A free TCP port on 127.0.0.1 (bound and released; a dynamic listener keeps its address across
+/// updates, so it cannot ask for port 0).
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 impl Envoy {
@@ -544,7 +640,19 @@ impl Envoy {
     pub fn start(opts: &EnvoyOptions) -> std::io::Result<Envoy> {
         let dir = scratch_dir()?;
         let config_path = dir.join("envoy.json");
-        std::fs::write(&config_path, bootstrap(opts, &wasm_path()).to_string())?;
+        let wasm = opts.wasm.clone().unwrap_or_else(wasm_path);
+        let lds_path = dir.join("lds/listeners.json");
+        let dynamic = if opts.dynamic_listener {
+            let mut opts = opts.clone();
+            opts.wasm = Some(wasm.clone());
+            let port = free_port()?;
+            write_lds(&lds_path, &opts, &format!("127.0.0.1:{port}"))?;
+            Some(opts)
+        } else {
+            None
+        };
+        let lds = dynamic.as_ref().map(|_| lds_path.as_path());
+        std::fs::write(&config_path, bootstrap(opts, &wasm, lds).to_string())?;
         let admin_path = dir.join("admin-address");
         let log = std::fs::File::create(dir.join("envoy.log"))?;
         let child = Command::new(envoy_bin())
@@ -567,6 +675,7 @@ impl Envoy {
             listener: String::new(),
             admin: String::new(),
             dir,
+            dynamic,
             process: ProcessGuard { child },
         };
         envoy.wait_ready(&admin_path, Duration::from_secs(60))?;
@@ -602,6 +711,49 @@ impl Envoy {
             "envoy not ready in time:\n{}",
             self.log_tail(40)
         )))
+    }
+
+    /// The process id (for memory sampling).
+    pub fn pid(&self) -> u32 {
+        self.process.child.id()
+    }
+
+    /// Resident memory of the Envoy process in KiB (`VmRSS` of /proc/<pid>/status).
+    pub fn rss_kib(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).ok()?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    }
+
+    /// Replaces the filter's configuration through the watched LDS file (needs
+    /// [`EnvoyOptions::dynamic_listener`]); Envoy swaps the listener's filter chain in place and
+    /// drains the old one. Returns once `listener_manager.lds.update_success` has moved on.
+    pub fn update_filter_config(&mut self, filter_config: Value) -> std::io::Result<()> {
+        let Some(opts) = self.dynamic.as_mut() else {
+            return Err(std::io::Error::other(
+                "Envoy was started without a dynamic listener",
+            ));
+        };
+        opts.filter_config = filter_config;
+        let opts = opts.clone();
+        let key = "listener_manager.lds.update_success";
+        let before = self.stats().get(key).copied().unwrap_or(0);
+        write_lds(&self.dir.join("lds/listeners.json"), &opts, &self.listener)?;
+        if self.wait_for(Duration::from_secs(30), |e| {
+            e.stats().get(key).copied().unwrap_or(0) > before
+        }) {
+            Ok(())
+        } else {
+            Err(std::io::Error::other(format!(
+                "Envoy did not take the LDS update:\n{}",
+                self.log_tail(20)
+            )))
+        }
     }
 
     /// The LLM listener's bound address, from `/listeners?format=json`.

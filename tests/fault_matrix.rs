@@ -1,0 +1,507 @@
+//! The fault matrix against the real Envoy: each case injects one fault while traffic flows and
+//! then checks what a user relies on: no request lost that Envoy could have served (retries and
+//! the fallback hosts in the destination header carry requests past a dead worker), the filter's
+//! load gauges back to 0, the index equal to what the workers' dumps hold, Envoy healthy.
+//!
+//! Already covered elsewhere, not repeated here: event pages that are garbage, oversized, of the
+//! wrong block size or a 500 (`kv_routing.rs`), the oversized-dump backoff and an absurd cursor
+//! (`event_faults.rs`), a gap in event ids (`kv_routing.rs`), hostile clients (`client_trust.rs`).
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::indexing_slicing)] // test code: a failed expectation is the assertion
+
+mod common;
+mod faults;
+use common::*;
+use faults::*;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// Requests sent in the background while a fault happens, and what came back.
+struct Traffic {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<BTreeMap<String, u64>>,
+}
+
+impl Traffic {
+    /// Plain completions over `prompts` in turn, one at a time, until [`Traffic::finish`].
+    fn start(envoy: &Envoy, prompts: Vec<Vec<u32>>) -> Traffic {
+        let stop = Arc::new(AtomicBool::new(false));
+        let addr = envoy.listener.clone();
+        let flag = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let mut outcomes = BTreeMap::new();
+            let mut i = 0;
+            while !flag.load(Ordering::Relaxed) {
+                let body = completion(&prompts[i % prompts.len()]).to_string();
+                i += 1;
+                let outcome = match http::request(
+                    &addr,
+                    "POST",
+                    "/v1/completions",
+                    &[("content-type", "application/json")],
+                    body.as_bytes(),
+                    Duration::from_secs(30),
+                ) {
+                    Ok(r) if r.status == 200 => "200".to_string(),
+                    Ok(r) => format!("{} {}", r.status, r.text()),
+                    Err(e) => format!("transport error: {e}"),
+                };
+                *outcomes.entry(outcome).or_insert(0) += 1;
+            }
+            outcomes
+        });
+        Traffic { stop, thread }
+    }
+
+    /// Stops the traffic; the outcome counts (`"200"` for successes).
+    fn finish(self) -> BTreeMap<String, u64> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().unwrap()
+    }
+}
+
+/// What Envoy answers for the request that was on a worker when the worker died: with the
+/// shipped `retry_on` (connect-failure, refused-stream, reset-before-request) it does not resend
+/// a request the worker may have started (`reset` in `retry_on` would, at the cost of running it
+/// twice).
+const IN_FLIGHT_AT_KILL: &str =
+    "503 upstream connect error or disconnect/reset before headers. reset reason: connection termination";
+
+/// Every request succeeded except, at most, the one the (sequential) traffic had on a worker at
+/// the moment it was killed.
+fn assert_served_but_the_one_in_flight(outcomes: &BTreeMap<String, u64>, what: &str) {
+    let ok = outcomes.get("200").copied().unwrap_or(0);
+    assert!(ok > 0, "{what}: no traffic went through: {outcomes:?}");
+    let lost = outcomes.get(IN_FLIGHT_AT_KILL).copied().unwrap_or(0);
+    assert!(
+        lost <= 1 && outcomes.len() <= 1 + usize::from(lost > 0),
+        "{what}: failed requests: {outcomes:?}"
+    );
+}
+
+/// Every request succeeded (and there were some).
+fn assert_all_served(outcomes: &BTreeMap<String, u64>, what: &str) {
+    let ok = outcomes.get("200").copied().unwrap_or(0);
+    assert!(ok > 0, "{what}: no traffic went through: {outcomes:?}");
+    assert_eq!(outcomes.len(), 1, "{what}: failed requests: {outcomes:?}");
+}
+
+/// The after-fault checks: Envoy ready, load gauges back to 0 (every booking released, none
+/// reaped).
+fn assert_recovered(envoy: &Envoy) {
+    assert!(
+        http::get(&envoy.admin, "/ready").is_ok_and(|r| r.status == 200),
+        "envoy ready"
+    );
+    assert!(
+        envoy.wait_for(Duration::from_secs(15), |e| load_gauges(e) == 0),
+        "load gauges back to 0 (sum now {})",
+        load_gauges(envoy)
+    );
+    assert_eq!(envoy.router_stat("load.reaped"), 0, "released, not reaped");
+}
+
+/// The index holds exactly the (block, worker) entries the `workers`' dumps list.
+fn assert_index_matches(envoy: &Envoy, workers: &[&Worker]) {
+    let expected = || -> u64 {
+        workers
+            .iter()
+            .map(|w| dump_blocks(std::slice::from_ref(*w)))
+            .sum()
+    };
+    assert!(
+        envoy.wait_for(Duration::from_secs(15), |e| e.router_stat("index.entries")
+            == expected()),
+        "index {} entries, dumps {} blocks",
+        envoy.router_stat("index.entries"),
+        expected()
+    );
+}
+
+fn echo_envoy(workers: &[Worker], extra: Value) -> Envoy {
+    let mut config = json!({"block_size": BLOCK, "events": {"poll_interval_ms": 100,
+                                                             "stale_after_ms": 1500}});
+    if let (Some(c), Some(e)) = (config.as_object_mut(), extra.as_object()) {
+        for (k, v) in e {
+            c.insert(k.clone(), v.clone());
+        }
+    }
+    start_envoy(workers, filter_config(workers, config))
+}
+
+/// Publishes `prompt` as stored on `worker` and waits until the router credits it there.
+fn cache_on(envoy: &Envoy, worker: &Worker, prompt: &[u32], first_hash: u64) {
+    publish(
+        worker,
+        vec![vllm_stored(prompt, BLOCK, None, first_hash, "GPU")],
+    );
+    let blocks = prompt.len() as u32 / BLOCK;
+    assert!(
+        wait_for_overlap(envoy, &completion(prompt), blocks, Duration::from_secs(10)),
+        "worker {} credited with the prompt",
+        worker.id
+    );
+}
+
+#[test]
+fn a_worker_killed_mid_stream_truncates_that_stream_only() {
+    let mut workers = echo_workers(3, BLOCK);
+    let envoy = echo_envoy(&workers, json!({}));
+    let on_1 = tokens(1000, 4 * BLOCK);
+    let on_2 = tokens(2000, 4 * BLOCK);
+    cache_on(&envoy, &workers[0], &on_1, 1);
+    cache_on(&envoy, &workers[1], &on_2, 1);
+    let traffic = Traffic::start(&envoy, vec![tokens(9000, 2 * BLOCK), on_2.clone()]);
+
+    // A long stream to worker 1 (it holds the prompt): 40 chunks 100 ms apart.
+    let mut body = completion(&on_1);
+    body["stream"] = json!(true);
+    body["mock"] = json!({"chunks": 40, "chunk_interval_ms": 100});
+    let mut stream = http::request_streaming(
+        &envoy.listener,
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        body.to_string().as_bytes(),
+        Duration::from_secs(30),
+    )
+    .unwrap();
+    assert_eq!(stream.status, 200);
+    assert_eq!(stream.header("x-worker-id"), Some("1"));
+    assert!(stream.next_chunk().unwrap().is_some(), "the stream started");
+    workers[0].kill();
+    // What Envoy can do once the answer has started: end the stream early, without [DONE].
+    let rest = stream.read_to_end();
+    assert!(
+        rest.as_ref()
+            .map_or(true, |b| !String::from_utf8_lossy(b).contains("[DONE]")),
+        "the stream was cut: {rest:?}"
+    );
+
+    // Worker 1's prompt is served elsewhere (a retry to the next-best host while worker 1 is
+    // still listed, load alone once it is stale); worker 2 keeps its prefix.
+    for _ in 0..20 {
+        let (worker, _, _) = route(&envoy, &completion(&on_1));
+        assert_ne!(worker, 1);
+    }
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| e.router_stat("workers.stale")
+            == 1)
+    );
+    assert_eq!(
+        route(&envoy, &completion(&on_2)).0,
+        2,
+        "worker 2 keeps its prefix"
+    );
+    assert_served_but_the_one_in_flight(&traffic.finish(), "traffic during the kill");
+    assert_recovered(&envoy);
+    assert_index_matches(&envoy, &[&workers[1], &workers[2]]);
+}
+
+#[test]
+fn a_worker_restarted_with_an_empty_cache_and_reset_ids_is_resynced() {
+    let mut workers = echo_workers(2, BLOCK);
+    let envoy = echo_envoy(&workers, json!({}));
+    let before = tokens(3000, 5 * BLOCK);
+    // Five events: the filter's cursor on worker 1 reaches 5.
+    for b in 0..5 {
+        let block = &before[(b * BLOCK) as usize..((b + 1) * BLOCK) as usize];
+        let parent = (b > 0).then(|| u64::from(b));
+        publish(
+            &workers[0],
+            vec![vllm_stored(block, BLOCK, parent, u64::from(b) + 1, "GPU")],
+        );
+    }
+    assert!(wait_for_overlap(
+        &envoy,
+        &completion(&before),
+        5,
+        Duration::from_secs(10)
+    ));
+    let resyncs = envoy.router_stat("events.resyncs");
+    let traffic = Traffic::start(&envoy, vec![before.clone(), tokens(9100, 2 * BLOCK)]);
+
+    // The engine restarts on its address: nothing cached, event ids from 1 again.
+    workers[0].restart().unwrap();
+    let after = tokens(4000, 3 * BLOCK);
+    publish(
+        &workers[0],
+        vec![vllm_stored(&after, BLOCK, None, 1, "GPU")],
+    );
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| e.router_stat("events.resyncs")
+            > resyncs),
+        "the id reset is noticed and the worker re-synced from its dump"
+    );
+    assert!(
+        wait_for_overlap(&envoy, &completion(&after), 3, Duration::from_secs(10)),
+        "the new cache is indexed"
+    );
+    assert_eq!(
+        route(&envoy, &completion(&before)).1,
+        0,
+        "the blocks lost in the restart are no longer credited"
+    );
+    assert_served_but_the_one_in_flight(&traffic.finish(), "traffic across the restart");
+    assert_recovered(&envoy);
+    assert_index_matches(&envoy, &[&workers[0], &workers[1]]);
+}
+
+#[test]
+fn a_slow_or_silent_event_source_costs_no_request() {
+    let workers = echo_workers(3, BLOCK);
+    // Worker 3's events address is a port nobody listens on: its event source says nothing.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed_addr = closed.local_addr().unwrap().to_string();
+    drop(closed);
+    let mut config = filter_config(
+        &workers,
+        json!({"block_size": BLOCK, "events": {"poll_interval_ms": 100, "stale_after_ms": 1500,
+                                               "timeout_ms": 500}}),
+    );
+    config["workers"][2]["events_address"] = json!(closed_addr);
+    let envoy = start_envoy(&workers, config);
+    let prompt = tokens(5000, 4 * BLOCK);
+    cache_on(&envoy, &workers[0], &prompt, 1);
+    let traffic = Traffic::start(&envoy, vec![prompt.clone(), tokens(9200, 2 * BLOCK)]);
+
+    // Worker 1's event source hangs: every call times out; a block published meanwhile lands
+    // once it answers again.
+    let failed = envoy.router_stat("events.fetch_failed");
+    workers[0]
+        .admin("/admin/events_fault", &json!({"mode": "hang"}))
+        .unwrap();
+    let more = tokens(5000, 6 * BLOCK);
+    publish(
+        &workers[0],
+        vec![vllm_stored(
+            &more[(4 * BLOCK) as usize..],
+            BLOCK,
+            Some(4),
+            5,
+            "GPU",
+        )],
+    );
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| e
+            .router_stat("events.fetch_failed")
+            >= failed + 2),
+        "the hung calls time out"
+    );
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| e.router_stat("workers.stale")
+            >= 2),
+        "workers 1 (hung) and 3 (silent) go stale"
+    );
+    assert_eq!(
+        route(&envoy, &completion(&prompt)).1,
+        0,
+        "a stale worker's blocks are not credited"
+    );
+    workers[0]
+        .admin("/admin/events_fault", &json!({"mode": "none"}))
+        .unwrap();
+    assert!(
+        wait_for_overlap(&envoy, &completion(&more), 6, Duration::from_secs(10)),
+        "re-synced after the hang, the block published meanwhile included"
+    );
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| e.router_stat("workers.stale")
+            == 1),
+        "worker 1 is fresh again, worker 3 stays silent"
+    );
+    assert_all_served(&traffic.finish(), "traffic while events hang or fail");
+    assert_recovered(&envoy);
+    assert_index_matches(&envoy, &[&workers[0], &workers[1]]);
+}
+
+#[test]
+fn clients_disconnecting_during_the_body_or_the_stream_leak_nothing() {
+    let workers = echo_workers(2, BLOCK);
+    let envoy = echo_envoy(&workers, json!({}));
+    for i in 0..20 {
+        disconnect_during_body(&envoy.listener, &completion(&tokens(6000 + i * 100, 64)));
+    }
+    for i in 0..10 {
+        let mut body = completion(&tokens(7000 + i * 100, 64));
+        body["stream"] = json!(true);
+        body["mock"] = json!({"chunks": 50, "chunk_interval_ms": 100});
+        disconnect_mid_stream(&envoy.listener, &body);
+    }
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| e.router_stat("routed.kv")
+            >= 10),
+        "the streamed requests were routed (and booked)"
+    );
+    assert_recovered(&envoy);
+    // Envoy noticed the aborts (downstream resets), and serves the next client.
+    let stats = envoy.stats();
+    assert!(
+        stats
+            .get("http.llm.downstream_rq_rx_reset")
+            .copied()
+            .unwrap_or(0)
+            + stats
+                .get("http.llm.downstream_cx_destroy_remote_active_rq")
+                .copied()
+                .unwrap_or(0)
+            >= 10,
+        "downstream aborts counted"
+    );
+    route(&envoy, &completion(&tokens(8000, 64)));
+    assert_index_matches(&envoy, &[&workers[0], &workers[1]]);
+}
+
+/// The test-only build whose VM traps on a request header (`scripts/build-wasm.sh
+/// --crash-trigger`, part of `make wasm`).
+fn crash_trigger_wasm() -> std::path::PathBuf {
+    let path = envoy_kv_router_tools::harness::workspace_root()
+        .join("target/envoy_kv_router_crash_trigger.wasm");
+    assert!(
+        path.is_file(),
+        "{} is missing: build it with `bash scripts/build-wasm.sh --crash-trigger` (`make wasm`)",
+        path.display()
+    );
+    path
+}
+
+#[test]
+fn a_vm_crash_is_reloaded_and_the_state_rebuilt_under_traffic() {
+    let workers = echo_workers(2, BLOCK);
+    // A booking whose VM died with it is reaped after this (the reloaded VM cannot release it).
+    let config = filter_config(
+        &workers,
+        json!({"block_size": BLOCK, "events": {"poll_interval_ms": 100},
+               "load": {"request_timeout_ms": 2000}}),
+    );
+    let envoy = start_envoy_with(&workers, config, |o| {
+        o.wasm = Some(crash_trigger_wasm());
+        o.concurrency = 1;
+    });
+    let prompt = tokens(11000, 4 * BLOCK);
+    cache_on(&envoy, &workers[1], &prompt, 1);
+    let traffic = Traffic::start(&envoy, vec![prompt.clone(), tokens(9300, 2 * BLOCK)]);
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| e.router_stat("routed.kv")
+            >= 20)
+    );
+
+    let crash = envoy
+        .send(
+            "/v1/completions",
+            &[
+                ("content-type", "application/json"),
+                ("x-kv-router-test-crash", "1"),
+            ],
+            completion(&prompt).to_string().as_bytes(),
+        )
+        .unwrap();
+    assert_eq!(crash.status, 503, "the request that crashed the VM");
+    assert!(
+        envoy.wait_for(Duration::from_secs(15), |e| {
+            e.stats()
+                .get("wasm.kv_router.vm_reload_success")
+                .is_some_and(|n| *n >= 1)
+        }),
+        "Envoy reloaded the VM"
+    );
+    // The reloaded VM routes on the index it rebuilt (shared log / dumps) and on new events.
+    assert!(
+        wait_for_overlap(&envoy, &completion(&prompt), 4, Duration::from_secs(10)),
+        "the index is back after the reload"
+    );
+    assert_eq!(route(&envoy, &completion(&prompt)).0, 2);
+    let fresh = tokens(12000, 3 * BLOCK);
+    cache_on(&envoy, &workers[0], &fresh, 1);
+    let outcomes = traffic.finish();
+    // Between the crash and the reload (Envoy's reload back-off, 0.1 s in the harness) Envoy
+    // fails requests fast with an empty 503: that is FAIL_RELOAD's contract. Nothing else fails.
+    let failed: u64 = outcomes
+        .iter()
+        .filter(|(k, _)| k.as_str() != "200")
+        .map(|(_, v)| *v)
+        .sum();
+    println!("VM crash under traffic: {outcomes:?}");
+    assert!(
+        outcomes.keys().all(|k| k == "200" || k == "503 "),
+        "only the reload window's fast 503s: {outcomes:?}"
+    );
+    assert!(outcomes.get("200").copied().unwrap_or(0) > failed);
+    for _ in 0..50 {
+        route(&envoy, &completion(&fresh));
+    }
+    assert!(
+        envoy.wait_for(Duration::from_secs(15), |e| load_gauges(e) == 0),
+        "load back to 0 (a booking of the dead VM reaped: {})",
+        envoy.router_stat("load.reaped")
+    );
+    assert_index_matches(&envoy, &[&workers[0], &workers[1]]);
+}
+
+#[test]
+fn a_filter_configuration_update_under_traffic_loses_nothing() {
+    let workers = echo_workers(3, BLOCK);
+    let config = fault_config(&workers);
+    let envoy_workers = &workers;
+    let mut envoy = start_envoy_with(envoy_workers, config.clone(), |o| {
+        o.dynamic_listener = true;
+    });
+    let prompt = tokens(13000, 4 * BLOCK);
+    cache_on(&envoy, &workers[2], &prompt, 1);
+    let reason = |envoy: &Envoy| {
+        let resp = envoy
+            .post_json("/v1/completions", &completion(&prompt))
+            .unwrap();
+        assert_eq!(resp.status, 200);
+        resp.header("x-kv-router-reason").unwrap_or("").to_string()
+    };
+    assert_eq!(reason(&envoy), "kv");
+    let traffic = Traffic::start(&envoy, vec![prompt.clone(), tokens(9400, 2 * BLOCK)]);
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| e.router_stat("routed.kv")
+            >= 20)
+    );
+
+    // Swap the routing mode while the traffic runs, and back.
+    let mut round_robin = config.clone();
+    round_robin["mode"] = json!("round-robin");
+    envoy.update_filter_config(round_robin).unwrap();
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| reason(e) == "round-robin"),
+        "the new configuration routes"
+    );
+    let before = envoy.router_stat("routed.round-robin");
+    assert!(envoy.wait_for(Duration::from_secs(10), |e| e
+        .router_stat("routed.round-robin")
+        >= before + 20));
+    envoy.update_filter_config(config).unwrap();
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| reason(e) == "kv"),
+        "and the old one again"
+    );
+    // The index survived both swaps: the prompt still goes where it is cached.
+    assert!(wait_for_overlap(
+        &envoy,
+        &completion(&prompt),
+        4,
+        Duration::from_secs(10)
+    ));
+    assert_eq!(route(&envoy, &completion(&prompt)).0, 3);
+    assert_all_served(
+        &traffic.finish(),
+        "traffic across two configuration updates",
+    );
+    assert_eq!(
+        envoy
+            .stats()
+            .get("listener_manager.lds.update_rejected")
+            .copied()
+            .unwrap_or(0),
+        0
+    );
+    assert_recovered(&envoy);
+    assert_index_matches(&envoy, &[&workers[0], &workers[1], &workers[2]]);
+}
