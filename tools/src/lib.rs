@@ -13,6 +13,7 @@ pub mod harness;
 pub mod loadgen;
 pub mod mock;
 pub mod peer;
+pub mod quality;
 pub mod server;
 pub mod sse;
 pub mod sys;

@@ -11,9 +11,10 @@ use envoy_kv_router_tools::compare::{
     compare_modes, quality_table, report_comparison, EventsVia, Fleet,
 };
 use envoy_kv_router_tools::loadgen::{
-    chat, format_stats, load_mooncake, ChatSpec, run_workload_on, synthetic, write_svg_chart, RunOptions,
-    SyntheticSpec,
+    chat, format_stats, load_mooncake, run_workload_on, synthetic, write_svg_chart, ChatSpec,
+    RunOptions, SyntheticSpec,
 };
+use envoy_kv_router_tools::quality::affinity_table;
 use envoy_kv_router_tools::sys::raise_fd_limit;
 use serde_json::Value;
 
@@ -222,6 +223,7 @@ fn main() {
             .unwrap_or_else(|e| fail(&e.to_string()));
         report_comparison(&results, args.svg.as_deref(), args.json.as_deref());
         print!("{}", quality_table(&results, args.fleet));
+        print!("{}", affinity_table(&results, &workload, args.block_size));
         return;
     }
     let targets: Vec<String> = args

@@ -5,11 +5,13 @@
 //! (`report`: tables and a TTFT chart).
 
 mod chat;
+mod replay;
 mod report;
 mod runner;
 mod stats;
 
 pub use chat::{chat, ChatSpec};
+pub use replay::{affinity_replay, block_hashes, Affinity};
 pub use report::{
     comparison_table, format_stats, print_comparison_table, svg_chart, write_svg_chart,
 };

@@ -1,0 +1,178 @@
+//! Affinity replay: how well an arm kept requests on the worker that already held their prefix,
+//! judged from the client side alone (the prompts and the `x-worker-id` of each answer), so it
+//! applies to every arm, peers included.
+//!
+//! Requests are replayed in the order they were sent. Each one is compared with what the fleet
+//! had already been sent in this run: for every worker, the prefix blocks of the requests routed
+//! to it earlier (full `block_size` blocks, chained like KV block hashes). The request's
+//! "max-overlap worker" is the one holding the longest prefix of it; it "went to" that worker
+//! when its own worker's overlap equals the maximum. Blocks given up = max overlap minus the
+//! overlap of the worker it went to. Evictions are not modelled (a worker is taken to keep all it
+//! was sent), so the figures are the affinity a router could have had with unbounded caches.
+
+use std::collections::{HashMap, HashSet};
+
+use super::runner::RequestResult;
+use super::Workload;
+use crate::util::splitmix64;
+
+/// The replay's totals for one arm.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Affinity {
+    /// Completed requests with a worker identity.
+    pub requests: usize,
+    /// Of those, requests some worker already held a prefix of (max overlap > 0).
+    pub with_prefix: usize,
+    /// Requests with a prefix that went to a max-overlap worker.
+    pub to_max_overlap: usize,
+    /// Sum over requests of the max overlap (blocks).
+    pub available_blocks: u64,
+    /// Sum over requests of max overlap minus the chosen worker's overlap (blocks).
+    pub given_up_blocks: u64,
+}
+
+impl Affinity {
+    /// Share of requests with a prefix somewhere that went to a max-overlap worker.
+    pub fn share_to_max_overlap(&self) -> Option<f64> {
+        (self.with_prefix > 0).then(|| self.to_max_overlap as f64 / self.with_prefix as f64)
+    }
+
+    /// Share of the available prefix blocks that the routing gave up.
+    pub fn share_given_up(&self) -> Option<f64> {
+        (self.available_blocks > 0)
+            .then(|| self.given_up_blocks as f64 / self.available_blocks as f64)
+    }
+}
+
+/// Chained hashes of the full `block_size`-token blocks of `tokens`.
+pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
+    let bs = block_size.max(1);
+    let mut parent = 0x5EED_u64;
+    tokens
+        .chunks_exact(bs)
+        .map(|chunk| {
+            let mut h = splitmix64(parent);
+            for t in chunk {
+                h = splitmix64(h ^ u64::from(*t));
+            }
+            parent = h;
+            h
+        })
+        .collect()
+}
+
+/// Leading blocks of `hashes` present in `held`.
+fn overlap(hashes: &[u64], held: &HashSet<u64>) -> u64 {
+    hashes.iter().take_while(|h| held.contains(h)).count() as u64
+}
+
+/// Replays `results` of `workload` (matched by request index) in send order; see the module docs.
+pub fn affinity_replay(
+    workload: &Workload,
+    results: &[RequestResult],
+    block_size: u32,
+) -> Affinity {
+    let mut order: Vec<&RequestResult> = results
+        .iter()
+        .filter(|r| r.ok && r.worker_id.is_some())
+        .collect();
+    order.sort_by(|a, b| a.sent_at_ms.total_cmp(&b.sent_at_ms));
+    let mut held: HashMap<&str, HashSet<u64>> = HashMap::new();
+    let mut a = Affinity::default();
+    for r in order {
+        let (Some(spec), Some(worker)) = (workload.requests.get(r.index), r.worker_id.as_deref())
+        else {
+            continue;
+        };
+        let hashes = block_hashes(&spec.tokens, block_size as usize);
+        let best = held
+            .values()
+            .map(|h| overlap(&hashes, h))
+            .max()
+            .unwrap_or(0);
+        let mine = held.get(worker).map_or(0, |h| overlap(&hashes, h));
+        a.requests += 1;
+        if best > 0 {
+            a.with_prefix += 1;
+            if mine == best {
+                a.to_max_overlap += 1;
+            }
+            a.available_blocks += best;
+            a.given_up_blocks += best - mine;
+        }
+        held.entry(worker).or_default().extend(hashes);
+    }
+    a
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::super::{Arrival, RequestSpec};
+    use super::*;
+
+    fn spec(tokens: Vec<u32>) -> RequestSpec {
+        RequestSpec {
+            at_ms: 0.0,
+            tokens,
+            max_tokens: 1,
+            messages: None,
+        }
+    }
+
+    fn result(index: usize, at: f64, worker: &str) -> RequestResult {
+        RequestResult {
+            index,
+            ok: true,
+            sent_at_ms: at,
+            worker_id: Some(worker.into()),
+            ..RequestResult::default()
+        }
+    }
+
+    #[test]
+    fn counts_requests_sent_away_from_their_prefix() {
+        // Prompts of 4-token blocks: A = blocks a b c, B = a b d (shares 2), C = a b c e (3).
+        let a: Vec<u32> = (0..12).collect();
+        let mut b: Vec<u32> = (0..8).collect();
+        b.extend([100, 101, 102, 103]);
+        let mut c = a.clone();
+        c.extend([200, 201, 202, 203]);
+        let w = Workload {
+            name: "t".into(),
+            requests: vec![spec(a), spec(b), spec(c)],
+            arrival: Arrival::Timed,
+        };
+        // A on w1; B follows it to w1 (2 of 2 blocks); C goes to w2 and gives up all 3.
+        let results = vec![
+            result(2, 30.0, "w2"),
+            result(0, 10.0, "w1"),
+            result(1, 20.0, "w1"),
+        ];
+        let r = affinity_replay(&w, &results, 4);
+        assert_eq!(r.requests, 3);
+        assert_eq!(r.with_prefix, 2);
+        assert_eq!(r.to_max_overlap, 1);
+        assert_eq!((r.available_blocks, r.given_up_blocks), (5, 3));
+        assert_eq!(r.share_to_max_overlap(), Some(0.5));
+        assert_eq!(r.share_given_up(), Some(0.6));
+        // Failed requests and requests without a worker are left out.
+        let mut failed = results.clone();
+        failed[0].ok = false;
+        failed[2].worker_id = None;
+        let r = affinity_replay(&w, &failed, 4);
+        assert_eq!((r.requests, r.with_prefix), (1, 0));
+        assert_eq!(r.share_to_max_overlap(), None);
+    }
+
+    #[test]
+    fn block_hashes_chain_the_prefix() {
+        let x = block_hashes(&[1, 2, 3, 4, 5, 6, 7], 3);
+        assert_eq!(x.len(), 2);
+        let y = block_hashes(&[9, 2, 3, 4, 5, 6], 3);
+        assert_ne!(
+            x[1], y[1],
+            "a different first block changes every later hash"
+        );
+    }
+}
