@@ -21,11 +21,13 @@ use serde_json::Value;
 
 use crate::types::{DpRank, SlotIdx, WorkerId};
 
+mod affinity;
 mod approximate;
 mod compile;
 mod fields;
 mod tokenizer;
 
+pub use affinity::AffinityConfig;
 pub use approximate::{ApproximateConfig, WorkerKvMode};
 pub use tokenizer::TokenizerConfig;
 
@@ -316,6 +318,8 @@ pub struct Config {
     /// The predicted-block store and text prefix hashing, when set (or implied by a worker's
     /// `kv_mode`).
     pub approximate: Option<ApproximateConfig>,
+    /// Load-gated prefix affinity in `kv` mode, when set.
+    pub affinity: Option<AffinityConfig>,
     pub workers: Vec<WorkerConfig>,
     pub slots: Vec<Slot>,
 }

@@ -3,6 +3,7 @@
 //! The routing core (every module but `proxy`) makes no host calls; `proxy` is the thin adapter
 //! to the proxy-wasm ABI. See `docs/DESIGN.md`.
 
+pub mod affinity;
 pub mod approx;
 pub mod config;
 pub mod cost;

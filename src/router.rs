@@ -11,11 +11,15 @@
 //!   it — a text-only request gets overlap credit only when the adapter hashed its text
 //!   (`text_prefix`, approximate mode: reason `kv-text`), else none (reason `kv-text-only`).
 //!   Ids from the tokenizer service (`rendered`) are routed like token ids, reason `kv-render`.
+//! * `affinity` set (kv mode, requests with a prefix): the max-overlap slot wins unless its load
+//!   exceeds the least-loaded candidate's by the configured margins ([`crate::affinity`]); the
+//!   cost decides otherwise. Scores and fallbacks are the cost's either way.
 //! * Overlaps of stale slots (`stale_slots[slot]`) count as zero: their blocks are unknown.
 //!   Missing entries in `overlaps` / `load` / `stale_slots` read as zero / idle / fresh.
 //! * Fallbacks (pinned requests get none): other eligible slots on a different address from the
 //!   choice and from each other, best first (by cost in `kv` mode, else fewest in-flight).
 
+use crate::affinity::{affine_slot, AffinityCandidate};
 use crate::config::{Config, RoutingMode};
 use crate::cost::{self, CostInputs};
 use crate::filters;
@@ -186,9 +190,26 @@ pub fn decide(
                     .map_err(|e| RouteError::NonFiniteCost { slot, cost: e.cost })?;
                 scores.push((slot, c.cost));
             }
+            let affine = match &config.affinity {
+                Some(affinity) if has_prefix => {
+                    let gate: Vec<AffinityCandidate> = scores
+                        .iter()
+                        .map(|&(slot, cost)| AffinityCandidate {
+                            slot,
+                            overlap_blocks: overlap_of(slot).device_blocks,
+                            load: load_of(slot),
+                            cost,
+                        })
+                        .collect();
+                    affine_slot(affinity, &gate, isl, config.block_size)
+                }
+                _ => None,
+            };
             let costs: Vec<f64> = scores.iter().map(|(_, c)| *c).collect();
-            select::pick_by_cost(&costs, config.router_temperature, rng)
-                .and_then(|i| scores.get(i).map(|(s, _)| *s))
+            affine.or_else(|| {
+                select::pick_by_cost(&costs, config.router_temperature, rng)
+                    .and_then(|i| scores.get(i).map(|(s, _)| *s))
+            })
         }
         RoutingMode::Random => select::random(&candidates, rng),
         RoutingMode::RoundRobin => select::round_robin(&candidates, &mut state.round_robin_counter),
@@ -380,6 +401,39 @@ mod tests {
         assert_eq!(d.prompt_blocks, 5);
         // Fallbacks by cost: worker 3 (11) then worker 1 (18).
         assert_eq!(d.fallbacks, vec![2, 0]);
+    }
+
+    #[test]
+    fn affinity_keeps_the_longest_prefix_within_the_margins() {
+        // The worked example: the cost picks slot 1 (overlap 5); slot 2 holds 8 blocks.
+        let overlaps = [dev(2), dev(5), dev(8)];
+        let load = decode_load(&[2.0, 0.0, 7.0]);
+        let c = config(r#""block_size": 16, "affinity": {}"#, THREE);
+        let d = route(&c, &tokens(160), &overlaps, &load, 1).unwrap();
+        assert_eq!(d.slot, 2);
+        assert_eq!(d.overlap, dev(8));
+        assert_eq!(d.scores, vec![(0, 18.0), (1, 10.0), (2, 11.0)]);
+        assert_eq!(d.reason, Reason::Kv);
+        // Slot 2 with 5 more requests in flight than the others: over the default margin of 4.
+        let mut busy = load.clone();
+        busy[2].active_requests = 5;
+        let d = route(&c, &tokens(160), &overlaps, &busy, 1).unwrap();
+        assert_eq!(d.slot, 1);
+        // A text-only request has no prefix: the cost decides.
+        let text = LlmRequest {
+            text_chars: 640,
+            ..LlmRequest::default()
+        };
+        let d = route(&c, &text, &overlaps, &load, 1).unwrap();
+        assert_eq!(d.overlap, Overlap::default());
+        assert!(Config::from_json(
+            br#"{"affinity": {"min_overlap_blocks": 0}, "workers": [{"id": 1, "address": "a:1"}]}"#
+        )
+        .is_err());
+        assert!(Config::from_json(
+            br#"{"affinity": {"margin": 1}, "workers": [{"id": 1, "address": "a:1"}]}"#
+        )
+        .is_err());
     }
 
     #[test]

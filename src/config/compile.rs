@@ -35,6 +35,7 @@ const ROOT_FIELDS: &[&str] = &[
     "index",
     "tokenizer",
     "approximate",
+    "affinity",
     "workers",
 ];
 const COST_FIELDS: &[&str] = &[
@@ -260,6 +261,10 @@ pub(super) fn compile(map: Map<String, Value>) -> Result<Config, ConfigError> {
         Some(v) => Some(super::tokenizer::compile_tokenizer(v)?),
     };
     let approximate_value = root.take_raw("approximate");
+    let affinity = match root.take_raw("affinity") {
+        None => None,
+        Some(v) => Some(super::affinity::compile_affinity(v)?),
+    };
 
     let workers_value = root
         .take_raw("workers")
@@ -300,6 +305,7 @@ pub(super) fn compile(map: Map<String, Value>) -> Result<Config, ConfigError> {
         index,
         tokenizer,
         approximate,
+        affinity,
         workers,
         slots,
     })

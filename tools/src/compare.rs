@@ -138,6 +138,8 @@ pub fn run_mode(
                                              "timeout_ms": 1000}});
             ("kv", extra, Some(render))
         }
+        // Load-gated prefix affinity at its defaults (see the filter's `affinity` option).
+        "kv+affinity" => ("kv", json!({"affinity": {}}), None),
         "kv+ids" => {
             opts.chat_as_ids = true;
             opts.path = "/v1/completions".to_string();
