@@ -1,0 +1,82 @@
+//! Load-gated prefix affinity through a real Envoy: a follow-up request goes back to the worker
+//! holding its history although that worker's decode load makes the Dynamo cost send it away.
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::indexing_slicing)] // test code: a failed expectation is the assertion
+
+mod common;
+use common::*;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+const BLOCK: u32 = 16;
+
+/// Worker 1 holds a 64-block history (its events) and streams one long unrelated request
+/// (200 blocks of decode load, past its first token); worker 2 is idle. Returns who serves the
+/// 68-block follow-up (history + 4 new blocks), its overlap and the costs reported.
+fn follow_up(extra: Value) -> Vec<(u64, u32, std::collections::BTreeMap<u64, f64>)> {
+    let workers = echo_workers(2, BLOCK);
+    let mut config = filter_config(&workers, json!({"block_size": BLOCK, "mode": "kv"}));
+    if let (Some(c), Some(e)) = (config.as_object_mut(), extra.as_object()) {
+        for (k, v) in e {
+            c.insert(k.clone(), v.clone());
+        }
+    }
+    let envoy = start_envoy_with(&workers, config, |o| o.concurrency = 2);
+    let history = tokens(1, 64 * BLOCK);
+    publish(
+        &workers[0],
+        vec![vllm_stored(&history, BLOCK, None, 100, "GPU")],
+    );
+    assert!(wait_for_overlap(
+        &envoy,
+        &completion(&history),
+        64,
+        Duration::from_secs(5)
+    ));
+    let held_body = json!({"model": "m", "prompt": tokens(50_000, 200 * BLOCK), "stream": true,
+        "max_tokens": 2, "nvext": {"backend_instance_id": 1},
+        "mock": {"chunks": 2, "chunk_interval_ms": 4000}});
+    let mut held = http::request_streaming(
+        &envoy.listener,
+        "POST",
+        "/v1/completions",
+        &[],
+        held_body.to_string().as_bytes(),
+        Duration::from_secs(20),
+    )
+    .expect("held request");
+    let _ = held.next_event();
+    assert!(envoy.wait_for(Duration::from_secs(5), |e| {
+        e.router_stat("worker.1.rank.0.decode_blocks") >= 200
+            && e.router_stat("worker.1.rank.0.prefill_tokens") == 0
+    }));
+    let mut prompt = history.clone();
+    prompt.extend(tokens(90_000, 4 * BLOCK));
+    let out = (0..5)
+        .map(|_| {
+            let (w, overlap, resp) = route(&envoy, &completion(&prompt));
+            (w, overlap, costs(&resp))
+        })
+        .collect();
+    held.abort();
+    out
+}
+
+#[test]
+fn affinity_keeps_a_conversation_on_its_history_despite_decode_load() {
+    // The Dynamo cost: worker 1 = 4 uncached + 204 decode blocks = 208, worker 2 = 68 + 68 = 136.
+    for (w, overlap, c) in follow_up(json!({})) {
+        assert_eq!((w, overlap), (2, 0), "costs {c:?}");
+        assert_eq!(c.get(&1), Some(&208.0));
+        assert_eq!(c.get(&2), Some(&136.0));
+    }
+    // With affinity at its defaults: worker 1 has 1 more request in flight (margin 4) and less
+    // prefill work (64 vs 1088 tokens), so the history wins; the costs reported are unchanged.
+    for (w, overlap, c) in follow_up(json!({"affinity": {}})) {
+        assert_eq!((w, overlap), (1, 64), "costs {c:?}");
+        assert_eq!(c.get(&1), Some(&208.0));
+    }
+    // A margin of 0 extra requests: the busier holder is given up again.
+    for (w, _, _) in follow_up(json!({"affinity": {"max_extra_requests": 0}})) {
+        assert_eq!(w, 2);
+    }
+}
