@@ -44,6 +44,9 @@ struct Outcome {
 struct OutcomeDetail {
     worker: String,
     overlap_blocks: u32,
+    /// The longest device overlap any fresh slot had in this VM's index (what the decision
+    /// could have had): with `overlap_blocks`, tells a load trade-off from a missing index entry.
+    max_overlap_blocks: u32,
     costs: Option<String>,
 }
 
@@ -553,9 +556,18 @@ impl RequestContext {
                     .collect::<Vec<_>>()
                     .join(",")
             });
+            let max_overlap_blocks = vm
+                .overlaps
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| !vm.stale_slots.get(*i).copied().unwrap_or(false))
+                .map(|(_, o)| o.device_blocks)
+                .max()
+                .unwrap_or(0);
             outcome.detail = Some(OutcomeDetail {
                 worker: worker.id.to_string(),
                 overlap_blocks,
+                max_overlap_blocks,
                 costs,
             });
         }
@@ -578,6 +590,7 @@ impl RequestContext {
                 detail: config.response_headers.then(|| OutcomeDetail {
                     worker: worker.id.to_string(),
                     overlap_blocks: 0,
+                    max_overlap_blocks: 0,
                     costs: None,
                 }),
             });
@@ -854,6 +867,11 @@ impl HttpContext for RequestContext {
                     MapType::HttpResponseHeaders,
                     "x-kv-router-overlap-blocks",
                     Some(&detail.overlap_blocks.to_string()),
+                );
+                host::set_header(
+                    MapType::HttpResponseHeaders,
+                    "x-kv-router-max-overlap-blocks",
+                    Some(&detail.max_overlap_blocks.to_string()),
                 );
                 if let Some(costs) = &detail.costs {
                     host::set_header(

@@ -16,26 +16,46 @@ pub fn affinity_table(
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<26} {:>8} {:>11} {:>14} {:>16} {:>10}",
-        "arm", "requests", "with prefix", "to max-overlap", "prefix given up", "blocks"
+        "{:<26} {:>8} {:>11} {:>14} {:>16} {:>10} | {:>6} {:>6} {:>6} {:>6}",
+        "arm",
+        "requests",
+        "with prefix",
+        "to max-overlap",
+        "prefix given up",
+        "blocks",
+        "load",
+        "behind",
+        "disagr",
+        "n/a"
     );
     for (name, s) in results {
         let a = affinity_replay(workload, &s.results, block_size);
         let _ = writeln!(
             out,
-            "{:<26} {:>8} {:>11} {:>14} {:>16} {:>10}",
+            "{:<26} {:>8} {:>11} {:>14} {:>16} {:>10} | {:>6} {:>6} {:>6} {:>6}",
             name,
             a.requests,
             a.with_prefix,
             pct(a.share_to_max_overlap()),
             pct(a.share_given_up()),
-            a.available_blocks
+            a.available_blocks,
+            a.why.load_outweighed,
+            a.why.index_behind,
+            a.why.index_disagrees,
+            a.why.unknown
         );
     }
     let _ = writeln!(
         out,
         "(replay in send order: max-overlap worker = the one sent the longest prefix of the request \
          earlier in the run; evictions not modelled; blocks of {block_size} tokens)"
+    );
+    let _ = writeln!(
+        out,
+        "(misses by cause, from the filter's response headers: load = the index knew a longer \
+         prefix but the cost or the affinity gate chose a less loaded worker; behind = the index \
+         did not hold the prefix yet (event lag) or any more; disagr = the index credited the \
+         chosen worker with the longest prefix; n/a = no filter headers, e.g. peer arms)"
     );
     out
 }

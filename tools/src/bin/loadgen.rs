@@ -218,6 +218,10 @@ fn main() {
             fleet.filter_extra = serde_json::from_str(extra)
                 .unwrap_or_else(|e| fail(&format!("--filter-json: {e}")));
         }
+        // The per-request decision headers feed the "why" of the affinity replay.
+        if let Some(extra) = fleet.filter_extra.as_object_mut() {
+            extra.entry("response_headers").or_insert(Value::Bool(true));
+        }
         let modes: Vec<&str> = modes.split(',').filter(|m| !m.is_empty()).collect();
         let results = compare_modes(&modes, &fleet, &workload, &opts)
             .unwrap_or_else(|e| fail(&e.to_string()));

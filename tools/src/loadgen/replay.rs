@@ -29,6 +29,25 @@ pub struct Affinity {
     pub available_blocks: u64,
     /// Sum over requests of max overlap minus the chosen worker's overlap (blocks).
     pub given_up_blocks: u64,
+    /// Why requests with a prefix missed the max-overlap worker, from the filter's response
+    /// headers (our arms with `response_headers`): see [`Why`].
+    pub why: Why,
+}
+
+/// Requests that missed the max-overlap worker, by cause.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Why {
+    /// The filter's index knew a longer prefix than the chosen worker's (overlap < max overlap
+    /// header): the cost (decode load, prefill queue) or a failed affinity gate outweighed it.
+    pub load_outweighed: usize,
+    /// The index's longest overlap was shorter than the replay's: the blocks were not (yet) in
+    /// the index: event lag within a burst, or entries evicted/removed.
+    pub index_behind: usize,
+    /// The index credited the chosen worker with the longest prefix, the replay another one
+    /// (a tie in the index, or the index holding blocks the replay does not count).
+    pub index_disagrees: usize,
+    /// No filter headers (peer arms, or `response_headers` off).
+    pub unknown: usize,
 }
 
 impl Affinity {
@@ -99,6 +118,14 @@ pub fn affinity_replay(
             }
             a.available_blocks += best;
             a.given_up_blocks += best - mine;
+            if mine < best {
+                match (r.router_overlap_blocks, r.router_max_overlap_blocks) {
+                    (Some(chosen), Some(max)) if chosen < max => a.why.load_outweighed += 1,
+                    (Some(_), Some(max)) if u64::from(max) < best => a.why.index_behind += 1,
+                    (Some(_), Some(_)) => a.why.index_disagrees += 1,
+                    _ => a.why.unknown += 1,
+                }
+            }
         }
         held.entry(worker).or_default().extend(hashes);
     }
@@ -156,6 +183,16 @@ mod tests {
         assert_eq!((r.available_blocks, r.given_up_blocks), (5, 3));
         assert_eq!(r.share_to_max_overlap(), Some(0.5));
         assert_eq!(r.share_given_up(), Some(0.6));
+        assert_eq!(r.why.unknown, 1);
+        // With the filter's headers: C's index knew 3 blocks elsewhere -> load outweighed.
+        let mut told = results.clone();
+        told[0].router_overlap_blocks = Some(0);
+        told[0].router_max_overlap_blocks = Some(3);
+        assert_eq!(affinity_replay(&w, &told, 4).why.load_outweighed, 1);
+        // The index knew only 1 block: it was behind.
+        told[0].router_max_overlap_blocks = Some(1);
+        told[0].router_overlap_blocks = Some(1);
+        assert_eq!(affinity_replay(&w, &told, 4).why.index_behind, 1);
         // Failed requests and requests without a worker are left out.
         let mut failed = results.clone();
         failed[0].ok = false;

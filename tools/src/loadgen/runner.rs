@@ -92,6 +92,10 @@ pub struct RequestResult {
     pub cached_tokens: Option<usize>,
     /// The `x-worker-id` response header.
     pub worker_id: Option<String>,
+    /// The filter's `x-kv-router-overlap-blocks` and `x-kv-router-max-overlap-blocks` (with
+    /// `response_headers` on): the chosen worker's overlap and the longest one in its index.
+    pub router_overlap_blocks: Option<u32>,
+    pub router_max_overlap_blocks: Option<u32>,
 }
 
 /// Live counters of a run (progress lines and the achieved concurrency).
@@ -220,6 +224,14 @@ async fn run_one(run: &Run, url: &str, spec: &RequestSpec) -> RequestResult {
         .get("x-worker-id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
+    let header_u32 = |name: &str| {
+        resp.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+    };
+    r.router_overlap_blocks = header_u32("x-kv-router-overlap-blocks");
+    r.router_max_overlap_blocks = header_u32("x-kv-router-max-overlap-blocks");
     if r.status != 200 {
         let text = resp.text().await.unwrap_or_default();
         let msg: String = text.chars().take(120).collect();
