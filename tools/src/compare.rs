@@ -138,8 +138,22 @@ pub fn run_mode(
                                              "timeout_ms": 1000}});
             ("kv", extra, Some(render))
         }
-        // Load-gated prefix affinity at its defaults (see the filter's `affinity` option).
+        // Load-gated prefix affinity (the filter's `affinity` option): at its defaults, or
+        // `kv+affinity:R` with a margin of R in-flight requests.
         "kv+affinity" => ("kv", json!({"affinity": {}}), None),
+        m if m.starts_with("kv+affinity:") => {
+            let margin: u32 = m.trim_start_matches("kv+affinity:").parse().map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("{m}: expected kv+affinity:<requests>"),
+                )
+            })?;
+            (
+                "kv",
+                json!({"affinity": {"max_extra_requests": margin}}),
+                None,
+            )
+        }
         "kv+ids" => {
             opts.chat_as_ids = true;
             opts.path = "/v1/completions".to_string();
