@@ -141,6 +141,24 @@ pub fn run_mode(
         // Load-gated prefix affinity (the filter's `affinity` option): at its defaults, or
         // `kv+affinity:R` with a margin of R in-flight requests.
         "kv+affinity" => ("kv", json!({"affinity": {}}), None),
+        // Affinity with predictions bridging the event lag (workers' `kv_mode`
+        // `events+approximate`), margin R.
+        m if m.starts_with("kv+affinity+approx:") => {
+            let margin: u32 = m
+                .trim_start_matches("kv+affinity+approx:")
+                .parse()
+                .map_err(|_| {
+                    io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("{m}: expected kv+affinity+approx:<requests>"),
+                    )
+                })?;
+            (
+                "kv",
+                json!({"affinity": {"max_extra_requests": margin}}),
+                None,
+            )
+        }
         m if m.starts_with("kv+affinity:") => {
             let margin: u32 = m.trim_start_matches("kv+affinity:").parse().map_err(|_| {
                 io::Error::new(
@@ -162,6 +180,13 @@ pub fn run_mode(
         other => (other, json!({}), None),
     };
     let mut config = fleet.filter_config(filter_mode, &workers);
+    if mode.starts_with("kv+affinity+approx:") {
+        if let Some(list) = config["workers"].as_array_mut() {
+            for w in list {
+                w["kv_mode"] = json!("events+approximate");
+            }
+        }
+    }
     if let (Some(target), Some(extra)) = (config.as_object_mut(), text_extra.as_object()) {
         for (key, value) in extra {
             target.insert(key.clone(), value.clone());
