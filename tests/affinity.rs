@@ -12,7 +12,7 @@ const BLOCK: u32 = 16;
 /// Worker 1 holds a 64-block history (its events) and streams one long unrelated request
 /// (200 blocks of decode load, past its first token); worker 2 is idle. Returns who serves the
 /// 68-block follow-up (history + 4 new blocks), its overlap and the costs reported.
-fn follow_up(extra: Value) -> Vec<(u64, u32, std::collections::BTreeMap<u64, f64>)> {
+fn follow_up(extra: Value) -> Vec<(u64, u32, u32, std::collections::BTreeMap<u64, f64>)> {
     let workers = echo_workers(2, BLOCK);
     let mut config = filter_config(&workers, json!({"block_size": BLOCK, "mode": "kv"}));
     if let (Some(c), Some(e)) = (config.as_object_mut(), extra.as_object()) {
@@ -54,7 +54,11 @@ fn follow_up(extra: Value) -> Vec<(u64, u32, std::collections::BTreeMap<u64, f64
     let out = (0..5)
         .map(|_| {
             let (w, overlap, resp) = route(&envoy, &completion(&prompt));
-            (w, overlap, costs(&resp))
+            let max_overlap = resp
+                .header("x-kv-router-max-overlap-blocks")
+                .and_then(|v| v.parse().ok())
+                .expect("x-kv-router-max-overlap-blocks");
+            (w, overlap, max_overlap, costs(&resp))
         })
         .collect();
     held.abort();
@@ -64,19 +68,20 @@ fn follow_up(extra: Value) -> Vec<(u64, u32, std::collections::BTreeMap<u64, f64
 #[test]
 fn affinity_keeps_a_conversation_on_its_history_despite_decode_load() {
     // The Dynamo cost: worker 1 = 4 uncached + 204 decode blocks = 208, worker 2 = 68 + 68 = 136.
-    for (w, overlap, c) in follow_up(json!({})) {
-        assert_eq!((w, overlap), (2, 0), "costs {c:?}");
+    // The index knew the 64-block history: the miss is a load trade-off, not a missing entry.
+    for (w, overlap, max_overlap, c) in follow_up(json!({})) {
+        assert_eq!((w, overlap, max_overlap), (2, 0, 64), "costs {c:?}");
         assert_eq!(c.get(&1), Some(&208.0));
         assert_eq!(c.get(&2), Some(&136.0));
     }
     // With affinity at its defaults: worker 1 has 1 more request in flight (margin 4) and less
     // prefill work (64 vs 1088 tokens), so the history wins; the costs reported are unchanged.
-    for (w, overlap, c) in follow_up(json!({"affinity": {}})) {
-        assert_eq!((w, overlap), (1, 64), "costs {c:?}");
+    for (w, overlap, max_overlap, c) in follow_up(json!({"affinity": {}})) {
+        assert_eq!((w, overlap, max_overlap), (1, 64, 64), "costs {c:?}");
         assert_eq!(c.get(&1), Some(&208.0));
     }
     // A margin of 0 extra requests: the busier holder is given up again.
-    for (w, _, _) in follow_up(json!({"affinity": {"max_extra_requests": 0}})) {
+    for (w, _, _, _) in follow_up(json!({"affinity": {"max_extra_requests": 0}})) {
         assert_eq!(w, 2);
     }
 }

@@ -213,6 +213,7 @@ fn response_headers_reveal_only_the_reason_by_default() {
         "x-kv-router-costs",
         "x-kv-router-worker",
         "x-kv-router-overlap-blocks",
+        "x-kv-router-max-overlap-blocks",
     ] {
         assert_eq!(
             resp.header(hidden),
