@@ -13,6 +13,8 @@
 //! (`workers[1].taint: unknown field ...`); then [`compile`] checks ranges and cross-field rules
 //! with the same paths (`cost.overlap_score_credit: must be within [0, 1], got 1.5`) and lays out
 //! the slots. `null` is accepted only where a field is optional (no default to fall back on).
+//! One leniency of derived structs remains: a sub-object may also be written as an array of its
+//! field values in declaration order (the root may not).
 
 use std::fmt;
 use std::net::SocketAddr;
