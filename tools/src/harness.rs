@@ -445,7 +445,8 @@ pub struct EnvoyOptions {
     pub steering: Steering,
     /// Envoy worker threads (`--concurrency`).
     pub concurrency: u32,
-    /// Route timeout for upstream requests.
+    /// Route timeout for upstream requests; zero = none, as in the shipped configs (a long
+    /// generation streams for minutes). Tests keep a bound so that a hung response fails fast.
     pub route_timeout: Duration,
     /// Listener and route buffer limit (bytes).
     pub buffer_limit_bytes: u64,
@@ -528,6 +529,7 @@ pub fn bootstrap(opts: &EnvoyOptions, wasm: &Path, lds_path: Option<&Path>) -> V
             "original_dst_lb_config": {"use_http_header": true, "http_header_name": header}
         }),
     };
+    let worker_cluster = with_llm_limits(worker_cluster);
     let listeners = if opts.dynamic_listener {
         Vec::new()
     } else {
@@ -540,9 +542,17 @@ pub fn bootstrap(opts: &EnvoyOptions, wasm: &Path, lds_path: Option<&Path>) -> V
             "clusters": [worker_cluster, {
                 "name": "kv_events", "type": "ORIGINAL_DST", "connect_timeout": "1s",
                 "lb_policy": "CLUSTER_PROVIDED",
-                "original_dst_lb_config": {"use_http_header": true}
+                "original_dst_lb_config": {"use_http_header": true},
+                // One long poll per worker at a time, plus dumps.
+                "circuit_breakers": {"thresholds": [{"max_connections": 16384,
+                    "max_pending_requests": 16384, "max_requests": 16384}]}
             }]
-        }
+        },
+        "overload_manager": {"resource_monitors": [{
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                "max_active_downstream_connections": 100000}}]}
     });
     if let Some(lds) = lds_path {
         let watched = lds
@@ -565,6 +575,7 @@ pub fn lds_resources(opts: &EnvoyOptions, wasm: &Path, address: &str) -> Value {
 
 /// The LLM listener on `address`, with the filter (when `opts.with_filter`) and the router.
 fn listener(opts: &EnvoyOptions, wasm: &Path, address: &str) -> Value {
+    // "0s" disables the route timeout.
     let timeout = format!("{}s", opts.route_timeout.as_secs_f64());
     let wasm_filter = json!({"name": "envoy.filters.http.wasm", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
@@ -595,6 +606,10 @@ fn listener(opts: &EnvoyOptions, wasm: &Path, address: &str) -> Value {
                     "typed_config": {
                         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
                         "stat_prefix": "llm",
+                        // As envoy/envoy.yaml: a non-streamed completion or a queued long
+                        // prompt is silent for minutes before its first byte.
+                        "stream_idle_timeout": "900s",
+                        "request_headers_timeout": "10s",
                         "route_config": {"virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": [{
                             "match": {"prefix": "/"},
                             "route": {"cluster": "llm_workers", "timeout": timeout,
@@ -613,6 +628,21 @@ fn write_lds(path: &Path, opts: &EnvoyOptions, address: &str) -> std::io::Result
     let tmp = dir.with_extension("tmp.json");
     std::fs::write(&tmp, lds_resources(opts, &wasm, address).to_string())?;
     std::fs::rename(&tmp, path)
+}
+
+/// The worker cluster's limits sized for LLM traffic, as in envoy/envoy.yaml (reasons there):
+/// circuit breakers far above the 1,024 defaults with a retry budget instead of 3 concurrent
+/// retries, and upstream connections closed before vLLM's 5 s keep-alive closes them.
+fn with_llm_limits(mut cluster: Value) -> Value {
+    cluster["circuit_breakers"] = json!({"thresholds": [{
+        "max_connections": 100_000, "max_pending_requests": 100_000, "max_requests": 100_000,
+        "retry_budget": {"budget_percent": {"value": 20}, "min_retry_concurrency": 100}}]});
+    cluster["typed_extension_protocol_options"] = json!({
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http_protocol_options": {}},
+            "common_http_protocol_options": {"idle_timeout": "4s"}}});
+    cluster
 }
 
 /// A running Envoy with the filter loaded.
