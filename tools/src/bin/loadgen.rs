@@ -11,8 +11,8 @@ use envoy_kv_router_tools::compare::{
     compare_modes, quality_table, report_comparison, EventsVia, Fleet,
 };
 use envoy_kv_router_tools::loadgen::{
-    chat, format_stats, load_mooncake, ChatSpec, run_workload_on, synthetic, write_svg_chart, RunOptions,
-    SyntheticSpec,
+    chat, format_stats, load_mooncake, run_workload_on, synthetic, write_svg_chart, ChatSpec,
+    RunOptions, SyntheticSpec,
 };
 use envoy_kv_router_tools::sys::raise_fd_limit;
 use serde_json::Value;

@@ -132,9 +132,7 @@ pub fn chat(spec: &ChatSpec) -> Workload {
                 messages: Some(messages),
             });
             // The client resends the assistant's answer with the next turn.
-            history.push(
-                json!({"role": "assistant", "content": text(key ^ 2, spec.reply_chars)}),
-            );
+            history.push(json!({"role": "assistant", "content": text(key ^ 2, spec.reply_chars)}));
         }
     }
     Workload {
@@ -167,7 +165,10 @@ mod tests {
         // Turn 2 of conversation 0 extends turn 1's ids (history resent).
         let (t1, t2) = (&w.requests[0], &w.requests[5]);
         assert!(t2.tokens.len() > t1.tokens.len());
-        assert_eq!(t2.tokens[..t1.tokens.len() - 1], t1.tokens[..t1.tokens.len() - 1]);
+        assert_eq!(
+            t2.tokens[..t1.tokens.len() - 1],
+            t1.tokens[..t1.tokens.len() - 1]
+        );
         assert_eq!(t2.messages.as_ref().unwrap().as_array().unwrap().len(), 4);
         let systems: std::collections::HashSet<String> = w.requests[..5]
             .iter()
