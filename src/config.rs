@@ -24,8 +24,13 @@ use serde::Deserialize;
 
 use crate::types::{DpRank, SlotIdx, WorkerId};
 
+mod approximate;
 mod compile;
 mod raw;
+mod tokenizer;
+
+pub use approximate::{ApproximateConfig, WorkerKvMode};
+pub use tokenizer::TokenizerConfig;
 
 use compile::compile;
 
@@ -253,6 +258,8 @@ pub struct WorkerConfig {
     pub max_num_batched_tokens: Option<u32>,
     /// Empty = serves any model.
     pub models: Vec<String>,
+    /// Where its cached prefixes come from (`events` by default).
+    pub kv_mode: WorkerKvMode,
     /// Index of this worker's first slot.
     pub first_slot: SlotIdx,
 }
@@ -307,6 +314,11 @@ pub struct Config {
     pub tick_ms: u64,
     pub events: EventsConfig,
     pub index: IndexConfig,
+    /// Text requests are tokenized by this service (exact ids) when set.
+    pub tokenizer: Option<TokenizerConfig>,
+    /// The predicted-block store and text prefix hashing, when set (or implied by a worker's
+    /// `kv_mode`).
+    pub approximate: Option<ApproximateConfig>,
     pub workers: Vec<WorkerConfig>,
     pub slots: Vec<Slot>,
 }

@@ -3,6 +3,7 @@
 //! The routing core (every module but `proxy`) makes no host calls; `proxy` is the thin adapter
 //! to the proxy-wasm ABI. See `docs/DESIGN.md`.
 
+pub mod approx;
 pub mod config;
 pub mod cost;
 pub mod events;
@@ -12,6 +13,8 @@ pub mod index;
 pub mod load;
 pub mod load_store;
 pub mod polling;
+pub mod prompt_text;
+pub mod render;
 pub mod replication;
 pub mod request;
 pub mod rng;

@@ -169,6 +169,11 @@ pub struct LlmRequest {
     /// The body carried at least one routing hint (a non-null pin, allow-list or taint field),
     /// whether or not it was read.
     pub routing_hints: bool,
+    /// Set by the adapter, not the parser: `token_ids` came from the tokenizer service.
+    pub rendered: bool,
+    /// Set by the adapter: the overlaps passed with this text request come from text prefix
+    /// hashing (approximate mode), so they count.
+    pub text_prefix: bool,
 }
 
 /// Why a body could not be read. Every variant is a client error (HTTP 400).

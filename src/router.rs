@@ -8,7 +8,9 @@
 //!   adapter leaves them unread.
 //! * `isl_tokens` = the number of token ids, or for a text-only request `ceil(text_chars / 4)`
 //!   (the usual ~4 characters per token of English BPE vocabularies; only load is estimated from
-//!   it — a text-only request never gets overlap credit, reason `kv-text-only`).
+//!   it — a text-only request gets overlap credit only when the adapter hashed its text
+//!   (`text_prefix`, approximate mode: reason `kv-text`), else none (reason `kv-text-only`).
+//!   Ids from the tokenizer service (`rendered`) are routed like token ids, reason `kv-render`.
 //! * Overlaps of stale slots (`stale_slots[slot]`) count as zero: their blocks are unknown.
 //!   Missing entries in `overlaps` / `load` / `stale_slots` read as zero / idle / fresh.
 //! * Fallbacks (pinned requests get none): other eligible slots on a different address from the
@@ -64,6 +66,10 @@ pub enum Reason {
     Kv,
     /// KV cost model on load alone (no token ids, zero overlap).
     KvTextOnly,
+    /// KV cost model with token ids from the tokenizer service.
+    KvRender,
+    /// KV cost model with text prefix hashes (approximate mode).
+    KvText,
     /// The request pinned a worker (any mode but `direct`).
     Pinned,
     Direct,
@@ -79,6 +85,8 @@ impl Reason {
         match self {
             Reason::Kv => "kv",
             Reason::KvTextOnly => "kv-text-only",
+            Reason::KvRender => "kv-render",
+            Reason::KvText => "kv-text",
             Reason::Pinned => "pinned",
             Reason::Direct => "direct",
             Reason::Random => "random",
@@ -138,10 +146,11 @@ pub fn decide(
     let candidates = filters::eligible_slots(config, request, pin, input.load)?;
 
     let has_tokens = request.token_ids.is_some();
+    let has_prefix = has_tokens || request.text_prefix;
     let isl = isl_tokens(request);
     let overlap_of = |slot: SlotIdx| -> Overlap {
         let i = usize::from(slot);
-        if !has_tokens || input.stale_slots.get(i).copied().unwrap_or(false) {
+        if !has_prefix || input.stale_slots.get(i).copied().unwrap_or(false) {
             return Overlap::default();
         }
         input.overlaps.get(i).copied().unwrap_or_default()
@@ -197,7 +206,9 @@ pub fn decide(
     let reason = match (config.mode, pin.worker_id.is_some()) {
         (RoutingMode::Direct, _) => Reason::Direct,
         (_, true) => Reason::Pinned,
+        (RoutingMode::Kv, false) if has_tokens && request.rendered => Reason::KvRender,
         (RoutingMode::Kv, false) if has_tokens => Reason::Kv,
+        (RoutingMode::Kv, false) if request.text_prefix => Reason::KvText,
         (RoutingMode::Kv, false) => Reason::KvTextOnly,
         (RoutingMode::Random, false) => Reason::Random,
         (RoutingMode::RoundRobin, false) => Reason::RoundRobin,

@@ -100,6 +100,22 @@ pub(super) fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         field: "workers".to_string(),
     })?;
     let (workers, slots) = compile_workers(raw_workers, &raw.busy)?;
+    if let Some(t) = &raw.tokenizer {
+        super::tokenizer::check_tokenizer(t)?;
+    }
+    let approximate = match raw.approximate {
+        Some(mut a) => {
+            super::approximate::finish(&mut a, raw.block_size)?;
+            Some(a)
+        }
+        // A worker that expects predictions implies the defaults.
+        None if workers.iter().any(|w| w.kv_mode.has_predictions()) => {
+            let mut a = super::ApproximateConfig::default();
+            super::approximate::finish(&mut a, raw.block_size)?;
+            Some(a)
+        }
+        None => None,
+    };
 
     Ok(Config {
         mode: raw.mode,
@@ -120,6 +136,8 @@ pub(super) fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         tick_ms: raw.tick_ms,
         events: raw.events,
         index: raw.index,
+        tokenizer: raw.tokenizer,
+        approximate,
         workers,
         slots,
     })
@@ -344,6 +362,7 @@ fn compile_workers(
             kv_capacity_blocks: w.kv_capacity_blocks,
             max_num_batched_tokens: w.max_num_batched_tokens,
             models: w.models,
+            kv_mode: w.kv_mode,
             first_slot,
         });
     }
@@ -399,7 +418,7 @@ fn positive(field: &str, v: f64) -> Result<(), ConfigError> {
     })
 }
 
-fn url_path(field: &str, p: &str) -> Result<(), ConfigError> {
+pub(super) fn url_path(field: &str, p: &str) -> Result<(), ConfigError> {
     if !p.starts_with('/') || p.contains(['?', '#', ' ']) {
         return Err(ConfigError::Invalid {
             field: field.to_string(),

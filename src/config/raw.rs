@@ -6,8 +6,8 @@ use serde::de::IgnoredAny;
 use serde::Deserialize;
 
 use super::{
-    BusyThresholds, ClientHints, CostWeights, DestinationFormat, Device, EventsConfig, IndexConfig,
-    LoadConfig, RoutingMode,
+    ApproximateConfig, BusyThresholds, ClientHints, CostWeights, DestinationFormat, Device,
+    EventsConfig, IndexConfig, LoadConfig, RoutingMode, TokenizerConfig, WorkerKvMode,
 };
 use crate::types::{DpRank, WorkerId};
 
@@ -36,6 +36,8 @@ pub(super) struct RawConfig {
     pub tick_ms: u64,
     pub events: EventsConfig,
     pub index: IndexConfig,
+    pub tokenizer: Option<TokenizerConfig>,
+    pub approximate: Option<ApproximateConfig>,
     /// Required; `Option` so that its absence reads as "workers: required field is missing".
     pub workers: Option<Vec<RawWorker>>,
     /// Removed; read only to name its replacement.
@@ -66,6 +68,8 @@ impl Default for RawConfig {
             tick_ms: 50,
             events: EventsConfig::default(),
             index: IndexConfig::default(),
+            tokenizer: None,
+            approximate: None,
             workers: None,
             allow_client_pinning: None,
         }
@@ -92,6 +96,8 @@ pub(super) struct RawWorker {
     pub max_num_batched_tokens: Option<u32>,
     #[serde(default)]
     pub models: Vec<String>,
+    #[serde(default = "events_only")]
+    pub kv_mode: WorkerKvMode,
 }
 
 fn one() -> u32 {
@@ -100,4 +106,8 @@ fn one() -> u32 {
 
 fn gpu() -> Device {
     Device::Gpu
+}
+
+fn events_only() -> WorkerKvMode {
+    WorkerKvMode::Events
 }

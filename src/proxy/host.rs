@@ -78,3 +78,13 @@ pub fn http_call(
 ) -> Result<u32, Status> {
     hostcalls::dispatch_http_call(cluster, headers, None, vec![], timeout)
 }
+
+/// A callout with a request body (the tokenizer call).
+pub fn http_call_with_body(
+    cluster: &str,
+    headers: Vec<(&str, &str)>,
+    body: &[u8],
+    timeout: Duration,
+) -> Result<u32, Status> {
+    hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout)
+}

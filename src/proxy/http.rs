@@ -8,21 +8,27 @@
 
 use super::host::{self, HostStore};
 use super::vm::{worker_id, VmState};
+use crate::approx::Record;
 use crate::config::{ClientHints, Config, DestinationFormat, PrefillLoadModel, RoutingMode};
 use crate::hashing::prompt_sequence_hashes;
 use crate::load::{output_milli_blocks, predicted_prefill_ms};
 use crate::load_store::{self, Release};
+use crate::prompt_text::{prompt_text, render_cache_key, text_prefix_hashes};
+use crate::render::{classify, parse_reply, RenderFailure};
 use crate::request::{
     parse_header_pin, parse_request_with, Endpoint, LlmRequest, ParseOptions, Pin, RequestError,
     HEADER_DP_RANK, HEADER_WORKER_ID,
 };
 use crate::router::{decide, prompt_blocks, Decision, RouteError, RouteInput};
 use crate::text::{excerpt, MAX_EXCERPT_BYTES};
+use crate::types::SequenceHash;
 use crate::types::SlotIdx;
+use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 use std::cell::RefCell;
 use std::rc::Rc;
+use std::time::Duration;
 
 const REASON_HEADER: &str = "x-kv-router-reason";
 
@@ -64,6 +70,17 @@ pub struct RequestContext {
     decided: bool,
     outcome: Option<Outcome>,
     booking: Option<Booking>,
+    /// A tokenizer call in flight; the request is paused until it answers.
+    render: Option<PendingRender>,
+}
+
+/// A text request waiting for its exact ids from the tokenizer service.
+struct PendingRender {
+    token: u32,
+    request: LlmRequest,
+    text: String,
+    cache_key: u64,
+    started_ms: u64,
 }
 
 impl RequestContext {
@@ -77,6 +94,7 @@ impl RequestContext {
             decided: false,
             outcome: None,
             booking: None,
+            render: None,
         }
     }
 
@@ -167,10 +185,202 @@ impl RequestContext {
             // Not read (the parser skipped them): the request is routed as if they were absent.
             vm.metrics.inc("client_hints.ignored");
         }
+        // A text request in KV mode: exact ids from the tokenizer service (the request waits for
+        // them), else its text prefix hashes (approximate mode).
+        let text_routing = config.tokenizer.is_some() || config.approximate.is_some();
+        if config.mode == RoutingMode::Kv
+            && request.token_ids.is_none()
+            && request.text_chars > 0
+            && text_routing
+        {
+            if let Some(text) = prompt_text(body, endpoint) {
+                return self.route_text(vm, &config, request, text, endpoint, body);
+            }
+        }
+        self.decide_and_steer(vm, &config, request, None, None)
+    }
+
+    /// A text request: the cached render, else a tokenizer call (pauses), else text hashes.
+    fn route_text(
+        &mut self,
+        vm: &mut VmState,
+        config: &Config,
+        mut request: LlmRequest,
+        text: String,
+        endpoint: Endpoint,
+        body: &[u8],
+    ) -> Action {
+        let Some(tokenizer) = &config.tokenizer else {
+            return self.route_by_text(vm, config, request, &text, None);
+        };
+        let cache_key = render_cache_key(
+            endpoint,
+            request.model.as_deref(),
+            request.lora_name.as_deref(),
+            &text,
+        );
+        if let Some(ids) = vm.render_cache.get(cache_key) {
+            vm.metrics.inc("tokenizer.cache_hit");
+            request.token_ids = Some(ids.as_ref().clone());
+            request.rendered = true;
+            return self.decide_and_steer(vm, config, request, None, None);
+        }
+        vm.metrics.inc("tokenizer.cache_miss");
+        let path = match endpoint {
+            Endpoint::ChatCompletions => tokenizer.chat_path.as_str(),
+            Endpoint::Completions => tokenizer.completions_path.as_str(),
+        };
+        let authority = if tokenizer.address.is_empty() {
+            tokenizer.cluster.as_str()
+        } else {
+            tokenizer.address.as_str()
+        };
+        let mut headers = vec![
+            (":method", "POST"),
+            (":path", path),
+            (":authority", authority),
+            (":scheme", "http"),
+            ("content-type", "application/json"),
+        ];
+        if !tokenizer.address.is_empty() {
+            headers.push(("x-envoy-original-dst-host", authority));
+        }
+        match host::http_call_with_body(
+            &tokenizer.cluster,
+            headers,
+            body,
+            Duration::from_millis(tokenizer.timeout_ms),
+        ) {
+            Ok(token) => {
+                vm.metrics.inc("tokenizer.calls");
+                self.render = Some(PendingRender {
+                    token,
+                    request,
+                    text,
+                    cache_key,
+                    started_ms: host::now_ms(),
+                });
+                Action::Pause
+            }
+            Err(_) => {
+                self.route_by_text(vm, config, request, &text, Some(RenderFailure::Unavailable))
+            }
+        }
+    }
+
+    /// Routes a text request by its text prefix hashes (approximate mode), or on load alone
+    /// without it; `failure` says why the tokenizer gave no ids (header and counter).
+    fn route_by_text(
+        &mut self,
+        vm: &mut VmState,
+        config: &Config,
+        mut request: LlmRequest,
+        text: &str,
+        failure: Option<RenderFailure>,
+    ) -> Action {
+        if let Some(f) = failure {
+            vm.metrics
+                .inc(&format!("tokenizer.fallback.{}", f.as_str()));
+        }
+        let hashes = config.approximate.as_ref().map(|a| {
+            text_prefix_hashes(
+                text,
+                a.text_chunk_bytes,
+                request.lora_name.as_deref(),
+                a.max_record_blocks,
+            )
+        });
+        request.text_prefix = hashes.is_some();
+        self.decide_and_steer(
+            vm,
+            config,
+            request,
+            hashes,
+            failure.map(RenderFailure::as_str),
+        )
+    }
+
+    /// The tokenizer answered (or the call failed): route with its ids, else by text; resume.
+    fn render_done(&mut self, token: u32, num_headers: usize, body_size: usize) {
+        if self.render.as_ref().is_none_or(|p| p.token != token) {
+            return;
+        }
+        let Some(pending) = self.render.take() else {
+            return;
+        };
+        let vm_rc = Rc::clone(&self.vm);
+        let Ok(mut vm_guard) = vm_rc.try_borrow_mut() else {
+            let _ = hostcalls::resume_http_request();
+            return;
+        };
+        let vm: &mut VmState = &mut vm_guard;
+        let config = Rc::clone(&vm.config);
+        let elapsed_ms = host::now_ms().saturating_sub(pending.started_ms);
+        vm.metrics.histogram("tokenizer.render_ms", elapsed_ms);
+        let status = if num_headers == 0 {
+            None
+        } else {
+            host::header(MapType::HttpCallResponseHeaders, ":status")
+        };
+        let max_bytes = config
+            .tokenizer
+            .as_ref()
+            .map_or(0, |t| t.max_response_bytes);
+        let timeout_ms = config.tokenizer.as_ref().map_or(0, |t| t.timeout_ms);
+        let ids = classify(status.as_deref(), body_size, max_bytes)
+            .and_then(|()| {
+                host::buffer(BufferType::HttpCallResponseBody, body_size)
+                    .ok_or(RenderFailure::BadReply)
+            })
+            .and_then(|body| parse_reply(&body))
+            .map_err(|f| {
+                // Envoy ends a call that ran out of time without a response.
+                if f == RenderFailure::Error && status.is_none() && elapsed_ms >= timeout_ms {
+                    RenderFailure::Timeout
+                } else {
+                    f
+                }
+            });
+        let mut request = pending.request;
+        let action = match ids {
+            Ok(ids) => {
+                vm.metrics.inc("tokenizer.rendered");
+                let ids = Rc::new(ids);
+                request.token_ids = Some(ids.as_ref().clone());
+                request.rendered = true;
+                vm.render_cache.insert(pending.cache_key, ids);
+                self.decide_and_steer(vm, &config, request, None, None)
+            }
+            Err(f) => {
+                log::debug!(
+                    "kv-router: tokenizer call failed ({}); routing by text",
+                    f.as_str()
+                );
+                self.route_by_text(vm, &config, request, &pending.text, Some(f))
+            }
+        };
+        // A local reply (a rejection) already ended the stream.
+        if matches!(action, Action::Continue) {
+            let _ = hostcalls::resume_http_request();
+        }
+    }
+
+    /// Hashes (unless `text_hashes` are given), looks up overlaps, decides and steers. `note`
+    /// is appended to the reason (`kv-text:render_timeout`).
+    fn decide_and_steer(
+        &mut self,
+        vm: &mut VmState,
+        config: &Config,
+        request: LlmRequest,
+        text_hashes: Option<Vec<SequenceHash>>,
+        note: Option<&str>,
+    ) -> Action {
         let now = host::now_ms();
         // Only KV mode scores prefix overlap; the basic modes skip hashing and the index.
-        let hashes = match &request.token_ids {
-            Some(tokens) if config.mode == RoutingMode::Kv => {
+        let from_text = text_hashes.is_some();
+        let hashes = match (&request.token_ids, text_hashes) {
+            (_, Some(hashes)) => hashes,
+            (Some(tokens), None) if config.mode == RoutingMode::Kv => {
                 prompt_sequence_hashes(tokens, config.block_size, request.lora_name.as_deref())
             }
             _ => Vec::new(),
@@ -181,16 +391,20 @@ impl RequestContext {
             vm.sync_replica();
         }
         let mut overlaps = std::mem::take(&mut vm.overlaps);
-        if hashes.is_empty() {
+        if hashes.is_empty() || from_text {
             overlaps.clear();
         } else {
             vm.replica.index.find_overlaps(&hashes, &mut overlaps);
+        }
+        if vm.predicted.is_some() && !hashes.is_empty() {
+            vm.sync_predictions(now);
+            merge_predictions(vm, config, &hashes, from_text, now, &mut overlaps);
         }
         let mut load = load_store::read(&HostStore, config.slots.len()).view(now);
         if config.load.reported_load {
             vm.merge_reported_load(&mut load);
         }
-        let prompt_blocks = prompt_blocks(&config, &request);
+        let prompt_blocks = prompt_blocks(config, &request);
         let input = RouteInput {
             request: &request,
             header_pin: self.header_pin,
@@ -199,17 +413,18 @@ impl RequestContext {
             load: &load,
             stale_slots: &vm.stale_slots,
         };
-        let decided = decide(&config, &input, &mut vm.selector);
+        let decided = decide(config, &input, &mut vm.selector);
         vm.overlaps = overlaps;
         match decided {
             Ok(decision) => {
-                self.steer(vm, &config, &decision, now, &request);
+                self.steer(vm, config, &decision, now, &request, note);
+                record_prediction(vm, config, &decision, hashes, from_text, now);
                 Action::Continue
             }
             Err(RouteError::NonFiniteCost { slot, cost }) => {
                 // Corrupt load or overlap input: never fail the request for it.
                 log::error!("kv-router: slot {slot} scored a non-finite cost ({cost}); routing by the fallback rule");
-                self.fallback(vm, &config, "non_finite_cost");
+                self.fallback(vm, config, "non_finite_cost");
                 Action::Continue
             }
             Err(err) => {
@@ -232,6 +447,7 @@ impl RequestContext {
         decision: &Decision,
         now: u64,
         request: &LlmRequest,
+        note: Option<&str>,
     ) {
         let Some(slot) = config.slots.get(usize::from(decision.slot)) else {
             self.fallback(vm, config, "no_decision");
@@ -254,13 +470,16 @@ impl RequestContext {
                 }
             }
         }
-        let reason = decision.reason.as_str();
+        let reason = match note {
+            Some(note) => format!("{}:{note}", decision.reason.as_str()),
+            None => decision.reason.as_str().to_string(),
+        };
         host::set_header(
             MapType::HttpRequestHeaders,
             &config.destination_header,
             Some(&destination),
         );
-        host::set_header(MapType::HttpRequestHeaders, REASON_HEADER, Some(reason));
+        host::set_header(MapType::HttpRequestHeaders, REASON_HEADER, Some(&reason));
         if worker.dp_size > 1 {
             host::set_header(
                 MapType::HttpRequestHeaders,
@@ -307,13 +526,14 @@ impl RequestContext {
             vm.metrics.inc("load.update_failed");
         }
 
-        vm.metrics.inc(&format!("routed.{reason}"));
+        vm.metrics
+            .inc(&format!("routed.{}", decision.reason.as_str()));
         let overlap_blocks = decision.overlap.device_blocks;
         vm.metrics.add("overlap_blocks", u64::from(overlap_blocks));
         vm.metrics
             .histogram("overlap_blocks_per_request", u64::from(overlap_blocks));
         let mut outcome = Outcome {
-            reason: reason.to_string(),
+            reason,
             detail: None,
         };
         if config.response_headers {
@@ -459,6 +679,68 @@ impl RequestContext {
     }
 }
 
+/// Raises each slot's device overlap to its predicted run: every slot for text hashes (only
+/// predictions know them), only `kv_mode` approximate slots for token hashes.
+fn merge_predictions(
+    vm: &VmState,
+    config: &Config,
+    hashes: &[SequenceHash],
+    from_text: bool,
+    now: u64,
+    overlaps: &mut Vec<crate::types::Overlap>,
+) {
+    let Some(store) = vm.predicted.as_ref() else {
+        return;
+    };
+    let slots = config.slots.len();
+    let predicted = store.overlaps(hashes, slots, now);
+    overlaps.resize(slots, crate::types::Overlap::default());
+    for (i, (overlap, blocks)) in overlaps.iter_mut().zip(predicted).enumerate() {
+        let counts = from_text
+            || config
+                .slots
+                .get(i)
+                .and_then(|s| config.workers.get(usize::from(s.worker)))
+                .is_some_and(|w| w.kv_mode.has_predictions());
+        if counts && blocks > overlap.device_blocks {
+            overlap.device_blocks = blocks;
+        }
+    }
+}
+
+/// Publishes the decision as predicted blocks on the chosen slot (approximate mode).
+fn record_prediction(
+    vm: &mut VmState,
+    config: &Config,
+    decision: &Decision,
+    mut hashes: Vec<SequenceHash>,
+    from_text: bool,
+    now: u64,
+) {
+    let Some(approx) = config.approximate.as_ref() else {
+        return;
+    };
+    let predicts = from_text
+        || config
+            .worker_of_slot(decision.slot)
+            .is_some_and(|w| w.kv_mode.has_predictions());
+    if hashes.is_empty() || !predicts {
+        return;
+    }
+    hashes.truncate(approx.max_record_blocks);
+    let record = Record {
+        slot: decision.slot,
+        expires_ms: now.saturating_add(approx.ttl_ms),
+        hashes,
+    };
+    if crate::approx::publish(&HostStore, &record) {
+        vm.metrics.inc("approx.published");
+    } else {
+        vm.metrics.inc("approx.publish_failed");
+    }
+    vm.sync_predictions(now);
+}
+
 /// SSE `data:` events other than `[DONE]`: one generated token each (engines stream per token).
 fn count_sse_tokens(chunk: &[u8]) -> u32 {
     let mut count = 0u32;
@@ -488,7 +770,17 @@ fn reject(status: u32, kind: &str, message: &str, retry_after_secs: Option<u32>)
     Action::Pause
 }
 
-impl Context for RequestContext {}
+impl Context for RequestContext {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        self.render_done(token_id, num_headers, body_size);
+    }
+}
 
 impl HttpContext for RequestContext {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {

@@ -41,7 +41,12 @@ impl Poller {
             }
         }
         for worker in self.schedule.due(now_ms) {
-            if !self.dispatch_next(config, head, worker, now_ms) {
+            // `kv_mode: approximate`: the worker publishes no events.
+            let polled = config
+                .workers
+                .get(usize::from(worker))
+                .is_some_and(|w| w.kv_mode.has_events());
+            if polled && !self.dispatch_next(config, head, worker, now_ms) {
                 failed += 1;
             }
         }

@@ -9,10 +9,12 @@ use super::http::RequestContext;
 use super::metrics::{EventKinds, Metrics};
 use super::poller::{PendingCall, Poller};
 use super::vm::{worker_id, VmState};
+use crate::approx::{self, PredictedStore};
 use crate::config::Config;
 use crate::events::{parse_dump, parse_event_page, EventError, LogRecord};
 use crate::load_store::{self, PendingReleases};
 use crate::polling::{disposition, is_gap, CallKind, Disposition, Next, ReplyOutcome};
+use crate::render::RenderCache;
 use crate::replication::lease::{hold_lease, holds_lease};
 use crate::replication::log::{self as replication, Replica};
 use crate::router::SelectorState;
@@ -327,6 +329,7 @@ impl VmState {
             .max(1000);
         let leader = hold_lease(&HostStore, self.nonce, now, lease_ms);
         self.sync_replica();
+        self.sync_predictions(now);
         if !leader {
             return;
         }
@@ -364,6 +367,13 @@ impl VmState {
             .iter()
             .enumerate()
             .filter(|(_, w)| !w.stale && now.saturating_sub(w.last_ok_ms) > stale_after)
+            // A worker without events is never stale: nothing is expected from it.
+            .filter(|(i, _)| {
+                config
+                    .workers
+                    .get(*i)
+                    .is_some_and(|w| w.kv_mode.has_events())
+            })
             .filter_map(|(i, _)| u16::try_from(i).ok())
             .collect();
         for worker in lost {
@@ -429,6 +439,9 @@ impl VmState {
         }
         self.metrics
             .gauge("load.active_entries", table.active_entries() as u64);
+        if let Some(predicted) = &self.predicted {
+            self.metrics.gauge("approx.entries", predicted.len() as u64);
+        }
         self.metrics
             .gauge("load.deferred_releases", self.releases.len() as u64);
     }
@@ -466,11 +479,22 @@ impl RootContext for RouterRoot {
             stale_slots: vec![false; config.slots.len()],
             fingerprint,
             nonce,
-            config: Rc::clone(&config),
             releases: PendingReleases::default(),
+            predicted: config
+                .approximate
+                .as_ref()
+                .map(|a| PredictedStore::new(a.max_blocks)),
+            render_cache: config.tokenizer.as_ref().map_or_else(
+                || RenderCache::new(0, 0),
+                |t| RenderCache::new(t.cache_entries, t.cache_max_tokens),
+            ),
+            config: Rc::clone(&config),
         };
         load_store::init(&HostStore, config.slots.len());
         replication::init(&HostStore);
+        if config.approximate.is_some() {
+            approx::init(&HostStore);
+        }
         let _ = hostcalls::set_tick_period(Duration::from_millis(config.tick_ms));
         info!(
             "kv-router: configured: mode {:?}, {} workers ({} slots), block size {}",

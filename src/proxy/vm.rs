@@ -3,9 +3,11 @@
 
 use super::metrics::Metrics;
 use super::poller::Poller;
+use crate::approx::PredictedStore;
 use crate::config::Config;
 use crate::load::{merge_reported, SlotLoad};
 use crate::load_store::PendingReleases;
+use crate::render::RenderCache;
 use crate::replication::log::Replica;
 use crate::router::SelectorState;
 use crate::types::Overlap;
@@ -30,6 +32,10 @@ pub struct VmState {
     pub stale_slots: Vec<bool>,
     /// Load releases that contention deferred; retried until they land.
     pub releases: PendingReleases,
+    /// Predicted blocks (approximate mode), when configured.
+    pub predicted: Option<PredictedStore>,
+    /// Prompts the tokenizer service rendered (empty without `tokenizer`).
+    pub render_cache: RenderCache,
 }
 
 impl VmState {
@@ -53,6 +59,18 @@ impl VmState {
                 merge_reported(view, &reported, worker.kv_capacity_blocks, worker.dp_size);
             }
         }
+    }
+}
+
+impl VmState {
+    /// Applies the routing decisions other VMs published since the last sync.
+    pub fn sync_predictions(&mut self, now_ms: u64) {
+        let Some(store) = self.predicted.as_mut() else {
+            return;
+        };
+        let report = store.sync(&super::host::HostStore, now_ms);
+        self.metrics.add("approx.applied", report.applied);
+        self.metrics.add("approx.skipped", report.skipped);
     }
 }
 

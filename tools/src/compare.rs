@@ -126,10 +126,33 @@ pub fn run_mode(
         return run_vllm_router(mode, policy, fleet, workload, opts);
     }
     let workers = fleet.spawn_workers()?;
-    let mut envoy_opts = EnvoyOptions::new(
-        fleet.filter_config(mode, &workers),
-        workers.iter().map(|w| w.addr.clone()).collect(),
-    );
+    let mut opts = opts.clone();
+    // Text arms: the filter mode is `kv` with a text feature switched on.
+    let (filter_mode, text_extra, tokenizer) = match mode {
+        "kv+text" => ("kv", json!({"approximate": {}}), None),
+        "kv+render" => {
+            // A GPU-less render service: an extra mock (same tokenizer and template) outside
+            // the fleet, like `vllm launch render`.
+            let render = Worker::spawn(1000, &["--mode", "echo", "--block-size", "64"])?;
+            let extra = json!({"tokenizer": {"cluster": "kv_events", "address": render.addr,
+                                             "timeout_ms": 1000}});
+            ("kv", extra, Some(render))
+        }
+        "kv+ids" => {
+            opts.chat_as_ids = true;
+            opts.path = "/v1/completions".to_string();
+            ("kv", json!({}), None)
+        }
+        other => (other, json!({}), None),
+    };
+    let mut config = fleet.filter_config(filter_mode, &workers);
+    if let (Some(target), Some(extra)) = (config.as_object_mut(), text_extra.as_object()) {
+        for (key, value) in extra {
+            target.insert(key.clone(), value.clone());
+        }
+    }
+    let mut envoy_opts =
+        EnvoyOptions::new(config, workers.iter().map(|w| w.addr.clone()).collect());
     envoy_opts.concurrency = fleet.envoy_threads;
     // No deadline, as in the shipped configs.
     envoy_opts.route_timeout = Duration::ZERO;
@@ -137,13 +160,49 @@ pub fn run_mode(
     let envoy = Envoy::start(&envoy_opts)?;
     // Let the poller take every worker's (empty) dump before traffic starts.
     std::thread::sleep(Duration::from_millis(300));
-    let mut opts = opts.clone();
     opts.worker_addrs = workers.iter().map(|w| w.addr.clone()).collect();
     opts.label = mode.to_string();
     let stats = run_workload(&envoy.listener, workload, &opts);
+    if tokenizer.is_some() {
+        print_tokenizer_stats(&envoy);
+    }
     drop(envoy);
+    drop(tokenizer);
     drop(workers);
     Ok(stats)
+}
+
+/// The render call's added latency and the render cache's hit rate, from the filter's stats.
+fn print_tokenizer_stats(envoy: &Envoy) {
+    let stats = envoy.stats();
+    let get = |n: &str| {
+        stats
+            .get(&format!("wasmcustom.kv_router.{n}"))
+            .copied()
+            .unwrap_or(0)
+    };
+    let (hits, misses) = (get("tokenizer.cache_hit"), get("tokenizer.cache_miss"));
+    eprintln!(
+        "tokenizer: {} calls, cache hits {hits} / {} lookups ({:.1}%), fallbacks: timeout {} error {}",
+        get("tokenizer.calls"),
+        hits + misses,
+        100.0 * hits as f64 / (hits + misses).max(1) as f64,
+        get("tokenizer.fallback.render_timeout"),
+        get("tokenizer.fallback.render_error"),
+    );
+    // Envoy computes histogram quantiles at its stats flush (every 5 s): wait for one.
+    let deadline = std::time::Instant::now() + Duration::from_secs(12);
+    while std::time::Instant::now() < deadline {
+        if let Ok(resp) = crate::client::get(&envoy.admin, "/stats?filter=tokenizer.render_ms") {
+            let text = resp.text();
+            if text.contains("P50") {
+                eprintln!("tokenizer render_ms histogram: {}", text.trim());
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    eprintln!("tokenizer render_ms histogram: no flush within 12 s");
 }
 
 /// A peer arm: vllm-router with `policy` in front of a fresh fleet.

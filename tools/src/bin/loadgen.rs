@@ -11,8 +11,8 @@ use envoy_kv_router_tools::compare::{
     compare_modes, quality_table, report_comparison, EventsVia, Fleet,
 };
 use envoy_kv_router_tools::loadgen::{
-    format_stats, load_mooncake, run_workload_on, synthetic, write_svg_chart, RunOptions,
-    SyntheticSpec,
+    chat, format_stats, load_mooncake, run_workload_on, synthetic, write_svg_chart, ChatSpec,
+    RunOptions, SyntheticSpec,
 };
 use envoy_kv_router_tools::sys::raise_fd_limit;
 use serde_json::Value;
@@ -21,9 +21,14 @@ use serde_json::Value;
 #[command(
     name = "loadgen",
     about = "Replays a Mooncake trace or a synthetic shared-prefix workload and measures it",
-    group(ArgGroup::new("workload").required(true).args(["trace", "synthetic"])),
+    group(ArgGroup::new("workload").required(true).args(["trace", "synthetic", "chat"])),
     group(ArgGroup::new("where").required(true).args(["target", "modes"])),
     after_help = "SPEC: groups=G,prefix=P,isl=I,osl=O,requests=N,(rate=R|concurrency=C)[,seed=S]\n\
+CHAT: conversations=C,turns=T,system_prompts=S,system_chars=X,user_chars=U,reply_chars=R,osl=O,\
+(rate=Q|concurrency=N)[,seed=E]\n\
+Text arms (--modes): kv+text (approximate mode: text prefix hashes and predicted blocks), \
+kv+render (exact ids from a render service: an extra mock worker serving \
+/v1/chat/completions/render), kv+ids (the same chat prompts sent as token ids: the baseline).\n\
 --modes: start a fresh fleet of --fleet mock workers (engine mode, --worker-args; each with a \
 kv-event-bridge fed over ZMQ unless --events-via http) and a fresh Envoy with the filter for \
 each routing mode in turn, run the same workload through each, and \
@@ -68,6 +73,10 @@ struct Args {
     /// A synthetic shared-prefix workload (SPEC below).
     #[arg(long)]
     synthetic: Option<String>,
+    /// A chat workload: multi-turn conversations with shared system prompts, sent as text
+    /// `messages` to /v1/chat/completions (CHAT below).
+    #[arg(long)]
+    chat: Option<String>,
     /// Use at most this many requests of the workload.
     #[arg(long)]
     max_requests: Option<usize>,
@@ -176,10 +185,16 @@ fn main() {
         }
         Err(e) => eprintln!("loadgen: cannot raise the open-file limit: {e}"),
     }
-    let opts = run_options(&args);
+    let mut opts = run_options(&args);
     let workload = if let Some(path) = &args.trace {
         load_mooncake(path, args.time_scale, args.max_requests)
             .unwrap_or_else(|e| fail(&e.to_string()))
+    } else if let Some(spec) = &args.chat {
+        let mut spec = ChatSpec::parse(spec).unwrap_or_else(|e| fail(&e));
+        if let Some(m) = args.max_requests {
+            spec.conversations = spec.conversations.min(m.div_ceil(spec.turns));
+        }
+        chat(&spec)
     } else {
         let spec = args.synthetic.as_deref().unwrap_or_default();
         let mut spec = SyntheticSpec::parse(spec).unwrap_or_else(|e| fail(&e));
@@ -188,6 +203,9 @@ fn main() {
         }
         synthetic(&spec)
     };
+    if workload.is_chat() && opts.path == "/v1/completions" {
+        opts.path = "/v1/chat/completions".to_string();
+    }
     if let Some(modes) = &args.modes {
         let mut fleet = Fleet::new(
             args.fleet,

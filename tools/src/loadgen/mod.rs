@@ -4,10 +4,12 @@
 //! concurrency and the client's own CPU), the measurements (`stats`) and the reports
 //! (`report`: tables and a TTFT chart).
 
+mod chat;
 mod report;
 mod runner;
 mod stats;
 
+pub use chat::{chat, ChatSpec};
 pub use report::{
     comparison_table, format_stats, print_comparison_table, svg_chart, write_svg_chart,
 };
@@ -34,8 +36,12 @@ pub const VOCAB: u64 = 32_000;
 pub struct RequestSpec {
     /// Arrival offset from the start of the run (timed workloads).
     pub at_ms: f64,
+    /// The prompt as token ids (for a chat request: the ids the mock worker's tokenizer and
+    /// template give its `messages`).
     pub tokens: Vec<u32>,
     pub max_tokens: usize,
+    /// A chat request: sent as `messages` to `/v1/chat/completions`.
+    pub messages: Option<Value>,
 }
 
 /// How requests are released.
@@ -52,6 +58,13 @@ pub struct Workload {
     pub name: String,
     pub requests: Vec<RequestSpec>,
     pub arrival: Arrival,
+}
+
+impl Workload {
+    /// Its requests are chat `messages` (sent to `/v1/chat/completions`).
+    pub fn is_chat(&self) -> bool {
+        self.requests.iter().any(|r| r.messages.is_some())
+    }
 }
 
 /// Deterministic token `i` of Mooncake hash id `id`.
@@ -120,6 +133,7 @@ pub fn load_mooncake(
             at_ms: (ts - start).max(0.0) / scale,
             tokens: mooncake_tokens(&ids, input),
             max_tokens: output.max(1),
+            messages: None,
         });
     }
     Ok(Workload {
@@ -223,6 +237,7 @@ pub fn synthetic(spec: &SyntheticSpec) -> Workload {
                 at_ms: if spec.rate.is_some() { t } else { 0.0 },
                 tokens,
                 max_tokens: spec.osl,
+                messages: None,
             }
         })
         .collect();

@@ -48,6 +48,9 @@ pub struct RunOptions {
     pub progress_every: Option<Duration>,
     /// Label shown in progress lines.
     pub label: String,
+    /// Chat requests (`messages`) are sent as their token ids to `/v1/completions` instead
+    /// (the token-id baseline of a chat workload).
+    pub chat_as_ids: bool,
 }
 
 impl Default for RunOptions {
@@ -64,6 +67,7 @@ impl Default for RunOptions {
             worker_addrs: Vec::new(),
             progress_every: Some(Duration::from_secs(2)),
             label: String::new(),
+            chat_as_ids: false,
         }
     }
 }
@@ -150,11 +154,14 @@ impl Run {
 fn body_for(spec: &RequestSpec, opts: &RunOptions) -> Vec<u8> {
     let mut body = json!({
         "model": opts.model,
-        "prompt": spec.tokens,
         "max_tokens": spec.max_tokens,
         "stream": true,
         "stream_options": {"include_usage": true},
     });
+    match &spec.messages {
+        Some(messages) if !opts.chat_as_ids => body["messages"] = messages.clone(),
+        _ => body["prompt"] = json!(spec.tokens),
+    }
     if let (Some(target), Some(Value::Object(extra))) = (body.as_object_mut(), &opts.extra_body) {
         for (k, v) in extra {
             target.insert(k.clone(), v.clone());

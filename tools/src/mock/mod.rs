@@ -10,6 +10,8 @@
 //! Endpoints (both modes; every response carries `x-worker-id`, JSON bodies of completions carry
 //! `worker_id` and `received_headers`):
 //! `GET /health`, `GET /metrics`, `POST /v1/completions`, `POST /v1/chat/completions`,
+//! `POST /v1/chat/completions/render`, `POST /v1/completions/render`, `POST /tokenize` (the
+//! prompt ids the worker caches for a request, in vLLM 0.32's reply shapes; see [`render`]),
 //! `GET /kv/events?after=N`, `GET /kv/dump`, `GET /admin/stats`, `POST /admin/events_fault`,
 //! `POST /admin/load`, `POST /admin/reset`; echo mode only: `POST /admin/events`,
 //! `POST /admin/drop_events`, `POST /admin/dump`. See [`routes`].
@@ -29,6 +31,7 @@ pub mod kv_cache;
 pub mod kv_zmq;
 mod metrics;
 pub mod openai;
+pub mod render;
 pub mod routes;
 pub mod vllm_wire;
 

@@ -16,6 +16,7 @@ use axum::Router;
 use serde_json::{json, Value};
 
 use super::openai::{self, ApiKind, Shape};
+use super::render;
 use super::{
     echo, engine_api, Backend, EventsFault, MockWorker, MAX_REQUEST_BODY_BYTES,
     OVERSIZED_PADDING_BYTES,
@@ -30,6 +31,9 @@ pub fn router(worker: Arc<MockWorker>) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/chat/completions/render", post(render_chat))
+        .route("/v1/completions/render", post(render_completions))
+        .route("/tokenize", post(tokenize))
         .route("/kv/events", get(kv_events))
         .route("/kv/dump", get(kv_dump))
         .route("/admin/stats", get(stats))
@@ -237,6 +241,18 @@ fn received_headers(headers: &HeaderMap) -> Value {
         }
     }
     Value::Object(m)
+}
+
+async fn render_chat(state: Worker, body: Bytes) -> Response {
+    render::reply(state.0, render::Kind::Chat, &body).await
+}
+
+async fn render_completions(state: Worker, body: Bytes) -> Response {
+    render::reply(state.0, render::Kind::Completions, &body).await
+}
+
+async fn tokenize(state: Worker, body: Bytes) -> Response {
+    render::reply(state.0, render::Kind::Tokenize, &body).await
 }
 
 async fn completions(state: Worker, headers: HeaderMap, body: Bytes) -> Response {
