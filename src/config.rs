@@ -23,6 +23,9 @@ use crate::types::{DpRank, SlotIdx, WorkerId};
 
 mod compile;
 mod fields;
+mod membership;
+
+pub use membership::{MembershipConfig, MAX_POOL_WORKERS};
 
 use compile::compile;
 
@@ -252,9 +255,17 @@ pub struct WorkerConfig {
     pub models: Vec<String>,
     /// Index of this worker's first slot.
     pub first_slot: SlotIdx,
+    /// False for a `membership` pool entry no host occupies, and for a host Envoy reports
+    /// unhealthy while others are healthy. Always true without `membership`.
+    pub routable: bool,
 }
 
 impl WorkerConfig {
+    /// A `membership` pool entry that no host occupies now (it has no address).
+    pub fn is_vacant(&self) -> bool {
+        self.address_text.is_empty()
+    }
+
     pub fn serves_model(&self, model: &str) -> bool {
         self.models.is_empty() || self.models.iter().any(|m| m == model)
     }
@@ -306,6 +317,8 @@ pub struct Config {
     pub index: IndexConfig,
     pub workers: Vec<WorkerConfig>,
     pub slots: Vec<Slot>,
+    /// Follow the routed cluster's hosts (see `config/membership.rs`); `None` = static list only.
+    pub membership: Option<MembershipConfig>,
 }
 
 impl Config {

@@ -4,6 +4,7 @@
 use serde_json::{Map, Value};
 
 use super::fields::*;
+use super::membership;
 use super::{
     BusyThresholds, ClientHints, Config, ConfigError, CostWeights, DestinationFormat, Device,
     EventsConfig, IndexConfig, LoadConfig, PrefillLoadModel, RoutingMode, Slot, WorkerConfig,
@@ -34,6 +35,7 @@ const ROOT_FIELDS: &[&str] = &[
     "events",
     "index",
     "workers",
+    "membership",
 ];
 const COST_FIELDS: &[&str] = &[
     "overlap_score_credit",
@@ -252,13 +254,32 @@ pub(super) fn compile(map: Map<String, Value>) -> Result<Config, ConfigError> {
         Some(v) => compile_index(v)?,
     };
 
-    let workers_value = root
-        .take_raw("workers")
-        .ok_or_else(|| ConfigError::Missing {
-            field: "workers".to_string(),
-        })?;
+    let membership_value = root.take_raw("membership");
+    let workers_value = match root.take_raw("workers") {
+        Some(v) => v,
+        // With membership the workers come from the cluster; the static list is optional.
+        None if membership_value.is_some() => Value::Array(Vec::new()),
+        None => {
+            return Err(ConfigError::Missing {
+                field: "workers".to_string(),
+            })
+        }
+    };
     root.finish()?;
-    let (workers, slots) = compile_workers(workers_value, &busy)?;
+    let (membership, workers_value) = match membership_value {
+        None => (None, workers_value),
+        Some(v) => {
+            let (m, all) = membership::compile(v, workers_value)?;
+            (Some(m), all)
+        }
+    };
+    let (mut workers, slots) = compile_workers(workers_value, &busy).map_err(|e| match &membership {
+        Some(m) => membership::name_template_field(e, m.first_pool_worker),
+        None => e,
+    })?;
+    if let Some(m) = &membership {
+        membership::mark_vacant(&mut workers, m);
+    }
 
     Ok(Config {
         mode,
@@ -281,6 +302,7 @@ pub(super) fn compile(map: Map<String, Value>) -> Result<Config, ConfigError> {
         index,
         workers,
         slots,
+        membership,
     })
 }
 
@@ -649,6 +671,7 @@ fn compile_workers(
             max_num_batched_tokens,
             models,
             first_slot,
+            routable: true,
         });
     }
     Ok((workers, slots))
