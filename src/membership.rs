@@ -258,7 +258,9 @@ pub fn apply(config: &Config, head: &mut LogHead, hosts: &[Host], now_ms: u64) -
         };
         let events_address = match config.workers.get(i) {
             Some(w) if i < first_pool => w.events_address_text.clone(),
-            _ if m.events_port != 0 => SocketAddr::new(host.address.ip(), m.events_port).to_string(),
+            _ if m.events_port != 0 => {
+                SocketAddr::new(host.address.ip(), m.events_port).to_string()
+            }
             _ => host.address.to_string(),
         };
         head.members_generation += 1;

@@ -273,10 +273,11 @@ pub(super) fn compile(map: Map<String, Value>) -> Result<Config, ConfigError> {
             (Some(m), all)
         }
     };
-    let (mut workers, slots) = compile_workers(workers_value, &busy).map_err(|e| match &membership {
-        Some(m) => membership::name_template_field(e, m.first_pool_worker),
-        None => e,
-    })?;
+    let (mut workers, slots) =
+        compile_workers(workers_value, &busy).map_err(|e| match &membership {
+            Some(m) => membership::name_template_field(e, m.first_pool_worker),
+            None => e,
+        })?;
     if let Some(m) = &membership {
         membership::mark_vacant(&mut workers, m);
     }

@@ -92,7 +92,14 @@ pub(super) fn compile(
     // A query is expected here (`?format=json`); only the path part is checked.
     let path_part = admin_path.split('?').next().unwrap_or_default();
     check_url_path(o.field_path("admin_path"), path_part)?;
-    let poll_interval_ms = ms(&mut o, "poll_interval_ms", 500, 10, 60_000, "within [10, 60000]")?;
+    let poll_interval_ms = ms(
+        &mut o,
+        "poll_interval_ms",
+        500,
+        10,
+        60_000,
+        "within [10, 60000]",
+    )?;
     let timeout_ms = ms(&mut o, "timeout_ms", 1000, 1, 60_000, "within [1, 60000]")?;
     let max_response_bytes = match o.take::<u64>("max_response_bytes")? {
         None => 4 << 20,
@@ -116,13 +123,22 @@ pub(super) fn compile(
     };
     let events_port = match o.take::<u64>("events_port")? {
         None => 0,
-        Some(v) => u64_in(o.field_path("events_port"), v, 0, 65_535, "within [0, 65535]")?,
+        Some(v) => u64_in(
+            o.field_path("events_port"),
+            v,
+            0,
+            65_535,
+            "within [0, 65535]",
+        )?,
     };
 
     let Value::Array(mut items) = workers else {
         return Err(ConfigError::WrongType {
             field: "workers".to_string(),
-            detail: format!("expected an array of worker objects, got {}", kind(&workers)),
+            detail: format!(
+                "expected an array of worker objects, got {}",
+                kind(&workers)
+            ),
         });
     };
     let static_ids: Vec<u64> = items
@@ -155,7 +171,11 @@ pub(super) fn compile(
         None | Some(Value::Null) => Map::new(),
         Some(v) => {
             let t = Obj::new("membership.worker", v, TEMPLATE_FIELDS)?;
-            if let Some(key) = t.map.keys().find(|k| !TEMPLATE_FIELDS.contains(&k.as_str())) {
+            if let Some(key) = t
+                .map
+                .keys()
+                .find(|k| !TEMPLATE_FIELDS.contains(&k.as_str()))
+            {
                 return Err(ConfigError::UnknownField {
                     field: t.field_path(key),
                     expected: TEMPLATE_FIELDS,

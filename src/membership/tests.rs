@@ -44,11 +44,18 @@ fn pool_entries_follow_the_template_and_start_vacant() {
 #[test]
 fn membership_config_errors_name_their_field() {
     let err = |j: &str| Config::from_json(j.as_bytes()).unwrap_err().to_string();
-    assert_eq!(err(r#"{"membership": {}}"#), "membership.cluster: required field is missing");
-    assert!(err(r#"{"membership": {"cluster": "c", "worker": {"device": "tpu"}}}"#)
-        .starts_with("membership.worker.device: unknown value"));
-    assert!(err(r#"{"membership": {"cluster": "c", "worker": {"id": 3}}}"#)
-        .starts_with("membership.worker.id: unknown field"));
+    assert_eq!(
+        err(r#"{"membership": {}}"#),
+        "membership.cluster: required field is missing"
+    );
+    assert!(
+        err(r#"{"membership": {"cluster": "c", "worker": {"device": "tpu"}}}"#)
+            .starts_with("membership.worker.device: unknown value")
+    );
+    assert!(
+        err(r#"{"membership": {"cluster": "c", "worker": {"id": 3}}}"#)
+            .starts_with("membership.worker.id: unknown field")
+    );
     assert!(err(r#"{"membership": {"cluster": "c", "max_workers": 0}}"#)
         .starts_with("membership.max_workers: must be within [1, 4096]"));
     assert!(err(
@@ -57,7 +64,10 @@ fn membership_config_errors_name_their_field() {
     .starts_with("membership.first_id: pool ids 4..=19 include static worker id 5"));
     // Workers may be omitted entirely.
     let c = Config::from_json(br#"{"membership": {"cluster": "c", "max_workers": 3}}"#).unwrap();
-    assert_eq!(c.workers.iter().map(|w| w.id).collect::<Vec<_>>(), vec![1, 2, 3]);
+    assert_eq!(
+        c.workers.iter().map(|w| w.id).collect::<Vec<_>>(),
+        vec![1, 2, 3]
+    );
     assert!(err(r#"{}"#).starts_with("workers: required"));
 }
 
@@ -108,7 +118,11 @@ fn joins_leaves_and_health_keep_a_fixed_pool_with_generations() {
     let ch = apply(
         &c,
         &mut head,
-        &[host("10.0.0.1:8000", true), host("10.0.0.2:8000", true), host("10.0.0.3:8000", false)],
+        &[
+            host("10.0.0.1:8000", true),
+            host("10.0.0.2:8000", true),
+            host("10.0.0.3:8000", false),
+        ],
         5,
     );
     assert_eq!(ch.joined, vec![0, 1, 2]);
@@ -116,7 +130,10 @@ fn joins_leaves_and_health_keep_a_fixed_pool_with_generations() {
     let m1 = head.workers[1].member.clone().unwrap();
     assert_eq!(m1.address, "10.0.0.2:8000");
     assert_eq!(m1.events_address, "10.0.0.2:7000", "events_port template");
-    assert_eq!(head.workers[0].member.as_ref().unwrap().events_address, "10.0.0.1:9000");
+    assert_eq!(
+        head.workers[0].member.as_ref().unwrap().events_address,
+        "10.0.0.1:9000"
+    );
     let e = effective_config(&c, &head);
     assert_eq!(e.workers[1].address_text, "10.0.0.2:8000");
     assert!(e.workers[1].routable);
@@ -126,7 +143,11 @@ fn joins_leaves_and_health_keep_a_fixed_pool_with_generations() {
     let same = apply(
         &c,
         &mut head,
-        &[host("10.0.0.1:8000", true), host("10.0.0.2:8000", true), host("10.0.0.3:8000", false)],
+        &[
+            host("10.0.0.1:8000", true),
+            host("10.0.0.2:8000", true),
+            host("10.0.0.3:8000", false),
+        ],
         6,
     );
     assert!(same.is_empty(), "{same:?}");
@@ -137,8 +158,12 @@ fn joins_leaves_and_health_keep_a_fixed_pool_with_generations() {
     let ch = apply(
         &c,
         &mut head,
-        &[host("10.0.0.1:8000", true), host("10.0.0.3:8000", true), host("10.0.0.4:8000", true),
-          host("10.0.0.5:8000", true)],
+        &[
+            host("10.0.0.1:8000", true),
+            host("10.0.0.3:8000", true),
+            host("10.0.0.4:8000", true),
+            host("10.0.0.5:8000", true),
+        ],
         7,
     );
     assert_eq!(ch.left, vec![1]);
@@ -149,13 +174,19 @@ fn joins_leaves_and_health_keep_a_fixed_pool_with_generations() {
     let m = head.workers[1].member.clone().unwrap();
     assert_eq!(m.address, "10.0.0.4:8000");
     assert!(m.generation > m1.generation);
-    assert_eq!(head.workers[1].cursor, None, "a new occupant syncs from its dump");
+    assert_eq!(
+        head.workers[1].cursor, None,
+        "a new occupant syncs from its dump"
+    );
     assert_eq!(head.workers.len(), 3, "the table never grows");
 
     // Everyone gone but one unhealthy host: it stays routable (nothing better exists).
     let ch = apply(&c, &mut head, &[host("10.0.0.3:8000", false)], 8);
     assert_eq!(ch.left, vec![0, 1]);
     let e = effective_config(&c, &head);
-    assert!(e.workers[0].is_vacant() && !e.workers[0].routable, "static worker not listed");
+    assert!(
+        e.workers[0].is_vacant() && !e.workers[0].routable,
+        "static worker not listed"
+    );
     assert!(e.workers[2].routable);
 }

@@ -12,6 +12,9 @@ use std::time::Duration;
 pub struct PendingCall {
     pub worker: u16,
     pub kind: CallKind,
+    /// The occupant's membership generation when the call was made (0 without membership): a
+    /// reply for an earlier occupant of the entry is dropped.
+    pub generation: u64,
 }
 
 pub struct Poller {
@@ -63,13 +66,25 @@ impl Poller {
             .and_then(|w| w.cursor)
             .filter(|_| !self.schedule.wants_dump(worker));
         let kind = cursor.map_or(CallKind::Dump, |after| CallKind::Events { after });
-        self.dispatch(config, worker, kind, now)
+        let generation = head.member_generation(worker);
+        self.dispatch(config, worker, kind, generation, now)
     }
 
-    pub fn dispatch(&mut self, config: &Config, worker: u16, kind: CallKind, now_ms: u64) -> bool {
+    fn dispatch(
+        &mut self,
+        config: &Config,
+        worker: u16,
+        kind: CallKind,
+        generation: u64,
+        now_ms: u64,
+    ) -> bool {
         let Some(spec) = config.workers.get(usize::from(worker)) else {
             return false;
         };
+        if spec.is_vacant() {
+            // A membership pool entry without a host: nothing to poll (not a failure).
+            return true;
+        }
         let path = call_path(&config.events, kind);
         let address = spec.events_address_text.as_str();
         let headers = vec![
@@ -88,7 +103,14 @@ impl Poller {
         ) {
             Ok(token) => {
                 self.pending.retain(|_, call| call.worker != worker);
-                self.pending.insert(token, PendingCall { worker, kind });
+                self.pending.insert(
+                    token,
+                    PendingCall {
+                        worker,
+                        kind,
+                        generation,
+                    },
+                );
                 self.schedule.sent(worker, kind, timeout_ms, now_ms);
                 true
             }
