@@ -20,7 +20,10 @@ use std::net::SocketAddr;
 use serde::Deserialize;
 
 use crate::config::Config;
-use crate::replication::log::{LogHead, Member};
+use crate::events::LogRecord;
+use crate::load_store;
+use crate::replication::log::{self as replication, LogHead, Member};
+use crate::store::SharedStore;
 
 /// One host of the routed cluster.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -283,6 +286,67 @@ pub fn apply(config: &Config, head: &mut LogHead, hosts: &[Host], now_ms: u64) -
         head.members_generation += 1;
     }
     changes
+}
+
+/// What [`publish`] committed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Published {
+    pub changes: Changes,
+    /// In-flight load entries dropped because their worker's entry changed occupant.
+    pub load_cleared: usize,
+}
+
+/// The poller's step: plans `hosts` against `from` (its replica's head), appends a `WorkerLost`
+/// record for every entry whose occupant changed together with the head edit (only if the
+/// membership did not move since `from`), then drops those entries' load. `None`: nothing
+/// changed, or another writer moved the membership first (the next poll plans again).
+pub fn publish(
+    store: &dyn SharedStore,
+    fingerprint: u64,
+    config: &Config,
+    from: &LogHead,
+    hosts: &[Host],
+    now_ms: u64,
+) -> Option<Published> {
+    let mut planned = from.clone();
+    let (from_generation, from_seen) = (from.members_generation, from.members_seen);
+    let changes = apply(config, &mut planned, hosts, now_ms);
+    if changes.is_empty() {
+        return None;
+    }
+    let cleared = changes.cleared();
+    let records: Vec<LogRecord> = cleared
+        .iter()
+        .map(|&worker| LogRecord::WorkerLost { worker })
+        .collect();
+    let workers = config.workers.len();
+    let edit = |head: &mut LogHead| {
+        if head.members_generation != from_generation || head.members_seen != from_seen {
+            return false;
+        }
+        apply(config, head, hosts, now_ms);
+        true
+    };
+    let committed = if records.is_empty() {
+        replication::update_head(store, fingerprint, workers, now_ms, edit)
+    } else {
+        replication::append(store, fingerprint, workers, now_ms, &records, edit)
+    };
+    if !committed {
+        return None;
+    }
+    let mut load_cleared = 0usize;
+    let _ = load_store::update(store, config.slots.len(), |table| {
+        load_cleared = cleared
+            .iter()
+            .map(|&w| table.clear_slots(config.worker_slots(w), now_ms))
+            .sum();
+        Some(())
+    });
+    Some(Published {
+        changes,
+        load_cleared,
+    })
 }
 
 /// Resets a worker entry's poll state as if new: no cursor (the next fetch is a full dump), no

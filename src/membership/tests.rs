@@ -190,3 +190,116 @@ fn joins_leaves_and_health_keep_a_fixed_pool_with_generations() {
     );
     assert!(e.workers[2].routable);
 }
+
+mod churn {
+    use super::*;
+    use crate::events::{IndexEvent, LogRecord, NumberedEvent};
+    use crate::load_store;
+    use crate::replication::log::{self as replication, Replica};
+    use crate::store::fake::MemStore;
+    use crate::types::{ExternalBlockHash, LocalBlockHash, StorageTier};
+
+    const FP: u64 = 7;
+
+    /// The poller's append of one event page for `worker`, made for occupant `generation`.
+    fn store_block(store: &MemStore, c: &Config, worker: u16, generation: u64, id: u64) -> bool {
+        let record = LogRecord::Events {
+            worker,
+            events: vec![NumberedEvent {
+                event_id: id,
+                event: IndexEvent::Stored {
+                    dp_rank: 0,
+                    tier: StorageTier::Device,
+                    parent: None,
+                    blocks: vec![(ExternalBlockHash(id), LocalBlockHash(id))],
+                },
+            }],
+        };
+        replication::append(store, FP, c.workers.len(), id, &[record], |head| {
+            if head.member_generation(worker) != generation {
+                return false;
+            }
+            head.workers[usize::from(worker)].cursor = Some(id);
+            true
+        })
+    }
+
+    fn entry_of(head: &LogHead, addr: &str) -> Option<u16> {
+        head.workers
+            .iter()
+            .position(|w| w.member.as_ref().is_some_and(|m| m.address == addr))
+            .map(|i| i as u16)
+    }
+
+    /// A host flapping 200 times: the shared-data key set, the head's table and the load table
+    /// stay the same size; the departed host leaves no blocks and no load; a reply made for an
+    /// earlier occupant is refused.
+    #[test]
+    fn flapping_keeps_keys_fixed_and_leaves_nothing_behind() {
+        let c = config();
+        let store = MemStore::new();
+        replication::init(&store);
+        load_store::init(&store, c.slots.len());
+        let mut replica = Replica::new(&c, FP);
+        let (a, b) = (host("10.0.0.2:8000", true), host("10.0.0.3:8000", true));
+        publish(&store, FP, &c, &replica.head, &[b.clone()], 1).unwrap();
+        replica.sync(&store, &c, 1);
+        let keys = store.key_count();
+        let mut stale_generation = None;
+        for round in 0..200u64 {
+            let hosts = if round % 2 == 0 {
+                vec![a.clone(), b.clone()]
+            } else {
+                vec![b.clone()]
+            };
+            let now = 10 + round * 10;
+            let done = publish(&store, FP, &c, &replica.head, &hosts, now).unwrap();
+            replica.sync(&store, &c, now);
+            if let Some(entry) = entry_of(&replica.head, "10.0.0.2:8000") {
+                assert_eq!(done.changes.joined, vec![entry]);
+                let generation = replica.head.member_generation(entry);
+                assert!(store_block(&store, &c, entry, generation, now + 1));
+                let slot = c.worker_slots(entry).start;
+                load_store::update(&store, c.slots.len(), |t| {
+                    t.admit(now, slot, 100, 2, None, now);
+                    Some(())
+                })
+                .unwrap();
+                replica.sync(&store, &c, now + 1);
+                assert_eq!(replica.index.entries(), 1);
+                stale_generation = Some((entry, generation));
+            } else {
+                assert_eq!(done.changes.left.len(), 1);
+                assert_eq!(done.load_cleared, 1, "its in-flight load goes at once");
+                assert_eq!(replica.index.entries(), 0, "its blocks left the index");
+                let table = load_store::read(&store, c.slots.len());
+                assert_eq!(table.active_entries(), 0);
+            }
+        }
+        assert_eq!(
+            store.key_count(),
+            keys,
+            "no shared-data key per join or leave"
+        );
+        assert_eq!(replica.head.workers.len(), c.workers.len());
+        // A page fetched for the last occupant, answered after it left and another took the entry.
+        let (entry, old) = stale_generation.unwrap();
+        publish(
+            &store,
+            FP,
+            &c,
+            &replica.head,
+            &[b.clone(), host("10.0.0.9:8000", true)],
+            5000,
+        )
+        .unwrap();
+        replica.sync(&store, &c, 5000);
+        assert_eq!(entry_of(&replica.head, "10.0.0.9:8000"), Some(entry));
+        assert!(
+            !store_block(&store, &c, entry, old, 5001),
+            "a late reply for the old occupant is dropped"
+        );
+        replica.sync(&store, &c, 5001);
+        assert_eq!(replica.index.entries(), 0);
+    }
+}

@@ -6,11 +6,8 @@
 use super::host::{self, HostStore};
 use super::vm::VmState;
 use crate::config::Config;
-use crate::events::LogRecord;
-use crate::load_store;
-use crate::membership::{apply, effective_config, parse_admin_clusters};
+use crate::membership::{effective_config, parse_admin_clusters, publish};
 use crate::polling::{disposition, Disposition};
-use crate::replication::log as replication;
 use log::{info, warn};
 use proxy_wasm::types::{BufferType, MapType};
 use std::rc::Rc;
@@ -115,17 +112,14 @@ impl VmState {
         true
     }
 
-    /// Plans on this replica's head, then appends the changes (a `WorkerLost` record for every
-    /// entry whose occupant changed, with the head edit) if the membership did not move meanwhile.
+    /// Publishes the hosts (see [`crate::membership::publish`]) planned on this replica's head.
     fn publish_membership(&mut self, base: &Config, hosts: &[crate::membership::Host], now: u64) {
         self.sync_replica();
-        let mut planned = self.replica.head.clone();
-        let from_generation = planned.members_generation;
-        let from_seen = planned.members_seen;
-        let changes = apply(base, &mut planned, hosts, now);
-        if changes.is_empty() {
+        let from = self.replica.head.clone();
+        let Some(done) = publish(&HostStore, self.fingerprint, base, &from, hosts, now) else {
             return;
-        }
+        };
+        let changes = &done.changes;
         if changes.pool_full > 0 {
             self.metrics.add("membership.pool_full", changes.pool_full);
             warn!(
@@ -134,37 +128,6 @@ impl VmState {
                 base.membership.as_ref().map_or("", |m| m.cluster.as_str())
             );
         }
-        let cleared = changes.cleared();
-        let records: Vec<LogRecord> = cleared
-            .iter()
-            .map(|&worker| LogRecord::WorkerLost { worker })
-            .collect();
-        let workers = base.workers.len();
-        let edit = |head: &mut replication::LogHead| {
-            if head.members_generation != from_generation || head.members_seen != from_seen {
-                return false; // another poller published meanwhile; the next poll re-plans
-            }
-            apply(base, head, hosts, now);
-            true
-        };
-        let published = if records.is_empty() {
-            replication::update_head(&HostStore, self.fingerprint, workers, now, edit)
-        } else {
-            replication::append(&HostStore, self.fingerprint, workers, now, &records, edit)
-        };
-        if !published {
-            return;
-        }
-        // A departed worker's load goes at once (a new occupant starts idle).
-        let slots = base.slots.len();
-        let mut cleared_entries = 0usize;
-        let _ = load_store::update(&HostStore, slots, |table| {
-            cleared_entries = cleared
-                .iter()
-                .map(|&w| table.clear_slots(base.worker_slots(w), now))
-                .sum();
-            Some(())
-        });
         self.metrics
             .add("membership.joined", changes.joined.len() as u64);
         self.metrics
@@ -172,7 +135,7 @@ impl VmState {
         self.metrics
             .add("membership.health_changed", changes.health_changed);
         self.metrics
-            .add("membership.load_cleared", cleared_entries as u64);
+            .add("membership.load_cleared", done.load_cleared as u64);
         let id = |w: &u16| crate::proxy::vm::worker_id(base, *w);
         info!(
             "kv-router: membership: {} host(s); joined {:?}, left {:?}, {} health change(s)",
