@@ -242,7 +242,7 @@ mod churn {
         load_store::init(&store, c.slots.len());
         let mut replica = Replica::new(&c, FP);
         let (a, b) = (host("10.0.0.2:8000", true), host("10.0.0.3:8000", true));
-        publish(&store, FP, &c, &replica.head, &[b.clone()], 1).unwrap();
+        publish(&store, FP, &c, &replica.head, std::slice::from_ref(&b), 1).unwrap();
         replica.sync(&store, &c, 1);
         let keys = store.key_count();
         let mut stale_generation = None;
