@@ -22,6 +22,9 @@ pub struct Poller {
     /// entry, so the map stays bounded by the number of workers).
     pending: HashMap<u32, PendingCall>,
     pub schedule: PollSchedule,
+    /// The membership generation each worker entry was last polled for (all 0 without
+    /// membership): when it moves, the entry has a new occupant and its poll state starts over.
+    generations: Vec<u64>,
 }
 
 impl Poller {
@@ -29,12 +32,23 @@ impl Poller {
         Poller {
             pending: HashMap::new(),
             schedule: PollSchedule::new(workers),
+            generations: vec![0; workers],
         }
     }
 
     /// Sends the calls that are due. Returns how many the host refused.
     pub fn dispatch_due(&mut self, config: &Config, head: &LogHead, now_ms: u64) -> usize {
         let mut failed = 0;
+        for (i, seen) in self.generations.iter_mut().enumerate() {
+            let Ok(worker) = u16::try_from(i) else { break };
+            let now_gen = head.member_generation(worker);
+            if *seen != now_gen {
+                // A new occupant: the old one's call in flight, backoff and gap history are not its.
+                *seen = now_gen;
+                self.schedule.reset(worker);
+                self.pending.retain(|_, call| call.worker != worker);
+            }
+        }
         for (worker, state) in head.workers.iter().enumerate() {
             if state.retry_after_ms > now_ms {
                 if let Ok(worker) = u16::try_from(worker) {
