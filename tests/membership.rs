@@ -97,6 +97,14 @@ fn eds_workers_join_and_leave_without_a_reload() {
         envoy.wait_for(Duration::from_secs(5), |e| e.router_stat("index.entries")
             >= 4)
     );
+    // An event it publishes after joining (an event page, not the dump) counts too.
+    let later = tokens(6000, 2 * BLOCK);
+    publish(w3, vec![vllm_stored(&later, BLOCK, None, 950, "GPU")]);
+    assert!(
+        wait_for_overlap(&envoy, &completion(&later), 2, Duration::from_secs(10)),
+        "an event published after joining counts"
+    );
+    assert_eq!(route(&envoy, &completion(&later)).0, 3);
 
     // Worker 3 leaves: it stops being a candidate and its blocks leave the index.
     envoy.set_endpoints(&addrs(&[w1, w2])).unwrap();
