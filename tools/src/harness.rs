@@ -532,7 +532,9 @@ fn add_discovery(doc: &mut Value, discovery: &Discovery, dir: &Path, admin_port:
     if let Some(n) = discovery.outlier_consecutive_5xx {
         cluster["outlier_detection"] = json!({
             "consecutive_5xx": n, "enforcing_consecutive_5xx": 100,
-            "interval": "1s", "base_ejection_time": "60s", "max_ejection_percent": 100
+            "interval": "1s", "base_ejection_time": "60s", "max_ejection_percent": 100,
+            // Otherwise the next passing active health check (every 100 ms) un-ejects the host.
+            "successful_active_health_check_uneject_host": false
         });
     }
     if let Some(clusters) = doc["static_resources"]["clusters"].as_array_mut() {
