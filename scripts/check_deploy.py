@@ -813,11 +813,41 @@ def check_rendered(bootstrap: dict, m: Manifests, scenario: str) -> list[str]:
                 not events.get("original_dst_lb_config", {}).get("use_http_header"):
             errors.append(f"{where}: needs the event cluster {FILTER_DEFAULTS['events_cluster']!r} "
                           "(ORIGINAL_DST, original_dst_lb_config.use_http_header: true)")
+        if "membership" in config:
+            errors += check_membership(config["membership"], bootstrap, clusters, listener, where)
         errors += check_block_sizes(config.get("block_size", FILTER_DEFAULTS["block_size"]), m, where)
         filename = wasm.get("vm_config", {}).get("code", {}).get("local", {}).get("filename", "")
         if os.path.dirname(filename) not in wasm_mount_paths(m, scenario):
             errors.append(f"{where}: {filename} is not in a mounted {WASM_CONFIGMAP} ConfigMap "
                           f"(mounts: {sorted(wasm_mount_paths(m, scenario))})")
+    return errors
+
+
+def check_membership(membership: dict, bootstrap: dict, clusters: dict, listener: dict,
+                     where: str) -> list[str]:
+    """The filter's `membership`: it follows a cluster this listener routes to, and reads admin
+    through a cluster that reaches this Envoy's own (loopback) admin and that the listener does
+    not route to (clients must never reach admin)."""
+    errors = []
+    followed = membership.get("cluster")
+    if followed not in routed_clusters(listener):
+        errors.append(f"{where}: membership.cluster {followed!r} is not a cluster this listener routes to")
+    name = membership.get("admin_cluster", "envoy_admin")
+    admin_cluster = clusters.get(name)
+    if admin_cluster is None:
+        errors.append(f"{where}: membership.admin_cluster {name!r} is not defined")
+        return errors
+    if name in routed_clusters(listener):
+        errors.append(f"{where}: membership.admin_cluster {name!r} is routed by the client listener: "
+                      "clients could reach Envoy's admin")
+    admin = bootstrap.get("admin", {}).get("address", {})
+    targets = [n.get("address") for n in walk(admin_cluster.get("load_assignment", {})) if "address" in n]
+    if admin not in targets:
+        errors.append(f"{where}: membership.admin_cluster {name!r} does not point at this Envoy's admin "
+                      f"address {admin}")
+    sa = admin.get("socket_address")
+    if sa and sa.get("address") not in ("127.0.0.1", "::1"):
+        errors.append(f"{where}: admin is bound to {sa.get('address')}: bind it to loopback or a pipe")
     return errors
 
 
@@ -1137,8 +1167,16 @@ def self_test(m: Manifests, doc: str, dashboard: str) -> list[str]:
          "matches nothing"),
         ("rendered: worker address that is no host of the cluster",
          lambda: check_scenario(mutate(m, "ConfigMap", "kubernetes", lambda cm: configmap_filter_config(
-             cm, lambda c: c["workers"][0].update(address="10.96.0.199:8000"))), "kubernetes", False),
+             cm, lambda c: c.update(workers=[{"id": 100, "address": "10.96.0.199:8000"}]))), "kubernetes", False),
          "not hosts of cluster"),
+        ("rendered: membership follows a cluster the listener does not route to",
+         lambda: check_scenario(mutate(m, "ConfigMap", "kubernetes", lambda cm: configmap_filter_config(
+             cm, lambda c: c["membership"].update(cluster="kv_events"))), "kubernetes", False),
+         "is not a cluster this listener routes to"),
+        ("rendered: membership reads admin through a cluster that is not the admin",
+         lambda: check_scenario(mutate(m, "ConfigMap", "kubernetes", lambda cm: configmap_filter_config(
+             cm, lambda c: c["membership"].update(admin_cluster="kv_events"))), "kubernetes", False),
+         "does not point at this Envoy's admin"),
         ("rendered: block size differs from vLLM's",
          lambda: check_scenario(mutate(m, "ConfigMap", "kubernetes", lambda cm: configmap_filter_config(
              cm, lambda c: c.update(block_size=32))), "kubernetes", False),

@@ -26,10 +26,12 @@ use crate::types::{DpRank, SlotIdx, WorkerId};
 
 mod approximate;
 mod compile;
+mod membership;
 mod raw;
 mod tokenizer;
 
 pub use approximate::{ApproximateConfig, WorkerKvMode};
+pub use membership::{MembershipConfig, MAX_POOL_WORKERS};
 pub use tokenizer::TokenizerConfig;
 
 use compile::compile;
@@ -262,9 +264,17 @@ pub struct WorkerConfig {
     pub kv_mode: WorkerKvMode,
     /// Index of this worker's first slot.
     pub first_slot: SlotIdx,
+    /// False for a `membership` pool entry no host occupies, and for a host Envoy reports
+    /// unhealthy while others are healthy. Always true without `membership`.
+    pub routable: bool,
 }
 
 impl WorkerConfig {
+    /// A `membership` pool entry that no host occupies now (it has no address).
+    pub fn is_vacant(&self) -> bool {
+        self.address_text.is_empty()
+    }
+
     pub fn serves_model(&self, model: &str) -> bool {
         self.models.is_empty() || self.models.iter().any(|m| m == model)
     }
@@ -321,6 +331,8 @@ pub struct Config {
     pub approximate: Option<ApproximateConfig>,
     pub workers: Vec<WorkerConfig>,
     pub slots: Vec<Slot>,
+    /// Follow the routed cluster's hosts (see `config/membership.rs`); `None` = static list only.
+    pub membership: Option<MembershipConfig>,
 }
 
 impl Config {

@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 
+use super::membership;
 use super::raw::{RawConfig, RawWorker};
 use super::{
     BusyThresholds, ClientHints, Config, ConfigError, CostWeights, EventsConfig, LoadConfig,
@@ -96,10 +97,31 @@ pub(super) fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         "within [1, 4294967295]",
     )?;
 
-    let raw_workers = raw.workers.ok_or_else(|| ConfigError::Missing {
-        field: "workers".to_string(),
-    })?;
-    let (workers, slots) = compile_workers(raw_workers, &raw.busy)?;
+    let raw_workers = match raw.workers {
+        Some(w) => w,
+        // With membership the workers come from the cluster; the static list is optional.
+        None if raw.membership.is_some() => Vec::new(),
+        None => {
+            return Err(ConfigError::Missing {
+                field: "workers".to_string(),
+            })
+        }
+    };
+    let (membership, raw_workers) = match raw.membership {
+        None => (None, raw_workers),
+        Some(m) => {
+            let (m, all) = membership::compile(m, raw_workers)?;
+            (Some(m), all)
+        }
+    };
+    let (mut workers, slots) =
+        compile_workers(raw_workers, &raw.busy).map_err(|e| match &membership {
+            Some(m) => membership::name_template_field(e, m.first_pool_worker),
+            None => e,
+        })?;
+    if let Some(m) = &membership {
+        membership::mark_vacant(&mut workers, m);
+    }
     if let Some(t) = &raw.tokenizer {
         super::tokenizer::check_tokenizer(t)?;
     }
@@ -140,6 +162,7 @@ pub(super) fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         approximate,
         workers,
         slots,
+        membership,
     })
 }
 
@@ -364,12 +387,13 @@ fn compile_workers(
             models: w.models,
             kv_mode: w.kv_mode,
             first_slot,
+            routable: true,
         });
     }
     Ok((workers, slots))
 }
 
-fn u64_in(
+pub(super) fn u64_in(
     field: &str,
     v: u64,
     lo: u64,
@@ -428,7 +452,7 @@ pub(super) fn url_path(field: &str, p: &str) -> Result<(), ConfigError> {
     Ok(())
 }
 
-fn non_empty(field: &str, s: &str) -> Result<(), ConfigError> {
+pub(super) fn non_empty(field: &str, s: &str) -> Result<(), ConfigError> {
     if s.trim().is_empty() {
         return Err(ConfigError::Invalid {
             field: field.to_string(),

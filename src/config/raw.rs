@@ -38,6 +38,7 @@ pub(super) struct RawConfig {
     pub index: IndexConfig,
     pub tokenizer: Option<TokenizerConfig>,
     pub approximate: Option<ApproximateConfig>,
+    pub membership: Option<super::membership::RawMembership>,
     /// Required; `Option` so that its absence reads as "workers: required field is missing".
     pub workers: Option<Vec<RawWorker>>,
     /// Removed; read only to name its replacement.
@@ -70,6 +71,7 @@ impl Default for RawConfig {
             index: IndexConfig::default(),
             tokenizer: None,
             approximate: None,
+            membership: None,
             workers: None,
             allow_client_pinning: None,
         }

@@ -458,7 +458,28 @@ pub struct EnvoyOptions {
     /// Serve the listener from a watched LDS file instead of the bootstrap, so that
     /// [`Envoy::update_filter_config`] can swap the filter's configuration while Envoy runs.
     pub dynamic_listener: bool,
+    /// Envoy-side membership: the worker cluster from filesystem EDS, health checks, outlier
+    /// detection, and the `envoy_admin` cluster the filter's `membership` reads. `None`: a STATIC
+    /// worker cluster as before.
+    pub discovery: Option<Discovery>,
 }
+
+/// How Envoy learns and judges the worker cluster's hosts (`EnvoyOptions::discovery`).
+#[derive(Clone, Debug, Default)]
+pub struct Discovery {
+    /// The worker cluster is EDS from `<dir>/eds.json` (`Envoy::set_endpoints` rewrites it);
+    /// false: STATIC with `worker_addrs`.
+    pub eds: bool,
+    /// Active HTTP health checks on `/health` every 100 ms (one failure marks a host unhealthy).
+    pub health_checks: bool,
+    /// Outlier detection ejecting a host after this many consecutive 5xx.
+    pub outlier_consecutive_5xx: Option<u32>,
+}
+
+/// Name of the cluster reaching Envoy's own admin interface (no route points at it).
+pub const ADMIN_CLUSTER: &str = "envoy_admin";
+/// Name of the routed worker cluster.
+pub const WORKER_CLUSTER: &str = "llm_workers";
 
 impl EnvoyOptions {
     pub fn new(filter_config: Value, worker_addrs: Vec<String>) -> EnvoyOptions {
@@ -473,6 +494,7 @@ impl EnvoyOptions {
             with_filter: true,
             wasm: None,
             dynamic_listener: false,
+            discovery: None,
         }
     }
 }
@@ -493,6 +515,81 @@ fn socket_address(addr: &str) -> Value {
     let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "0"));
     let host = host.trim_start_matches('[').trim_end_matches(']');
     json!({"socket_address": {"address": host, "port_value": port.parse::<u16>().unwrap_or(0)}})
+}
+
+/// A free loopback port (bound, read back, released): the admin port must be known before
+/// Envoy starts when the filter reads admin through a cluster.
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// The EDS resource file content for the worker cluster.
+pub fn eds_document(addrs: &[String]) -> Value {
+    let endpoints: Vec<Value> = addrs
+        .iter()
+        .map(|a| json!({"endpoint": {"address": socket_address(a)}}))
+        .collect();
+    json!({
+        "version_info": format!("{}", SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos())),
+        "resources": [{
+            "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+            "cluster_name": WORKER_CLUSTER,
+            "endpoints": [{"lb_endpoints": endpoints}]
+        }]
+    })
+}
+
+/// Writes `doc` to `path` atomically (a temporary file renamed over it), as EDS watchers expect.
+fn write_atomically(path: &Path, doc: &Value) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, doc.to_string())?;
+    std::fs::rename(&tmp, path)
+}
+
+/// Adds the discovery parts to a bootstrap: EDS, health checks, outlier detection, the admin
+/// cluster on `admin_port`.
+fn add_discovery(doc: &mut Value, discovery: &Discovery, dir: &Path, admin_port: u16) {
+    doc["admin"] = json!({"address": socket_address(&format!("127.0.0.1:{admin_port}"))});
+    // EDS subscriptions need a node identity.
+    doc["node"] = json!({"id": "ekr-test", "cluster": "ekr-test"});
+    let cluster = &mut doc["static_resources"]["clusters"][0];
+    if discovery.eds {
+        if let Some(map) = cluster.as_object_mut() {
+            map.remove("load_assignment");
+        }
+        cluster["type"] = json!("EDS");
+        cluster["eds_cluster_config"] = json!({"eds_config": {
+            "resource_api_version": "V3",
+            "path_config_source": {
+                "path": dir.join("eds.json").to_string_lossy(),
+                "watched_directory": {"path": dir.to_string_lossy()}
+            }
+        }});
+    }
+    if discovery.health_checks {
+        cluster["health_checks"] = json!([{
+            "timeout": "1s", "interval": "0.1s", "no_traffic_interval": "0.1s",
+            "unhealthy_threshold": 1, "healthy_threshold": 1,
+            "http_health_check": {"path": "/health"}
+        }]);
+    }
+    if let Some(n) = discovery.outlier_consecutive_5xx {
+        cluster["outlier_detection"] = json!({
+            "consecutive_5xx": n, "enforcing_consecutive_5xx": 100,
+            "interval": "1s", "base_ejection_time": "60s", "max_ejection_percent": 100,
+            // Otherwise the next passing active health check (every 100 ms) un-ejects the host.
+            "successful_active_health_check_uneject_host": false
+        });
+    }
+    if let Some(clusters) = doc["static_resources"]["clusters"].as_array_mut() {
+        clusters.push(json!({
+            "name": ADMIN_CLUSTER, "type": "STATIC", "connect_timeout": "1s",
+            "load_assignment": {"cluster_name": ADMIN_CLUSTER, "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": socket_address(&format!("127.0.0.1:{admin_port}"))}}]}]}
+        }));
+    }
 }
 
 /// The Envoy bootstrap, the same shape as `envoy/envoy.yaml`, with ports chosen by the OS.
@@ -657,14 +754,6 @@ pub struct Envoy {
     process: ProcessGuard,
 }
 
-/// A free TCP port on 127.0.0.1 (bound and released; a dynamic listener keeps its address across
-/// updates, so it cannot ask for port 0).
-fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 impl Envoy {
     /// Starts Envoy and waits until its admin API reports ready (at most 60 s).
     pub fn start(opts: &EnvoyOptions) -> std::io::Result<Envoy> {
@@ -682,7 +771,12 @@ impl Envoy {
             None
         };
         let lds = dynamic.as_ref().map(|_| lds_path.as_path());
-        std::fs::write(&config_path, bootstrap(opts, &wasm, lds).to_string())?;
+        let mut doc = bootstrap(opts, &wasm, lds);
+        if let Some(discovery) = &opts.discovery {
+            add_discovery(&mut doc, discovery, &dir, free_port()?);
+            write_atomically(&dir.join("eds.json"), &eds_document(&opts.worker_addrs))?;
+        }
+        std::fs::write(&config_path, doc.to_string())?;
         let admin_path = dir.join("admin-address");
         let log = std::fs::File::create(dir.join("envoy.log"))?;
         let child = Command::new(envoy_bin())
@@ -799,6 +893,46 @@ impl Envoy {
             socket["address"].as_str()?,
             socket["port_value"].as_u64()?
         ))
+    }
+
+    /// Replaces the EDS worker cluster's endpoints (`Discovery::eds`).
+    pub fn set_endpoints(&self, addrs: &[String]) -> std::io::Result<()> {
+        write_atomically(&self.dir.join("eds.json"), &eds_document(addrs))
+    }
+
+    /// The worker cluster's hosts as Envoy has them: `(ip:port, health flags)` from
+    /// `/clusters?format=json`.
+    pub fn cluster_hosts(&self) -> Vec<(String, Value)> {
+        let Ok(Ok(body)) = client::get(&self.admin, "/clusters?format=json").map(|r| r.json())
+        else {
+            return Vec::new();
+        };
+        let clusters = body["cluster_statuses"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let Some(c) = clusters.iter().find(|c| c["name"] == WORKER_CLUSTER) else {
+            return Vec::new();
+        };
+        c["host_statuses"]
+            .as_array()
+            .map(|hosts| {
+                hosts
+                    .iter()
+                    .map(|h| {
+                        let s = &h["address"]["socket_address"];
+                        (
+                            format!(
+                                "{}:{}",
+                                s["address"].as_str().unwrap_or(""),
+                                s["port_value"]
+                            ),
+                            h["health_status"].clone(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// Sends a request through Envoy's listener.
