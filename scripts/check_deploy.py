@@ -270,7 +270,12 @@ CRD_SCHEMAS: dict[tuple[str, str], dict] = {
             "slowStart": FREE, "zoneAware": FREE, "consistentHash": FREE,
         }, ("type",)),
         "connection": obj({"bufferLimit": QUANTITY, "socketBufferLimit": QUANTITY}),
-        "timeout": FREE, "retry": FREE,
+        "circuitBreaker": obj({"maxConnections": INT, "maxPendingRequests": INT, "maxParallelRequests": INT,
+                               "maxParallelRetries": INT, "maxRequestsPerConnection": INT}),
+        "timeout": obj({"tcp": obj({"connectTimeout": STR}),
+                        "http": obj({"connectionIdleTimeout": STR, "maxConnectionDuration": STR,
+                                     "requestTimeout": STR})}),
+        "retry": FREE,
     })),
     ("gateway.envoyproxy.io/v1alpha1", "ClientTrafficPolicy"): resource(obj({
         "targetRefs": arr(TARGET_REF, 1),
@@ -315,6 +320,7 @@ def check_schemas(manifests: Manifests) -> list[str]:
 
 WASM_FILTER = "envoy.filters.http.wasm"
 HCM = "envoy.filters.network.http_connection_manager"
+HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 ROUTER = "envoy.filters.http.router"
 
 
@@ -388,6 +394,10 @@ def istio_bootstrap(m: Manifests) -> dict:
             "connect_timeout": "10s",
             "lb_policy": "LEAST_REQUEST",
             "dns_lookup_family": "V4_ONLY",
+            # Istio's defaults (DestinationRule connectionPool): 2^32-1 for every threshold.
+            "circuit_breakers": {"thresholds": [{
+                "max_connections": 4294967295, "max_pending_requests": 4294967295,
+                "max_requests": 4294967295, "max_retries": 4294967295, "track_remaining": True}]},
             "respect_dns_ttl": True,
             "load_assignment": {"cluster_name": cluster_name, "endpoints": [{"lb_endpoints": lb_endpoints(
                 [(ep["address"], dest_port) for ep in entries[0]["spec"]["endpoints"]])}]},
@@ -442,6 +452,25 @@ def envoy_gateway_bootstrap(m: Manifests) -> dict:
     route_action: dict = {"cluster": cluster_name}
     if "timeouts" in rule and "request" in rule["timeouts"]:
         route_action["timeout"] = rule["timeouts"]["request"]
+    cluster_extra: dict = {}
+    breaker = btp.get("circuitBreaker")
+    if breaker:
+        fields = {"maxConnections": "max_connections", "maxPendingRequests": "max_pending_requests",
+                  "maxParallelRequests": "max_requests", "maxParallelRetries": "max_retries"}
+        cluster_extra["circuit_breakers"] = {"thresholds": [
+            {envoy: breaker[k] for k, envoy in fields.items() if k in breaker}]}
+        if "maxRequestsPerConnection" in breaker:
+            cluster_extra.setdefault("typed_extension_protocol_options", {}).setdefault(
+                HTTP_OPTIONS, {"@type": f"type.googleapis.com/{HTTP_OPTIONS}",
+                               "explicit_http_config": {"http_protocol_options": {}}}
+            ).setdefault("common_http_protocol_options", {})["max_requests_per_connection"] = \
+                breaker["maxRequestsPerConnection"]
+    idle = btp.get("timeout", {}).get("http", {}).get("connectionIdleTimeout")
+    if idle:
+        cluster_extra.setdefault("typed_extension_protocol_options", {}).setdefault(
+            HTTP_OPTIONS, {"@type": f"type.googleapis.com/{HTTP_OPTIONS}",
+                           "explicit_http_config": {"http_protocol_options": {}}}
+        ).setdefault("common_http_protocol_options", {})["idle_timeout"] = idle
     bootstrap = {"static_resources": {
         "listeners": [{
             "name": listener_name,
@@ -464,6 +493,7 @@ def envoy_gateway_bootstrap(m: Manifests) -> dict:
             "ignore_health_on_host_removal": True,
             "load_balancing_policy": lb_policy,
             "load_assignment": {"cluster_name": cluster_name, "endpoints": localities},
+            **cluster_extra,
         }],
     }}
     for epp in m.of("EnvoyPatchPolicy", "gateway.envoyproxy.io/", "envoy-gateway"):
@@ -523,7 +553,7 @@ def apply_envoy_filter_patch(bootstrap: dict, patch: dict, where: str) -> None:
                 applied += 1
             else:
                 raise CheckError(f"{where}: the checker does not model {op} on CLUSTER")
-    elif apply_to in ("LISTENER", "HTTP_FILTER"):
+    elif apply_to in ("LISTENER", "HTTP_FILTER", "NETWORK_FILTER"):
         lmatch = match.get("listener", {})
         unsupported = set(lmatch) - {"portNumber", "name", "filterChain"}
         unsupported |= set(lmatch.get("filterChain", {})) - {"filter"}
@@ -544,6 +574,15 @@ def apply_envoy_filter_patch(bootstrap: dict, patch: dict, where: str) -> None:
                 applied += 1
                 continue
             fmatch = lmatch.get("filterChain", {}).get("filter", {})
+            if apply_to == "NETWORK_FILTER":
+                if op != "MERGE" or fmatch.get("name") != HCM:
+                    raise CheckError(f"{where}: the checker models NETWORK_FILTER only as MERGE into {HCM}")
+                for chain in listener.get("filter_chains", []):
+                    for net_filter in chain["filters"]:
+                        if net_filter["name"] == HCM:
+                            proto_merge(net_filter, value)
+                            applied += 1
+                continue
             if fmatch.get("name") not in (None, HCM):
                 raise CheckError(f"{where}: HTTP_FILTER patches need the {HCM} filter")
             for chain in listener.get("filter_chains", []):
@@ -774,11 +813,41 @@ def check_rendered(bootstrap: dict, m: Manifests, scenario: str) -> list[str]:
                 not events.get("original_dst_lb_config", {}).get("use_http_header"):
             errors.append(f"{where}: needs the event cluster {FILTER_DEFAULTS['events_cluster']!r} "
                           "(ORIGINAL_DST, original_dst_lb_config.use_http_header: true)")
+        if "membership" in config:
+            errors += check_membership(config["membership"], bootstrap, clusters, listener, where)
         errors += check_block_sizes(config.get("block_size", FILTER_DEFAULTS["block_size"]), m, where)
         filename = wasm.get("vm_config", {}).get("code", {}).get("local", {}).get("filename", "")
         if os.path.dirname(filename) not in wasm_mount_paths(m, scenario):
             errors.append(f"{where}: {filename} is not in a mounted {WASM_CONFIGMAP} ConfigMap "
                           f"(mounts: {sorted(wasm_mount_paths(m, scenario))})")
+    return errors
+
+
+def check_membership(membership: dict, bootstrap: dict, clusters: dict, listener: dict,
+                     where: str) -> list[str]:
+    """The filter's `membership`: it follows a cluster this listener routes to, and reads admin
+    through a cluster that reaches this Envoy's own (loopback) admin and that the listener does
+    not route to (clients must never reach admin)."""
+    errors = []
+    followed = membership.get("cluster")
+    if followed not in routed_clusters(listener):
+        errors.append(f"{where}: membership.cluster {followed!r} is not a cluster this listener routes to")
+    name = membership.get("admin_cluster", "envoy_admin")
+    admin_cluster = clusters.get(name)
+    if admin_cluster is None:
+        errors.append(f"{where}: membership.admin_cluster {name!r} is not defined")
+        return errors
+    if name in routed_clusters(listener):
+        errors.append(f"{where}: membership.admin_cluster {name!r} is routed by the client listener: "
+                      "clients could reach Envoy's admin")
+    admin = bootstrap.get("admin", {}).get("address", {})
+    targets = [n.get("address") for n in walk(admin_cluster.get("load_assignment", {})) if "address" in n]
+    if admin not in targets:
+        errors.append(f"{where}: membership.admin_cluster {name!r} does not point at this Envoy's admin "
+                      f"address {admin}")
+    sa = admin.get("socket_address")
+    if sa and sa.get("address") not in ("127.0.0.1", "::1"):
+        errors.append(f"{where}: admin is bound to {sa.get('address')}: bind it to loopback or a pipe")
     return errors
 
 
@@ -1098,8 +1167,16 @@ def self_test(m: Manifests, doc: str, dashboard: str) -> list[str]:
          "matches nothing"),
         ("rendered: worker address that is no host of the cluster",
          lambda: check_scenario(mutate(m, "ConfigMap", "kubernetes", lambda cm: configmap_filter_config(
-             cm, lambda c: c["workers"][0].update(address="10.96.0.199:8000"))), "kubernetes", False),
+             cm, lambda c: c.update(workers=[{"id": 100, "address": "10.96.0.199:8000"}]))), "kubernetes", False),
          "not hosts of cluster"),
+        ("rendered: membership follows a cluster the listener does not route to",
+         lambda: check_scenario(mutate(m, "ConfigMap", "kubernetes", lambda cm: configmap_filter_config(
+             cm, lambda c: c["membership"].update(cluster="kv_events"))), "kubernetes", False),
+         "is not a cluster this listener routes to"),
+        ("rendered: membership reads admin through a cluster that is not the admin",
+         lambda: check_scenario(mutate(m, "ConfigMap", "kubernetes", lambda cm: configmap_filter_config(
+             cm, lambda c: c["membership"].update(admin_cluster="kv_events"))), "kubernetes", False),
+         "does not point at this Envoy's admin"),
         ("rendered: block size differs from vLLM's",
          lambda: check_scenario(mutate(m, "ConfigMap", "kubernetes", lambda cm: configmap_filter_config(
              cm, lambda c: c.update(block_size=32))), "kubernetes", False),

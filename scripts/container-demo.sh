@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make container-demo`: builds the container images from docker/*.Dockerfile and runs the
-# docker-compose demo for real (Envoy with the filter, four mock workers, the load generator),
+# docker-compose demo for real (Envoy with the filter, four mock workers with a kv-event-bridge
+# each, the load generator),
 # checks what a user would look at (the load generator's report, Envoy's kv_router stats), and
 # tears everything down, also on failure or Ctrl-C.
 #
@@ -178,27 +179,19 @@ prebuilt_image() {
 }
 
 if [ "$build_mode" = source ]; then
-  step "building the images (docker-compose build: docker/tools.Dockerfile, docker/envoy.Dockerfile)"
+  step "building the images (docker-compose build: docker/tools.Dockerfile, docker/bridge.Dockerfile, docker/envoy.Dockerfile)"
   compose 3600 --profile load build >"$STATE/build.log" 2>&1 || { tail -40 "$STATE/build.log" >&2; die "image build failed"; }
 else
   prebuilt_image docker/tools.Dockerfile envoy-kv-router-tools
+  prebuilt_image docker/bridge.Dockerfile envoy-kv-router-bridge
   step "building the Envoy image (docker-compose build envoy: docker/envoy.Dockerfile)"
   compose 600 build envoy >"$STATE/build.log" 2>&1 || { tail -40 "$STATE/build.log" >&2; die "image build failed"; }
 fi
-if [ -f bridge/Cargo.toml ]; then
-  if [ "$build_mode" = source ]; then
-    step "building envoy-kv-router-bridge (docker/bridge.Dockerfile)"
-    timeout 3600 docker build -t envoy-kv-router-bridge "${build_args[@]}" -f docker/bridge.Dockerfile . \
-      >"$STATE/bridge-build.log" 2>&1 || { tail -40 "$STATE/bridge-build.log" >&2; die "bridge image build failed"; }
-  else
-    prebuilt_image docker/bridge.Dockerfile envoy-kv-router-bridge
-  fi
-  docker run --rm envoy-kv-router-bridge --help >/dev/null || die "kv-event-bridge --help fails in its image"
-fi
+docker run --rm envoy-kv-router-bridge --help >/dev/null || die "kv-event-bridge --help fails in its image"
 docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^envoy-kv-router' | sed 's/^/  image /'
 
 # --- the demo ---------------------------------------------------------------------------------
-step "docker-compose up -d: 4 mock workers (healthy first), then Envoy; ports $ENVOY_PORT, admin $ENVOY_ADMIN_PORT"
+step "docker-compose up -d: 4 mock workers, then a kv-event-bridge for each (healthy first), then Envoy; ports $ENVOY_PORT, admin $ENVOY_ADMIN_PORT"
 compose_up=1
 compose 300 up -d --no-build >"$STATE/up.log" 2>&1 || { cat "$STATE/up.log" >&2; die "compose up failed"; }
 step "docker-compose run --rm loadgen (waits for Envoy to be ready)"
@@ -224,7 +217,7 @@ fails=()
 [ "$errors" = 0 ] || fails+=("$errors requests failed")
 awk -v h="$hit" -v m="$min_hit" 'BEGIN {exit !(h / 100 >= m)}' || fails+=("prefix-cache hit rate $hit% is below $(awk -v m="$min_hit" 'BEGIN {print m * 100}')%")
 [ "$(stat routed.kv)" = "$requests" ] || fails+=("Envoy routed $(stat routed.kv) requests by the cost model (routed.kv), expected $requests")
-[ "$(stat events.received)" -gt 0 ] || fails+=("Envoy received no KV events from the workers")
+[ "$(stat events.received)" -gt 0 ] || fails+=("Envoy received no KV events from the workers' bridges")
 per_worker=$(grep '^per worker:' "$STATE/loadgen.txt" || true)
 for w in 1 2 3 4; do
   grep -qE " $w:[1-9]" <<<"$per_worker" || fails+=("worker $w served no request")

@@ -7,28 +7,33 @@
 //!   of worker `w` are the contiguous range [`Config::worker_slots`];
 //! * every numeric knob is finite and within the range documented on its field.
 //!
-//! Parsing walks a `serde_json::Value` object by hand instead of deriving structs with
-//! `deny_unknown_fields`: the configuration is small and parsed once, and this way every error,
-//! including an unknown (misspelled) key deep inside `workers[3]`, names its full path, e.g.
-//! `cost.overlap_score_credit: must be within [0, 1], got 1.5` or
-//! `workers[1].taints: unknown field; expected one of ...`.
+//! Parsing is two steps: serde derive with `deny_unknown_fields` reads the JSON into typed structs
+//! (the sub-objects below directly, the root and workers through [`raw`]), tracked by
+//! `serde_path_to_error` so that a type error or a misspelled key names its full path
+//! (`workers[1].taint: unknown field ...`); then [`compile`] checks ranges and cross-field rules
+//! with the same paths (`cost.overlap_score_credit: must be within [0, 1], got 1.5`) and lays out
+//! the slots. `null` is accepted only where a field is optional (no default to fall back on).
+//! One leniency of derived structs remains: a sub-object may also be written as an array of its
+//! field values in declaration order (the root may not).
 
 use std::fmt;
 use std::net::SocketAddr;
 use std::ops::Range;
 
-use serde_json::Value;
+use serde::Deserialize;
 
 use crate::types::{DpRank, SlotIdx, WorkerId};
 
 mod affinity;
 mod approximate;
 mod compile;
-mod fields;
+mod membership;
+mod raw;
 mod tokenizer;
 
 pub use affinity::AffinityConfig;
 pub use approximate::{ApproximateConfig, WorkerKvMode};
+pub use membership::{MembershipConfig, MAX_POOL_WORKERS};
 pub use tokenizer::TokenizerConfig;
 
 use compile::compile;
@@ -41,7 +46,8 @@ pub const MAX_FALLBACK_COUNT: usize = 16;
 pub const MAX_BYTES_LIMIT: u64 = 1 << 30;
 
 /// How the filter picks a slot.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum RoutingMode {
     /// Dynamo's KV cost model (overlap credit + active load).
     Kv,
@@ -66,22 +72,13 @@ impl RoutingMode {
             RoutingMode::DeviceAwareWeighted => "device-aware-weighted",
         }
     }
-
-    const ALL: [RoutingMode; 7] = [
-        RoutingMode::Kv,
-        RoutingMode::Random,
-        RoutingMode::RoundRobin,
-        RoutingMode::Direct,
-        RoutingMode::LeastLoaded,
-        RoutingMode::PowerOfTwo,
-        RoutingMode::DeviceAwareWeighted,
-    ];
 }
 
 /// What the filter does with a client's routing hints: header pins (`x-worker-instance-id`,
 /// `x-dp-rank`), body pins (`nvext.backend_instance_id`, `nvext.dp_rank`), allow-lists
 /// (`nvext.allowed_worker_ids`) and taints (`nvext.required_taints`, `nvext.preferred_taints`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum ClientHints {
     /// Route as if the client sent none (counted in `client_hints.ignored`).
     Ignore,
@@ -105,7 +102,8 @@ impl ClientHints {
 pub const MAX_HINT_ITEMS_LIMIT: u64 = 65_536;
 
 /// How the chosen address is written into `destination_header`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum DestinationFormat {
     /// `ip:port` of the choice, then up to `fallback_count` next-best, comma-separated.
     OverrideHost,
@@ -114,7 +112,8 @@ pub enum DestinationFormat {
 }
 
 /// Worker device class (for `device-aware-weighted`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Device {
     /// Any non-CPU accelerator.
     Gpu,
@@ -122,7 +121,8 @@ pub enum Device {
 }
 
 /// Cost weights of Dynamo's KV router (`kv_router` config). All finite and `>= 0`; `overlap_score_credit <= 1`.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields, expecting = "an object")]
 pub struct CostWeights {
     pub overlap_score_credit: f64,
     pub prefill_load_scale: f64,
@@ -146,7 +146,8 @@ impl Default for CostWeights {
 }
 
 /// Busy thresholds: a slot over any configured threshold is not eligible. `None` = no threshold.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields, expecting = "an object")]
 pub struct BusyThresholds {
     /// Active decode blocks / the worker's `kv_capacity_blocks` (per DP rank). Finite, `> 0`.
     pub decode_blocks_fraction: Option<f64>,
@@ -157,7 +158,8 @@ pub struct BusyThresholds {
 }
 
 /// How booked prefill tokens evolve before the first token.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum PrefillLoadModel {
     /// Full value until the first token.
     None,
@@ -165,7 +167,8 @@ pub enum PrefillLoadModel {
     Polynomial,
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields, expecting = "an object")]
 pub struct LoadConfig {
     pub track_output_blocks: bool,
     pub prefill_load_model: PrefillLoadModel,
@@ -189,7 +192,8 @@ impl Default for LoadConfig {
     }
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields, expecting = "an object")]
 pub struct EventsConfig {
     pub cluster: String,
     pub path: String,
@@ -220,7 +224,8 @@ impl Default for EventsConfig {
     }
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields, expecting = "an object")]
 pub struct IndexConfig {
     /// `1..=u32::MAX`.
     pub max_blocks: u32,
@@ -261,9 +266,17 @@ pub struct WorkerConfig {
     pub kv_mode: WorkerKvMode,
     /// Index of this worker's first slot.
     pub first_slot: SlotIdx,
+    /// False for a `membership` pool entry no host occupies, and for a host Envoy reports
+    /// unhealthy while others are healthy. Always true without `membership`.
+    pub routable: bool,
 }
 
 impl WorkerConfig {
+    /// A `membership` pool entry that no host occupies now (it has no address).
+    pub fn is_vacant(&self) -> bool {
+        self.address_text.is_empty()
+    }
+
     pub fn serves_model(&self, model: &str) -> bool {
         self.models.is_empty() || self.models.iter().any(|m| m == model)
     }
@@ -322,6 +335,8 @@ pub struct Config {
     pub affinity: Option<AffinityConfig>,
     pub workers: Vec<WorkerConfig>,
     pub slots: Vec<Slot>,
+    /// Follow the routed cluster's hosts (see `config/membership.rs`); `None` = static list only.
+    pub membership: Option<MembershipConfig>,
 }
 
 impl Config {
@@ -333,16 +348,20 @@ impl Config {
                 field: "workers".to_string(),
             });
         }
-        let value: Value = serde_json::from_slice(bytes).map_err(|e| ConfigError::InvalidJson {
-            detail: e.to_string(),
-        })?;
-        let Value::Object(map) = value else {
-            return Err(ConfigError::WrongType {
+        // Syntax first, so that every later error is about a field.
+        let value: serde_json::Value =
+            serde_json::from_slice(bytes).map_err(|e| ConfigError::InvalidJson {
+                detail: e.to_string(),
+            })?;
+        // A derived struct would also accept a JSON array, field by field in order.
+        if !value.is_object() {
+            return Err(ConfigError::Parse {
                 field: "(root)".to_string(),
                 detail: "the configuration must be a JSON object".to_string(),
             });
-        };
-        compile(map)
+        }
+        let raw = serde_path_to_error::deserialize(value).map_err(ConfigError::from_serde)?;
+        compile(raw)
     }
 
     /// Slot of `(worker_idx, dp_rank)`, if the worker exists and owns that rank.
@@ -401,13 +420,9 @@ pub enum ConfigError {
     Missing {
         field: String,
     },
-    /// A key the filter does not know (typo?).
-    UnknownField {
-        field: String,
-        expected: &'static [&'static str],
-    },
-    /// Present but of the wrong JSON type.
-    WrongType {
+    /// Rejected while reading the JSON: an unknown (misspelled) key, a wrong type, an unknown
+    /// enum value, an integer too big for its field. `detail` is serde's message.
+    Parse {
         field: String,
         detail: String,
     },
@@ -416,12 +431,6 @@ pub enum ConfigError {
         field: String,
         expected: &'static str,
         got: String,
-    },
-    /// A string value that is not one of the accepted words.
-    UnknownVariant {
-        field: String,
-        got: String,
-        expected: &'static [&'static str],
     },
     /// Not `ip:port` / `[ipv6]:port` with a non-zero port.
     BadAddress {
@@ -456,26 +465,12 @@ impl fmt::Display for ConfigError {
                 write!(f, "configuration is not valid JSON: {detail}")
             }
             ConfigError::Missing { field } => write!(f, "{field}: required field is missing"),
-            ConfigError::UnknownField { field, expected } => write!(
-                f,
-                "{field}: unknown field; expected one of: {}",
-                expected.join(", ")
-            ),
-            ConfigError::WrongType { field, detail } => write!(f, "{field}: {detail}"),
+            ConfigError::Parse { field, detail } => write!(f, "{field}: {detail}"),
             ConfigError::OutOfRange {
                 field,
                 expected,
                 got,
             } => write!(f, "{field}: must be {expected}, got {got}"),
-            ConfigError::UnknownVariant {
-                field,
-                got,
-                expected,
-            } => write!(
-                f,
-                "{field}: unknown value \"{got}\"; expected one of: {}",
-                expected.join(", ")
-            ),
             ConfigError::BadAddress { field, got } => write!(
                 f,
                 "{field}: \"{got}\" is not ip:port (IPv4 like 10.0.0.1:8000 or [IPv6]:port, port > 0)"
@@ -496,6 +491,16 @@ impl fmt::Display for ConfigError {
 }
 
 impl std::error::Error for ConfigError {}
+
+impl ConfigError {
+    /// A serde error with the path it happened at.
+    fn from_serde(e: serde_path_to_error::Error<serde_json::Error>) -> ConfigError {
+        ConfigError::Parse {
+            field: e.path().to_string(),
+            detail: e.into_inner().to_string(),
+        }
+    }
+}
 
 #[cfg(test)]
 #[allow(
@@ -657,7 +662,16 @@ mod tests {
         let e = err(
             r#"{"workers": [{"id": 1, "address": "10.0.0.1:8000"}, {"id": 2, "address": "10.0.0.2:8000", "taint": ["x"]}]}"#,
         );
-        assert!(e.starts_with("workers[1].taint: unknown field"), "{e}");
+        assert!(
+            e.starts_with(
+                "workers[1].taint: unknown field `taint`, expected one of `id`, `address`"
+            ),
+            "{e}"
+        );
+        let e = err(
+            r#"{"events": {"long_poll": 1}, "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#,
+        );
+        assert!(e.starts_with("events.long_poll: unknown field"), "{e}");
     }
 
     #[test]
@@ -665,13 +679,48 @@ mod tests {
         let e = err(r#"{"block_size": "64", "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#);
         assert!(e.starts_with("block_size: invalid type"), "{e}");
         let e = err(r#"{"mode": "fastest", "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#);
-        assert!(e.starts_with("mode: unknown value \"fastest\""), "{e}");
+        assert!(
+            e.starts_with("mode: unknown variant `fastest`, expected one of `kv`, `random`"),
+            "{e}"
+        );
         let e = err(r#"{"cost": 3, "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#);
-        assert!(e.starts_with("cost: expected an object"), "{e}");
+        assert!(
+            e.starts_with("cost: invalid type: integer `3`, expected an object"),
+            "{e}"
+        );
         let e = err(r#"{"workers": [{"id": 1, "address": "10.0.0.1:8000", "device": "tpu"}]}"#);
-        assert!(e.starts_with("workers[0].device: unknown value"), "{e}");
-        assert!(err("[1]").starts_with("(root):"));
+        assert!(
+            e.starts_with("workers[0].device: unknown variant `tpu`"),
+            "{e}"
+        );
+        let e = err(r#"{"workers": [{"id": 1, "address": "10.0.0.1:8000", "taints": "a100"}]}"#);
+        assert!(
+            e.starts_with("workers[0].taints: invalid type: string"),
+            "{e}"
+        );
+        let e = err(r#"{"workers": {"id": 1}}"#);
+        assert!(e.starts_with("workers: invalid type: map"), "{e}");
+        // Too big for the field's integer type, and `null` where there is no default to take.
+        let e = err(
+            r#"{"index": {"max_blocks": 5000000000}, "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#,
+        );
+        assert!(
+            e.starts_with("index.max_blocks: invalid value: integer `5000000000`"),
+            "{e}"
+        );
+        let e = err(r#"{"tick_ms": null, "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#);
+        assert!(e.starts_with("tick_ms: invalid type: null"), "{e}");
+        let e = err(r#"{"mode": 1, "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#);
+        assert_eq!(e, "mode: invalid type: integer `1`, expected string or map");
+        assert_eq!(
+            err("[1]"),
+            "(root): the configuration must be a JSON object"
+        );
         assert!(err("{").starts_with("configuration is not valid JSON"));
+        assert!(
+            err(r#"{"workers": [{"id": 1, "address": "10.0.0.1:8000"}]} x"#)
+                .starts_with("configuration is not valid JSON: trailing characters")
+        );
     }
 
     #[test]
@@ -789,7 +838,9 @@ mod tests {
             r#"{"client_routing_hints": "trust", "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#,
         );
         assert!(
-            e.starts_with("client_routing_hints: unknown value \"trust\""),
+            e.starts_with(
+                "client_routing_hints: unknown variant `trust`, expected one of `ignore`, `reject`, `honor`"
+            ),
             "{e}"
         );
         let e = err(

@@ -1,5 +1,8 @@
 //! Eligibility filters, applied before scoring in this order:
 //!
+//! 0. membership: only routable workers (`WorkerConfig::routable`: not a vacant pool entry, not
+//!    a host Envoy reports unhealthy while healthy ones exist); none left is `NoWorkers`, a pin
+//!    on one is `PinnedWorkerUnknown`;
 //! 1. allow-list (`nvext.allowed_worker_ids`; ids the configuration does not know are ignored);
 //! 2. pin: worker id (+ DP rank). The worker must exist (`PinnedWorkerUnknown`) and survive the
 //!    allow-list; a worker owning several ranks needs an explicit rank (`PinnedRankRequired`);
@@ -33,6 +36,13 @@ pub fn eligible_slots(
         slots.retain(|s| config.worker_of_slot(*s).is_some_and(keep));
     };
 
+    // 0. Membership: vacant pool entries and hosts Envoy reports unhealthy (while healthy ones
+    //    exist) are out. Always true without `membership`.
+    worker_ok(&mut slots, &|w| w.routable);
+    if slots.is_empty() {
+        return Err(RouteError::NoWorkers);
+    }
+
     // 1. Allow-list.
     if let Some(allowed) = &request.allowed_worker_ids {
         worker_ok(&mut slots, &|w| allowed.contains(&w.id));
@@ -55,6 +65,9 @@ pub fn eligible_slots(
                 .workers
                 .get(usize::from(idx))
                 .ok_or(RouteError::PinnedWorkerUnknown { worker_id })?;
+            if !w.routable {
+                return Err(RouteError::PinnedWorkerUnknown { worker_id });
+            }
             let slot = match rank {
                 Some(dp_rank) => {
                     config

@@ -13,6 +13,7 @@ pub mod hashing;
 pub mod index;
 pub mod load;
 pub mod load_store;
+pub mod membership;
 pub mod polling;
 pub mod prompt_text;
 pub mod render;

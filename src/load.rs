@@ -333,6 +333,19 @@ impl LoadTable {
         true
     }
 
+    /// Drops every entry booked on a slot in `slots` (its worker left the cluster): its load is
+    /// gone at once; the requests' later releases find nothing. Returns how many.
+    pub fn clear_slots(&mut self, slots: std::ops::Range<SlotIdx>, now_ms: u64) -> usize {
+        let before = self.entries.len();
+        self.entries.retain(|e| !slots.contains(&e.slot));
+        for slot in slots {
+            if let Some(a) = self.anchor_since_ms.get_mut(usize::from(slot)) {
+                *a = (*a).max(now_ms);
+            }
+        }
+        before - self.entries.len()
+    }
+
     /// [`LoadTable::release`] at `now_ms`, so a decaying anchor hands over exactly.
     pub fn release_at(&mut self, key: u64, now_ms: u64) -> bool {
         self.remove(key, now_ms)

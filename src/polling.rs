@@ -188,6 +188,14 @@ impl PollSchedule {
         }
     }
 
+    /// Forgets everything about the worker (a new host took its membership entry): no call in
+    /// flight, due now, no backoff, no gap history.
+    pub fn reset(&mut self, worker: u16) {
+        if let Some(w) = self.workers.get_mut(usize::from(worker)) {
+            *w = WorkerPoll::default();
+        }
+    }
+
     /// The worker's next call must be its dump (it showed a gap the dump has not closed yet).
     pub fn wants_dump(&self, worker: u16) -> bool {
         self.workers

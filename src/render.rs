@@ -160,6 +160,13 @@ mod tests {
         assert_eq!(parse_reply(chat), Ok(vec![1, 2, 3]));
         let cmpl = br#"[{"request_id": "x", "token_ids": [4, 5], "features": null}]"#;
         assert_eq!(parse_reply(cmpl), Ok(vec![4, 5]));
+        // Replies captured from vLLM 0.32 (`--enable-scale-out`, the tiny test model).
+        let real_cmpl = br#"[{"request_id":"cmpl-99f40ea41e3022b7","token_ids":[0,0],"token_offsets":null,"features":null,"content_parts":null,"sampling_params":{"presence_penalty":0.0,"frequency_penalty":0.0,"repetition_penalty":1.0,"temperature":1.0,"top_p":1.0,"min_p":0.0,"stop":[],"stop_token_ids":[],"max_tokens":4,"output_kind":2,"skip_clone":true,"bad_words":[],"skip_reading_prefix_cache":false},"model":"tiny","reasoning_ended":null,"reasoning_parser_kwargs":null,"return_token_ids":null,"output_mode":"tokens","stream":false,"stream_options":null,"cache_salt":null,"priority":0,"kv_transfer_params":null,"ec_transfer_params":null}]"#;
+        assert_eq!(parse_reply(real_cmpl), Ok(vec![0, 0]));
+        let real_chat = br#"{"request_id":"chatcmpl-a9f0b0d6147d1c8d","token_ids":[0,0,0,0,0,0],"token_offsets":null,"features":null,"content_parts":null,"sampling_params":{"presence_penalty":0.0,"frequency_penalty":0.0,"repetition_penalty":1.0,"temperature":1.0,"top_p":1.0,"min_p":0.0,"stop":[],"stop_token_ids":[],"max_tokens":4,"output_kind":1,"skip_clone":true,"bad_words":[],"skip_reading_prefix_cache":false},"model":"tiny","reasoning_ended":null,"reasoning_parser_kwargs":null,"return_token_ids":null,"output_mode":"tokens","stream":true,"stream_options":null,"cache_salt":null,"priority":0,"kv_transfer_params":null,"ec_transfer_params":null}"#;
+        assert_eq!(parse_reply(real_chat), Ok(vec![0; 6]));
+        let real_tok = br#"{"count":2,"max_model_len":512,"tokens":[0,0],"token_strs":null}"#;
+        assert_eq!(parse_reply(real_tok), Ok(vec![0, 0]));
         let tok = br#"{"count": 2, "max_model_len": 2048, "tokens": [6, 7]}"#;
         assert_eq!(parse_reply(tok), Ok(vec![6, 7]));
         for bad in [

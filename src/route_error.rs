@@ -38,6 +38,8 @@ pub enum RouteError {
     NoCompatibleWorker {
         reason: Incompatibility,
     },
+    /// With `membership`: the routed cluster has no host now.
+    NoWorkers,
     /// A cost came out NaN/infinite (corrupt load or overlap input).
     NonFiniteCost {
         slot: SlotIdx,
@@ -75,7 +77,8 @@ impl RouteError {
             } => 404,
             RouteError::PinnedWorkerOverloaded { .. }
             | RouteError::AllWorkersOverloaded { .. }
-            | RouteError::NoCompatibleWorker { .. } => 503,
+            | RouteError::NoCompatibleWorker { .. }
+            | RouteError::NoWorkers => 503,
             RouteError::NonFiniteCost { .. } => 500,
         }
     }
@@ -90,6 +93,7 @@ impl RouteError {
             RouteError::PinnedWorkerOverloaded { .. } => "pinned_worker_overloaded",
             RouteError::AllWorkersOverloaded { .. } => "all_workers_overloaded",
             RouteError::NoCompatibleWorker { .. } => "no_compatible_worker",
+            RouteError::NoWorkers => "no_workers",
             RouteError::NonFiniteCost { .. } => "non_finite_cost",
         }
     }
@@ -97,9 +101,9 @@ impl RouteError {
     /// `Retry-After` seconds for overload rejections (load drains within about a second).
     pub fn retry_after_secs(&self) -> Option<u32> {
         match self {
-            RouteError::PinnedWorkerOverloaded { .. } | RouteError::AllWorkersOverloaded { .. } => {
-                Some(1)
-            }
+            RouteError::PinnedWorkerOverloaded { .. }
+            | RouteError::AllWorkersOverloaded { .. }
+            | RouteError::NoWorkers => Some(1),
             _ => None,
         }
     }
@@ -160,6 +164,10 @@ impl fmt::Display for RouteError {
                     list_excerpt(taints.iter().map(|t| format!("{:?}", excerpt(t, 32))))
                 ),
             },
+            RouteError::NoWorkers => write!(
+                f,
+                "no worker is available: the routed cluster has no host now (membership)"
+            ),
             RouteError::NonFiniteCost { slot, cost } => {
                 write!(f, "internal error: cost of slot {slot} is not finite ({cost})")
             }

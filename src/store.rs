@@ -84,6 +84,11 @@ pub mod fake {
                 .insert(key.to_string(), (value.to_vec(), cas));
         }
 
+        /// How many keys exist (Envoy never frees one: tests check the set stays fixed).
+        pub fn key_count(&self) -> usize {
+            self.map.borrow().len()
+        }
+
         /// Reads without running hooks (test assertions).
         pub fn peek(&self, key: &str) -> Option<Vec<u8>> {
             self.map.borrow().get(key).map(|(v, _)| v.clone())

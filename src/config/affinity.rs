@@ -5,7 +5,6 @@
 //! the history the worker holds and send the next turn where nothing is cached.
 
 use serde::Deserialize;
-use serde_json::Value;
 
 use super::ConfigError;
 
@@ -33,11 +32,8 @@ impl Default for AffinityConfig {
     }
 }
 
-pub(super) fn compile_affinity(v: Value) -> Result<AffinityConfig, ConfigError> {
-    let c: AffinityConfig = serde_json::from_value(v).map_err(|e| ConfigError::Invalid {
-        field: "affinity".to_string(),
-        detail: e.to_string(),
-    })?;
+/// Rules serde cannot express.
+pub(super) fn check_affinity(c: &AffinityConfig) -> Result<(), ConfigError> {
     if c.min_overlap_blocks == 0 {
         return Err(ConfigError::OutOfRange {
             field: "affinity.min_overlap_blocks".to_string(),
@@ -45,5 +41,5 @@ pub(super) fn compile_affinity(v: Value) -> Result<AffinityConfig, ConfigError> 
             got: "0".to_string(),
         });
     }
-    Ok(c)
+    Ok(())
 }

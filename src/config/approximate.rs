@@ -3,33 +3,24 @@
 //! (`crate::approx`), and text requests without token ids are hashed in fixed byte chunks.
 
 use serde::Deserialize;
-use serde_json::Value;
 
 use super::ConfigError;
 
 /// Where a worker's cached prefixes come from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 pub enum WorkerKvMode {
     /// KV events only (precise).
+    #[serde(rename = "events")]
     Events,
     /// No events expected: the worker is not polled; predicted entries only.
+    #[serde(rename = "approximate")]
     Approximate,
     /// Events, with predicted entries bridging the event lag.
+    #[serde(rename = "events+approximate")]
     EventsAndApproximate,
 }
 
 impl WorkerKvMode {
-    pub const NAMES: &'static [&'static str] = &["events", "approximate", "events+approximate"];
-
-    pub fn parse(s: &str) -> Option<WorkerKvMode> {
-        match s {
-            "events" => Some(WorkerKvMode::Events),
-            "approximate" => Some(WorkerKvMode::Approximate),
-            "events+approximate" => Some(WorkerKvMode::EventsAndApproximate),
-            _ => None,
-        }
-    }
-
     pub fn has_events(self) -> bool {
         self != WorkerKvMode::Approximate
     }
@@ -64,18 +55,6 @@ impl Default for ApproximateConfig {
             text_chunk_bytes: 0,
         }
     }
-}
-
-pub(super) fn compile_approximate(
-    v: Value,
-    block_size: u32,
-) -> Result<ApproximateConfig, ConfigError> {
-    let mut c: ApproximateConfig = serde_json::from_value(v).map_err(|e| ConfigError::Invalid {
-        field: "approximate".to_string(),
-        detail: e.to_string(),
-    })?;
-    finish(&mut c, block_size)?;
-    Ok(c)
 }
 
 /// Range checks and the `text_chunk_bytes` default.
@@ -117,4 +96,55 @@ pub(super) fn finish(c: &mut ApproximateConfig, block_size: u32) -> Result<(), C
         c.text_chunk_bytes = 4 * block_size.max(1) as usize;
     }
     Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+mod tests {
+    use crate::config::{Config, WorkerKvMode};
+
+    fn parse(extra: &str, worker_extra: &str) -> Result<Config, String> {
+        let json = format!(
+            r#"{{{extra} "block_size": 16, "workers": [{{"id": 1, "address": "10.0.0.1:80"{worker_extra}}}]}}"#
+        );
+        Config::from_json(json.as_bytes()).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn off_by_default_and_implied_by_a_worker_mode() {
+        let c = parse("", "").unwrap();
+        assert!(c.approximate.is_none() && c.tokenizer.is_none());
+        assert_eq!(c.workers[0].kv_mode, WorkerKvMode::Events);
+        let c = parse("", r#", "kv_mode": "events+approximate""#).unwrap();
+        let a = c.approximate.unwrap();
+        assert_eq!((a.ttl_ms, a.text_chunk_bytes), (120_000, 64));
+        assert_eq!(c.workers[0].kv_mode, WorkerKvMode::EventsAndApproximate);
+        let c = parse(
+            r#""approximate": {"ttl_ms": 5, "text_chunk_bytes": 100},"#,
+            "",
+        )
+        .unwrap();
+        assert_eq!(c.approximate.unwrap().text_chunk_bytes, 100);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = parse("", r#", "kv_mode": "guess""#).unwrap_err();
+        assert!(e.contains("workers[0].kv_mode"), "{e}");
+        let e = parse(r#""approximate": {"ttl": 5},"#, "").unwrap_err();
+        assert!(e.contains("approximate") && e.contains("ttl"), "{e}");
+        let e = parse(r#""approximate": {"ttl_ms": 0},"#, "").unwrap_err();
+        assert!(e.contains("approximate.ttl_ms"), "{e}");
+        let e = parse(r#""tokenizer": {"timeout_ms": 0},"#, "").unwrap_err();
+        assert!(e.contains("tokenizer.timeout_ms"), "{e}");
+        let e = parse(r#""tokenizer": {"chat_path": "render"},"#, "").unwrap_err();
+        assert!(e.contains("tokenizer.chat_path"), "{e}");
+        let e = parse(r#""tokenizer": {"clustr": "x"},"#, "").unwrap_err();
+        assert!(e.contains("tokenizer") && e.contains("clustr"), "{e}");
+        let c = parse(r#""tokenizer": {"address": "10.0.0.9:8000"},"#, "").unwrap();
+        assert_eq!(
+            c.tokenizer.unwrap().chat_path,
+            "/v1/chat/completions/render"
+        );
+    }
 }

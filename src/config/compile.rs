@@ -1,123 +1,34 @@
-//! Compilation: the configuration's schema (which fields, defaults) walked with the `fields`
-//! readers, the range and cross-field rules, and the slot layout of a [`Config`].
+//! Compilation: the range and cross-field rules serde cannot express, each error naming its field
+//! path, and the slot layout of a [`Config`].
 
-use serde_json::{Map, Value};
+use std::net::SocketAddr;
 
-use super::fields::*;
+use super::membership;
+use super::raw::{RawConfig, RawWorker};
 use super::{
-    BusyThresholds, ClientHints, Config, ConfigError, CostWeights, DestinationFormat, Device,
-    EventsConfig, IndexConfig, LoadConfig, PrefillLoadModel, RoutingMode, Slot, WorkerConfig,
-    WorkerKvMode, MAX_BLOCK_SIZE, MAX_BYTES_LIMIT, MAX_FALLBACK_COUNT, MAX_HINT_ITEMS_LIMIT,
+    BusyThresholds, ClientHints, Config, ConfigError, CostWeights, EventsConfig, LoadConfig,
+    RoutingMode, Slot, WorkerConfig, MAX_BLOCK_SIZE, MAX_BYTES_LIMIT, MAX_FALLBACK_COUNT,
+    MAX_HINT_ITEMS_LIMIT,
 };
-use crate::types::{DpRank, SlotIdx, WorkerId};
+use crate::types::SlotIdx;
 
-// ---------------------------------------------------------------------------------------------
-// Compilation
+pub(super) fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
+    if raw.allow_client_pinning.is_some() {
+        return Err(ConfigError::Invalid {
+            field: "allow_client_pinning".to_string(),
+            detail: "replaced by client_routing_hints (\"ignore\" | \"reject\" | \"honor\"), which covers header and body pins, allow-lists and taints alike".to_string(),
+        });
+    }
+    let block_size = u64::from(raw.block_size);
+    u64_in(
+        "block_size",
+        block_size,
+        1,
+        u64::from(MAX_BLOCK_SIZE),
+        "within [1, 1024] tokens",
+    )?;
 
-const ROOT_FIELDS: &[&str] = &[
-    "mode",
-    "block_size",
-    "destination_header",
-    "destination_format",
-    "fallback_count",
-    "llm_paths",
-    "max_body_bytes",
-    "response_headers",
-    "client_routing_hints",
-    "client_routing_hints_max_items",
-    "router_temperature",
-    "cost",
-    "busy",
-    "load",
-    "device_ratio",
-    "tick_ms",
-    "events",
-    "index",
-    "tokenizer",
-    "approximate",
-    "affinity",
-    "workers",
-];
-const COST_FIELDS: &[&str] = &[
-    "overlap_score_credit",
-    "prefill_load_scale",
-    "host_cache_hit_weight",
-    "disk_cache_hit_weight",
-    "shared_cache_multiplier",
-    "decode_active_request_weight",
-];
-const BUSY_FIELDS: &[&str] = &[
-    "decode_blocks_fraction",
-    "prefill_tokens",
-    "prefill_tokens_fraction",
-];
-const LOAD_FIELDS: &[&str] = &[
-    "track_output_blocks",
-    "prefill_load_model",
-    "prefill_time_ms_poly",
-    "request_timeout_ms",
-    "reported_load",
-];
-const EVENTS_FIELDS: &[&str] = &[
-    "cluster",
-    "path",
-    "dump_path",
-    "poll_interval_ms",
-    "timeout_ms",
-    "stale_after_ms",
-    "max_response_bytes",
-    "long_poll_ms",
-];
-const INDEX_FIELDS: &[&str] = &["max_blocks"];
-const WORKER_FIELDS: &[&str] = &[
-    "id",
-    "address",
-    "events_address",
-    "dp_start",
-    "dp_size",
-    "device",
-    "taints",
-    "kv_capacity_blocks",
-    "max_num_batched_tokens",
-    "models",
-    "kv_mode",
-];
-const MODE_NAMES: &[&str] = &[
-    "kv",
-    "random",
-    "round-robin",
-    "direct",
-    "least-loaded",
-    "power-of-two",
-    "device-aware-weighted",
-];
-
-pub(super) fn compile(map: Map<String, Value>) -> Result<Config, ConfigError> {
-    let mut root = Obj {
-        path: String::new(),
-        map,
-        allowed: ROOT_FIELDS,
-    };
-
-    let modes: Vec<(&'static str, RoutingMode)> =
-        RoutingMode::ALL.iter().map(|m| (m.as_str(), *m)).collect();
-    let mode = variant(&mut root, "mode", RoutingMode::Kv, &modes, MODE_NAMES)?;
-
-    let block_size = match root.take::<u64>("block_size")? {
-        None => 64,
-        Some(v) => u64_in(
-            "block_size".to_string(),
-            v,
-            1,
-            u64::from(MAX_BLOCK_SIZE),
-            "within [1, 1024] tokens",
-        )?,
-    } as u32;
-
-    let destination_header = root
-        .take::<String>("destination_header")?
-        .unwrap_or_else(|| "x-gateway-destination-endpoint".to_string())
-        .to_ascii_lowercase();
+    let destination_header = raw.destination_header.to_ascii_lowercase();
     let header_ok = !destination_header.is_empty()
         && destination_header
             .bytes()
@@ -129,414 +40,253 @@ pub(super) fn compile(map: Map<String, Value>) -> Result<Config, ConfigError> {
         });
     }
 
-    let destination_format = variant(
-        &mut root,
-        "destination_format",
-        DestinationFormat::OverrideHost,
-        &[
-            ("override_host", DestinationFormat::OverrideHost),
-            ("original_dst", DestinationFormat::OriginalDst),
-        ],
-        &["override_host", "original_dst"],
+    let fallback_count = raw.fallback_count as u64;
+    u64_in(
+        "fallback_count",
+        fallback_count,
+        0,
+        MAX_FALLBACK_COUNT as u64,
+        "within [0, 16]",
     )?;
-
-    let fallback_count = match root.take::<u64>("fallback_count")? {
-        None => 2,
-        Some(v) => u64_in(
-            "fallback_count".to_string(),
-            v,
-            0,
-            MAX_FALLBACK_COUNT as u64,
-            "within [0, 16]",
-        )?,
-    } as usize;
-
-    let llm_paths = match root.take::<Vec<String>>("llm_paths")? {
-        None => vec![
-            "/v1/completions".to_string(),
-            "/v1/chat/completions".to_string(),
-        ],
-        Some(paths) => {
-            if paths.is_empty() {
-                return Err(ConfigError::Invalid {
-                    field: "llm_paths".to_string(),
-                    detail: "must list at least one path (an empty list routes nothing)"
-                        .to_string(),
-                });
-            }
-            for (i, p) in paths.iter().enumerate() {
-                check_url_path(format!("llm_paths[{i}]"), p)?;
-            }
-            paths
-        }
-    };
-
-    let max_body_bytes = match root.take::<u64>("max_body_bytes")? {
-        None => 8 * 1024 * 1024,
-        Some(v) => u64_in(
-            "max_body_bytes".to_string(),
-            v,
-            1,
-            MAX_BYTES_LIMIT,
-            "within [1, 1073741824]",
-        )?,
-    } as usize;
-
-    let response_headers = root.take::<bool>("response_headers")?.unwrap_or(false);
-    if root.take_raw("allow_client_pinning").is_some() {
+    if raw.llm_paths.is_empty() {
         return Err(ConfigError::Invalid {
-            field: "allow_client_pinning".to_string(),
-            detail: "replaced by client_routing_hints (\"ignore\" | \"reject\" | \"honor\"), which covers header and body pins, allow-lists and taints alike".to_string(),
+            field: "llm_paths".to_string(),
+            detail: "must list at least one path (an empty list routes nothing)".to_string(),
         });
     }
-    let client_routing_hints = variant(
-        &mut root,
-        "client_routing_hints",
-        ClientHints::Ignore,
-        &[
-            ("ignore", ClientHints::Ignore),
-            ("reject", ClientHints::Reject),
-            ("honor", ClientHints::Honor),
-        ],
-        &["ignore", "reject", "honor"],
+    for (i, p) in raw.llm_paths.iter().enumerate() {
+        url_path(&format!("llm_paths[{i}]"), p)?;
+    }
+    let max_body_bytes = raw.max_body_bytes as u64;
+    u64_in(
+        "max_body_bytes",
+        max_body_bytes,
+        1,
+        MAX_BYTES_LIMIT,
+        "within [1, 1073741824]",
     )?;
-    if mode == RoutingMode::Direct && client_routing_hints != ClientHints::Honor {
+
+    if raw.mode == RoutingMode::Direct && raw.client_routing_hints != ClientHints::Honor {
         return Err(ConfigError::Invalid {
             field: "client_routing_hints".to_string(),
             detail: format!(
                 "mode direct routes by the client's pin, so it needs \"honor\" (got \"{}\")",
-                client_routing_hints.as_str()
+                raw.client_routing_hints.as_str()
             ),
         });
     }
-    let client_routing_hints_max_items = match root.take::<u64>("client_routing_hints_max_items")? {
-        None => crate::request::DEFAULT_MAX_HINT_ITEMS,
-        Some(v) => u64_in(
-            "client_routing_hints_max_items".to_string(),
-            v,
-            1,
-            MAX_HINT_ITEMS_LIMIT,
-            "within [1, 65536]",
-        )? as usize,
-    };
-    let router_temperature = non_negative(&mut root, "router_temperature", 0.0)?;
+    u64_in(
+        "client_routing_hints_max_items",
+        raw.client_routing_hints_max_items as u64,
+        1,
+        MAX_HINT_ITEMS_LIMIT,
+        "within [1, 65536]",
+    )?;
+    non_negative("router_temperature", raw.router_temperature)?;
+    check_cost(&raw.cost)?;
+    check_busy(&raw.busy)?;
+    check_load(&raw.load)?;
+    positive("device_ratio", raw.device_ratio)?;
+    u64_in("tick_ms", raw.tick_ms, 1, 60_000, "within [1, 60000]")?;
+    check_events(&raw.events)?;
+    u64_in(
+        "index.max_blocks",
+        u64::from(raw.index.max_blocks),
+        1,
+        u64::from(u32::MAX),
+        "within [1, 4294967295]",
+    )?;
 
-    let cost = match root.take_raw("cost") {
-        None => CostWeights::default(),
-        Some(v) => compile_cost(v)?,
-    };
-    let busy = match root.take_raw("busy") {
-        None => BusyThresholds::default(),
-        Some(v) => compile_busy(v)?,
-    };
-    let load = match root.take_raw("load") {
-        None => LoadConfig::default(),
-        Some(v) => compile_load(v)?,
-    };
-
-    let device_ratio = match root.take::<f64>("device_ratio")? {
-        None => 8.0,
-        Some(v) if v.is_finite() && v > 0.0 => v,
-        Some(v) => {
-            return Err(ConfigError::OutOfRange {
-                field: "device_ratio".to_string(),
-                expected: "finite and > 0",
-                got: v.to_string(),
+    let raw_workers = match raw.workers {
+        Some(w) => w,
+        // With membership the workers come from the cluster; the static list is optional.
+        None if raw.membership.is_some() => Vec::new(),
+        None => {
+            return Err(ConfigError::Missing {
+                field: "workers".to_string(),
             })
         }
     };
-    let tick_ms = ms(&mut root, "tick_ms", 50, 1, 60_000, "within [1, 60000]")?;
-
-    let events = match root.take_raw("events") {
-        None => EventsConfig::default(),
-        Some(v) => compile_events(v)?,
+    let (membership, raw_workers) = match raw.membership {
+        None => (None, raw_workers),
+        Some(m) => {
+            let (m, all) = membership::compile(m, raw_workers)?;
+            (Some(m), all)
+        }
     };
-    let index = match root.take_raw("index") {
-        None => IndexConfig::default(),
-        Some(v) => compile_index(v)?,
-    };
-
-    let tokenizer = match root.take_raw("tokenizer") {
-        None => None,
-        Some(v) => Some(super::tokenizer::compile_tokenizer(v)?),
-    };
-    let approximate_value = root.take_raw("approximate");
-    let affinity = match root.take_raw("affinity") {
-        None => None,
-        Some(v) => Some(super::affinity::compile_affinity(v)?),
-    };
-
-    let workers_value = root
-        .take_raw("workers")
-        .ok_or_else(|| ConfigError::Missing {
-            field: "workers".to_string(),
+    let (mut workers, slots) =
+        compile_workers(raw_workers, &raw.busy).map_err(|e| match &membership {
+            Some(m) => membership::name_template_field(e, m.first_pool_worker),
+            None => e,
         })?;
-    root.finish()?;
-    let (workers, slots) = compile_workers(workers_value, &busy)?;
-    let approximate = match approximate_value {
-        Some(v) => Some(super::approximate::compile_approximate(v, block_size)?),
+    if let Some(m) = &membership {
+        membership::mark_vacant(&mut workers, m);
+    }
+    if let Some(t) = &raw.tokenizer {
+        super::tokenizer::check_tokenizer(t)?;
+    }
+    if let Some(a) = &raw.affinity {
+        super::affinity::check_affinity(a)?;
+    }
+    let approximate = match raw.approximate {
+        Some(mut a) => {
+            super::approximate::finish(&mut a, raw.block_size)?;
+            Some(a)
+        }
         // A worker that expects predictions implies the defaults.
         None if workers.iter().any(|w| w.kv_mode.has_predictions()) => {
-            let mut c = super::ApproximateConfig::default();
-            super::approximate::finish(&mut c, block_size)?;
-            Some(c)
+            let mut a = super::ApproximateConfig::default();
+            super::approximate::finish(&mut a, raw.block_size)?;
+            Some(a)
         }
         None => None,
     };
 
     Ok(Config {
-        mode,
-        block_size,
+        mode: raw.mode,
+        block_size: raw.block_size,
         destination_header,
-        destination_format,
-        fallback_count,
-        llm_paths,
-        max_body_bytes,
-        response_headers,
-        client_routing_hints,
-        client_routing_hints_max_items,
-        router_temperature,
-        cost,
-        busy,
-        load,
-        device_ratio,
-        tick_ms,
-        events,
-        index,
-        tokenizer,
+        destination_format: raw.destination_format,
+        fallback_count: raw.fallback_count,
+        llm_paths: raw.llm_paths,
+        max_body_bytes: raw.max_body_bytes,
+        response_headers: raw.response_headers,
+        client_routing_hints: raw.client_routing_hints,
+        client_routing_hints_max_items: raw.client_routing_hints_max_items,
+        router_temperature: raw.router_temperature,
+        cost: raw.cost,
+        busy: raw.busy,
+        load: raw.load,
+        device_ratio: raw.device_ratio,
+        tick_ms: raw.tick_ms,
+        events: raw.events,
+        index: raw.index,
+        tokenizer: raw.tokenizer,
         approximate,
-        affinity,
+        affinity: raw.affinity,
         workers,
         slots,
+        membership,
     })
 }
 
-fn compile_cost(v: Value) -> Result<CostWeights, ConfigError> {
-    let mut o = Obj::new("cost", v, COST_FIELDS)?;
-    let d = CostWeights::default();
-    let overlap_score_credit = match o.take::<f64>("overlap_score_credit")? {
-        None => d.overlap_score_credit,
-        Some(v) => f64_in(
-            o.field_path("overlap_score_credit"),
-            v,
-            0.0,
-            1.0,
-            "within [0, 1]",
-        )?,
-    };
-    let c = CostWeights {
-        overlap_score_credit,
-        prefill_load_scale: non_negative(&mut o, "prefill_load_scale", d.prefill_load_scale)?,
-        host_cache_hit_weight: non_negative(
-            &mut o,
-            "host_cache_hit_weight",
-            d.host_cache_hit_weight,
-        )?,
-        disk_cache_hit_weight: non_negative(
-            &mut o,
-            "disk_cache_hit_weight",
-            d.disk_cache_hit_weight,
-        )?,
-        shared_cache_multiplier: non_negative(
-            &mut o,
-            "shared_cache_multiplier",
-            d.shared_cache_multiplier,
-        )?,
-        decode_active_request_weight: non_negative(
-            &mut o,
-            "decode_active_request_weight",
-            d.decode_active_request_weight,
-        )?,
-    };
-    o.finish()?;
-    Ok(c)
-}
-
-fn compile_busy(v: Value) -> Result<BusyThresholds, ConfigError> {
-    let mut o = Obj::new("busy", v, BUSY_FIELDS)?;
-    let decode_blocks_fraction = positive_fraction(&mut o, "decode_blocks_fraction")?;
-    let prefill_tokens = match o.take::<u64>("prefill_tokens")? {
-        None => None,
-        Some(v) => Some(u64_in(
-            o.field_path("prefill_tokens"),
-            v,
-            1,
-            u64::MAX,
-            "> 0",
-        )?),
-    };
-    let prefill_tokens_fraction = positive_fraction(&mut o, "prefill_tokens_fraction")?;
-    o.finish()?;
-    Ok(BusyThresholds {
-        decode_blocks_fraction,
-        prefill_tokens,
-        prefill_tokens_fraction,
-    })
-}
-
-fn compile_load(v: Value) -> Result<LoadConfig, ConfigError> {
-    let mut o = Obj::new("load", v, LOAD_FIELDS)?;
-    let d = LoadConfig::default();
-    let track_output_blocks = o
-        .take::<bool>("track_output_blocks")?
-        .unwrap_or(d.track_output_blocks);
-    let prefill_load_model = variant(
-        &mut o,
-        "prefill_load_model",
-        d.prefill_load_model,
-        &[
-            ("none", PrefillLoadModel::None),
-            ("polynomial", PrefillLoadModel::Polynomial),
-        ],
-        &["none", "polynomial"],
+fn check_cost(c: &CostWeights) -> Result<(), ConfigError> {
+    f64_in(
+        "cost.overlap_score_credit",
+        c.overlap_score_credit,
+        0.0,
+        1.0,
+        "within [0, 1]",
     )?;
-    let prefill_time_ms_poly = match o.take::<Vec<f64>>("prefill_time_ms_poly")? {
-        None => d.prefill_time_ms_poly,
-        Some(p) => {
-            if p.is_empty() || p.len() > 8 {
-                return Err(ConfigError::OutOfRange {
-                    field: o.field_path("prefill_time_ms_poly"),
-                    expected: "a list of 1 to 8 coefficients (lowest degree first)",
-                    got: format!("{} coefficients", p.len()),
-                });
-            }
-            for (i, c) in p.iter().enumerate() {
-                f64_in(
-                    format!("load.prefill_time_ms_poly[{i}]"),
-                    *c,
-                    f64::MIN,
-                    f64::MAX,
-                    "a finite number",
-                )?;
-            }
-            p
-        }
-    };
-    let request_timeout_ms = ms(
-        &mut o,
-        "request_timeout_ms",
-        d.request_timeout_ms,
+    non_negative("cost.prefill_load_scale", c.prefill_load_scale)?;
+    non_negative("cost.host_cache_hit_weight", c.host_cache_hit_weight)?;
+    non_negative("cost.disk_cache_hit_weight", c.disk_cache_hit_weight)?;
+    non_negative("cost.shared_cache_multiplier", c.shared_cache_multiplier)?;
+    non_negative(
+        "cost.decode_active_request_weight",
+        c.decode_active_request_weight,
+    )
+}
+
+fn check_busy(b: &BusyThresholds) -> Result<(), ConfigError> {
+    if let Some(v) = b.decode_blocks_fraction {
+        positive("busy.decode_blocks_fraction", v)?;
+    }
+    if let Some(v) = b.prefill_tokens {
+        u64_in("busy.prefill_tokens", v, 1, u64::MAX, "> 0")?;
+    }
+    if let Some(v) = b.prefill_tokens_fraction {
+        positive("busy.prefill_tokens_fraction", v)?;
+    }
+    Ok(())
+}
+
+fn check_load(l: &LoadConfig) -> Result<(), ConfigError> {
+    let poly = &l.prefill_time_ms_poly;
+    if poly.is_empty() || poly.len() > 8 {
+        return Err(ConfigError::OutOfRange {
+            field: "load.prefill_time_ms_poly".to_string(),
+            expected: "a list of 1 to 8 coefficients (lowest degree first)",
+            got: format!("{} coefficients", poly.len()),
+        });
+    }
+    for (i, c) in poly.iter().enumerate() {
+        let field = format!("load.prefill_time_ms_poly[{i}]");
+        f64_in(&field, *c, f64::MIN, f64::MAX, "a finite number")?;
+    }
+    u64_in(
+        "load.request_timeout_ms",
+        l.request_timeout_ms,
         1,
         u64::from(u32::MAX),
         "within [1, 4294967295]",
-    )?;
-    let reported_load = o.take::<bool>("reported_load")?.unwrap_or(d.reported_load);
-    o.finish()?;
-    Ok(LoadConfig {
-        track_output_blocks,
-        prefill_load_model,
-        prefill_time_ms_poly,
-        request_timeout_ms,
-        reported_load,
-    })
+    )
 }
 
-fn compile_events(v: Value) -> Result<EventsConfig, ConfigError> {
-    let mut o = Obj::new("events", v, EVENTS_FIELDS)?;
-    let d = EventsConfig::default();
-    let cluster = o.take::<String>("cluster")?.unwrap_or(d.cluster);
-    non_empty(o.field_path("cluster"), &cluster)?;
-    let path = url_path(&mut o, "path", &d.path)?;
-    let dump_path = url_path(&mut o, "dump_path", &d.dump_path)?;
-    let poll_interval_ms = ms(
-        &mut o,
-        "poll_interval_ms",
-        d.poll_interval_ms,
+fn check_events(e: &EventsConfig) -> Result<(), ConfigError> {
+    non_empty("events.cluster", &e.cluster)?;
+    url_path("events.path", &e.path)?;
+    url_path("events.dump_path", &e.dump_path)?;
+    let hour = "within [1, 3600000]";
+    u64_in(
+        "events.poll_interval_ms",
+        e.poll_interval_ms,
         1,
         3_600_000,
-        "within [1, 3600000]",
+        hour,
     )?;
-    let timeout_ms = ms(
-        &mut o,
-        "timeout_ms",
-        d.timeout_ms,
-        1,
-        3_600_000,
-        "within [1, 3600000]",
-    )?;
-    let stale_after_ms = ms(
-        &mut o,
-        "stale_after_ms",
-        d.stale_after_ms,
+    u64_in("events.timeout_ms", e.timeout_ms, 1, 3_600_000, hour)?;
+    let day = "within [1, 86400000]";
+    u64_in(
+        "events.stale_after_ms",
+        e.stale_after_ms,
         1,
         86_400_000,
-        "within [1, 86400000]",
+        day,
     )?;
-    if stale_after_ms < poll_interval_ms {
+    if e.stale_after_ms < e.poll_interval_ms {
         return Err(ConfigError::OutOfRange {
-            field: o.field_path("stale_after_ms"),
+            field: "events.stale_after_ms".to_string(),
             expected: ">= events.poll_interval_ms",
-            got: stale_after_ms.to_string(),
+            got: e.stale_after_ms.to_string(),
         });
     }
-    let max_response_bytes = match o.take::<u64>("max_response_bytes")? {
-        None => d.max_response_bytes,
-        Some(v) => u64_in(
-            o.field_path("max_response_bytes"),
-            v,
-            1,
-            MAX_BYTES_LIMIT,
-            "within [1, 1073741824]",
-        )? as usize,
-    };
-    let long_poll_ms = ms(
-        &mut o,
-        "long_poll_ms",
-        d.long_poll_ms,
+    let bytes = e.max_response_bytes as u64;
+    let expected = "within [1, 1073741824]";
+    u64_in(
+        "events.max_response_bytes",
+        bytes,
+        1,
+        MAX_BYTES_LIMIT,
+        expected,
+    )?;
+    let long_poll_ms = e.long_poll_ms;
+    u64_in(
+        "events.long_poll_ms",
+        long_poll_ms,
         0,
         600_000,
         "within [0, 600000]",
     )?;
     // An idle worker answers a long poll only when it expires: the worker must not look silent
     // (stale) meanwhile.
-    if long_poll_ms > 0 && long_poll_ms + timeout_ms > stale_after_ms {
+    if long_poll_ms > 0 && long_poll_ms + e.timeout_ms > e.stale_after_ms {
         return Err(ConfigError::OutOfRange {
-            field: o.field_path("long_poll_ms"),
+            field: "events.long_poll_ms".to_string(),
             expected: "such that long_poll_ms + timeout_ms <= stale_after_ms",
             got: format!(
-                "{long_poll_ms} (timeout_ms {timeout_ms}, stale_after_ms {stale_after_ms})"
+                "{long_poll_ms} (timeout_ms {}, stale_after_ms {})",
+                e.timeout_ms, e.stale_after_ms
             ),
         });
     }
-    o.finish()?;
-    Ok(EventsConfig {
-        cluster,
-        path,
-        dump_path,
-        poll_interval_ms,
-        timeout_ms,
-        stale_after_ms,
-        max_response_bytes,
-        long_poll_ms,
-    })
-}
-
-fn compile_index(v: Value) -> Result<IndexConfig, ConfigError> {
-    let mut o = Obj::new("index", v, INDEX_FIELDS)?;
-    let max_blocks = match o.take::<u64>("max_blocks")? {
-        None => IndexConfig::default().max_blocks,
-        Some(v) => u64_in(
-            o.field_path("max_blocks"),
-            v,
-            1,
-            u64::from(u32::MAX),
-            "within [1, 4294967295]",
-        )? as u32,
-    };
-    o.finish()?;
-    Ok(IndexConfig { max_blocks })
+    Ok(())
 }
 
 fn compile_workers(
-    v: Value,
+    items: Vec<RawWorker>,
     busy: &BusyThresholds,
 ) -> Result<(Vec<WorkerConfig>, Vec<Slot>), ConfigError> {
-    let Value::Array(items) = v else {
-        return Err(ConfigError::WrongType {
-            field: "workers".to_string(),
-            detail: format!("expected an array of worker objects, got {}", kind(&v)),
-        });
-    };
     if items.is_empty() {
         return Err(ConfigError::Invalid {
             field: "workers".to_string(),
@@ -544,147 +294,184 @@ fn compile_workers(
         });
     }
     let max_slots = u32::from(u16::MAX);
-    let total: u64 = items
-        .iter()
-        .map(|w| w.get("dp_size").and_then(Value::as_u64).unwrap_or(1))
-        .fold(0u64, u64::saturating_add);
+    let total: u64 = items.iter().map(|w| u64::from(w.dp_size)).sum();
+    let too_many = || ConfigError::TooManySlots {
+        total,
+        max: max_slots,
+    };
     if total > u64::from(max_slots) {
-        return Err(ConfigError::TooManySlots {
-            total,
-            max: max_slots,
-        });
+        return Err(too_many());
     }
 
     let mut workers: Vec<WorkerConfig> = Vec::with_capacity(items.len());
     let mut slots: Vec<Slot> = Vec::new();
-    for (i, item) in items.into_iter().enumerate() {
-        let path = format!("workers[{i}]");
-        let mut o = Obj::new(&path, item, WORKER_FIELDS)?;
-        let id = o
-            .take::<WorkerId>("id")?
-            .ok_or_else(|| ConfigError::Missing {
-                field: o.field_path("id"),
-            })?;
-        if workers.iter().any(|w| w.id == id) {
+    for (i, w) in items.into_iter().enumerate() {
+        let path = |key: &str| format!("workers[{i}].{key}");
+        let id =
+            w.id.ok_or_else(|| ConfigError::Missing { field: path("id") })?;
+        if workers.iter().any(|earlier| earlier.id == id) {
             return Err(ConfigError::DuplicateWorkerId {
-                field: o.field_path("id"),
+                field: path("id"),
                 id,
             });
         }
-        let address_str = o
-            .take::<String>("address")?
-            .ok_or_else(|| ConfigError::Missing {
-                field: o.field_path("address"),
-            })?;
-        let addr = address(o.field_path("address"), &address_str)?;
-        let events_addr = match o.take::<String>("events_address")? {
+        let address_text = w.address.ok_or_else(|| ConfigError::Missing {
+            field: path("address"),
+        })?;
+        let addr = address(path("address"), &address_text)?;
+        let events_addr = match w.events_address {
             None => addr,
-            Some(s) => address(o.field_path("events_address"), &s)?,
+            Some(s) => address(path("events_address"), &s)?,
         };
-        let dp_start = o.take::<DpRank>("dp_start")?.unwrap_or(0);
-        let dp_size = match o.take::<u32>("dp_size")? {
-            None => 1,
-            Some(v) => u64_in(
-                o.field_path("dp_size"),
-                u64::from(v),
-                1,
-                u64::from(max_slots),
-                ">= 1",
-            )? as u32,
-        };
-        if dp_start.checked_add(dp_size).is_none() {
+        u64_in(&path("dp_size"), u64::from(w.dp_size), 1, u64::MAX, ">= 1")?;
+        if w.dp_start.checked_add(w.dp_size).is_none() {
             return Err(ConfigError::OutOfRange {
-                field: o.field_path("dp_start"),
+                field: path("dp_start"),
                 expected: "such that dp_start + dp_size fits in 32 bits",
-                got: dp_start.to_string(),
+                got: w.dp_start.to_string(),
             });
         }
-        let device = variant(
-            &mut o,
-            "device",
-            Device::Gpu,
-            &[("gpu", Device::Gpu), ("cpu", Device::Cpu)],
-            &["gpu", "cpu"],
-        )?;
-        let taints = o.take::<Vec<String>>("taints")?.unwrap_or_default();
-        for (t, taint) in taints.iter().enumerate() {
-            non_empty(format!("{path}.taints[{t}]"), taint)?;
+        for (t, taint) in w.taints.iter().enumerate() {
+            non_empty(&path(&format!("taints[{t}]")), taint)?;
         }
-        let kv_capacity_blocks = match o.take::<u32>("kv_capacity_blocks")? {
-            None => None,
-            Some(v) => Some(u64_in(
-                o.field_path("kv_capacity_blocks"),
+        if let Some(v) = w.kv_capacity_blocks {
+            u64_in(
+                &path("kv_capacity_blocks"),
                 u64::from(v),
                 1,
                 u64::MAX,
                 "> 0",
-            )? as u32),
-        };
-        let max_num_batched_tokens = match o.take::<u32>("max_num_batched_tokens")? {
-            None => None,
-            Some(v) => Some(u64_in(
-                o.field_path("max_num_batched_tokens"),
+            )?;
+        }
+        if let Some(v) = w.max_num_batched_tokens {
+            u64_in(
+                &path("max_num_batched_tokens"),
                 u64::from(v),
                 1,
                 u64::MAX,
                 "> 0",
-            )? as u32),
-        };
-        if busy.decode_blocks_fraction.is_some() && kv_capacity_blocks.is_none() {
+            )?;
+        }
+        if busy.decode_blocks_fraction.is_some() && w.kv_capacity_blocks.is_none() {
             return Err(ConfigError::MissingCapacity {
-                field: o.field_path("kv_capacity_blocks"),
+                field: path("kv_capacity_blocks"),
                 required_by: "busy.decode_blocks_fraction",
             });
         }
-        if busy.prefill_tokens_fraction.is_some() && max_num_batched_tokens.is_none() {
+        if busy.prefill_tokens_fraction.is_some() && w.max_num_batched_tokens.is_none() {
             return Err(ConfigError::MissingCapacity {
-                field: o.field_path("max_num_batched_tokens"),
+                field: path("max_num_batched_tokens"),
                 required_by: "busy.prefill_tokens_fraction",
             });
         }
-        let models = o.take::<Vec<String>>("models")?.unwrap_or_default();
-        for (m, model) in models.iter().enumerate() {
-            non_empty(format!("{path}.models[{m}]"), model)?;
+        for (m, model) in w.models.iter().enumerate() {
+            non_empty(&path(&format!("models[{m}]")), model)?;
         }
-        let kv_mode = match o.take::<String>("kv_mode")? {
-            None => WorkerKvMode::Events,
-            Some(s) => WorkerKvMode::parse(&s).ok_or_else(|| ConfigError::Invalid {
-                field: o.field_path("kv_mode"),
-                detail: format!("\"{s}\" is not one of {}", WorkerKvMode::NAMES.join(", ")),
-            })?,
-        };
-        o.finish()?;
 
         // total <= u16::MAX was checked above, so these conversions cannot fail; map to the
         // same error anyway rather than panic.
-        let too_many = || ConfigError::TooManySlots {
-            total,
-            max: max_slots,
-        };
         let first_slot = SlotIdx::try_from(slots.len()).map_err(|_| too_many())?;
         let worker = u16::try_from(i).map_err(|_| too_many())?;
-        for r in 0..dp_size {
-            slots.push(Slot {
-                worker,
-                dp_rank: dp_start + r,
-            });
-        }
+        slots.extend((0..w.dp_size).map(|r| Slot {
+            worker,
+            dp_rank: w.dp_start + r,
+        }));
         workers.push(WorkerConfig {
             id,
             address: addr,
             address_text: addr.to_string(),
             events_address: events_addr,
             events_address_text: events_addr.to_string(),
-            dp_start,
-            dp_size,
-            device,
-            taints,
-            kv_capacity_blocks,
-            max_num_batched_tokens,
-            models,
-            kv_mode,
+            dp_start: w.dp_start,
+            dp_size: w.dp_size,
+            device: w.device,
+            taints: w.taints,
+            kv_capacity_blocks: w.kv_capacity_blocks,
+            max_num_batched_tokens: w.max_num_batched_tokens,
+            models: w.models,
+            kv_mode: w.kv_mode,
             first_slot,
+            routable: true,
         });
     }
     Ok((workers, slots))
+}
+
+pub(super) fn u64_in(
+    field: &str,
+    v: u64,
+    lo: u64,
+    hi: u64,
+    expected: &'static str,
+) -> Result<(), ConfigError> {
+    if v >= lo && v <= hi {
+        return Ok(());
+    }
+    Err(ConfigError::OutOfRange {
+        field: field.to_string(),
+        expected,
+        got: v.to_string(),
+    })
+}
+
+fn f64_in(
+    field: &str,
+    v: f64,
+    lo: f64,
+    hi: f64,
+    expected: &'static str,
+) -> Result<(), ConfigError> {
+    if v.is_finite() && v >= lo && v <= hi {
+        return Ok(());
+    }
+    Err(ConfigError::OutOfRange {
+        field: field.to_string(),
+        expected,
+        got: v.to_string(),
+    })
+}
+
+fn non_negative(field: &str, v: f64) -> Result<(), ConfigError> {
+    f64_in(field, v, 0.0, f64::MAX, "finite and >= 0")
+}
+
+fn positive(field: &str, v: f64) -> Result<(), ConfigError> {
+    if v.is_finite() && v > 0.0 {
+        return Ok(());
+    }
+    Err(ConfigError::OutOfRange {
+        field: field.to_string(),
+        expected: "finite and > 0",
+        got: v.to_string(),
+    })
+}
+
+pub(super) fn url_path(field: &str, p: &str) -> Result<(), ConfigError> {
+    if !p.starts_with('/') || p.contains(['?', '#', ' ']) {
+        return Err(ConfigError::Invalid {
+            field: field.to_string(),
+            detail: format!("\"{p}\" must be an absolute path starting with '/' without query, fragment or spaces"),
+        });
+    }
+    Ok(())
+}
+
+pub(super) fn non_empty(field: &str, s: &str) -> Result<(), ConfigError> {
+    if s.trim().is_empty() {
+        return Err(ConfigError::Invalid {
+            field: field.to_string(),
+            detail: "must not be empty".to_string(),
+        });
+    }
+    Ok(())
+}
+
+fn address(field: String, s: &str) -> Result<SocketAddr, ConfigError> {
+    match s.parse::<SocketAddr>() {
+        Ok(a) if a.port() != 0 => Ok(a),
+        _ => Err(ConfigError::BadAddress {
+            field,
+            got: s.to_string(),
+        }),
+    }
 }

@@ -3,9 +3,8 @@
 //! `/tokenize`), so that text requests get exact prefix routing.
 
 use serde::Deserialize;
-use serde_json::Value;
 
-use super::fields::check_url_path;
+use super::compile::url_path;
 use super::ConfigError;
 
 /// Compiled `tokenizer` object. Absent = text requests are never sent to a tokenizer.
@@ -46,22 +45,16 @@ impl Default for TokenizerConfig {
     }
 }
 
-pub(super) fn compile_tokenizer(v: Value) -> Result<TokenizerConfig, ConfigError> {
-    let c: TokenizerConfig = serde_json::from_value(v).map_err(|e| ConfigError::Invalid {
-        field: "tokenizer".to_string(),
-        detail: e.to_string(),
-    })?;
+/// Rules serde cannot express, each error naming its field.
+pub(super) fn check_tokenizer(c: &TokenizerConfig) -> Result<(), ConfigError> {
     if c.cluster.is_empty() {
         return Err(ConfigError::Invalid {
             field: "tokenizer.cluster".to_string(),
             detail: "must not be empty".to_string(),
         });
     }
-    check_url_path("tokenizer.chat_path".to_string(), &c.chat_path)?;
-    check_url_path(
-        "tokenizer.completions_path".to_string(),
-        &c.completions_path,
-    )?;
+    url_path("tokenizer.chat_path", &c.chat_path)?;
+    url_path("tokenizer.completions_path", &c.completions_path)?;
     if !(1..=60_000).contains(&c.timeout_ms) {
         return Err(ConfigError::OutOfRange {
             field: "tokenizer.timeout_ms".to_string(),
@@ -76,5 +69,5 @@ pub(super) fn compile_tokenizer(v: Value) -> Result<TokenizerConfig, ConfigError
             got: c.max_response_bytes.to_string(),
         });
     }
-    Ok(c)
+    Ok(())
 }

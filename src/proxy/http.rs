@@ -393,6 +393,9 @@ impl RequestContext {
         if vm.replica.is_behind(&HostStore) {
             vm.sync_replica();
         }
+        // The sync may have brought a new membership table (and so a new effective configuration).
+        let current = Rc::clone(&vm.config);
+        let config: &Config = &current;
         let mut overlaps = std::mem::take(&mut vm.overlaps);
         if hashes.is_empty() || from_text {
             overlaps.clear();
@@ -576,10 +579,13 @@ impl RequestContext {
 
     /// The safe route when the filter cannot decide: the next worker in turn, with the reason.
     fn fallback(&mut self, vm: &mut VmState, config: &Config, why: &str) {
-        let count = config.workers.len().max(1);
+        // Routable workers only (all of them without membership).
+        let routable: Vec<&crate::config::WorkerConfig> =
+            config.workers.iter().filter(|w| w.routable).collect();
+        let count = routable.len().max(1);
         let pick = usize::try_from(vm.new_request_key() % count as u64).unwrap_or(0);
         let reason = format!("fallback:{why}");
-        if let Some(worker) = config.workers.get(pick) {
+        if let Some(worker) = routable.get(pick) {
             host::set_header(
                 MapType::HttpRequestHeaders,
                 &config.destination_header,

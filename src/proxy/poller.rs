@@ -12,6 +12,9 @@ use std::time::Duration;
 pub struct PendingCall {
     pub worker: u16,
     pub kind: CallKind,
+    /// The occupant's membership generation when the call was made (0 without membership): a
+    /// reply for an earlier occupant of the entry is dropped.
+    pub generation: u64,
 }
 
 pub struct Poller {
@@ -19,6 +22,9 @@ pub struct Poller {
     /// entry, so the map stays bounded by the number of workers).
     pending: HashMap<u32, PendingCall>,
     pub schedule: PollSchedule,
+    /// The membership generation each worker entry was last polled for (all 0 without
+    /// membership): when it moves, the entry has a new occupant and its poll state starts over.
+    generations: Vec<u64>,
 }
 
 impl Poller {
@@ -26,12 +32,23 @@ impl Poller {
         Poller {
             pending: HashMap::new(),
             schedule: PollSchedule::new(workers),
+            generations: vec![0; workers],
         }
     }
 
     /// Sends the calls that are due. Returns how many the host refused.
     pub fn dispatch_due(&mut self, config: &Config, head: &LogHead, now_ms: u64) -> usize {
         let mut failed = 0;
+        for (i, seen) in self.generations.iter_mut().enumerate() {
+            let Ok(worker) = u16::try_from(i) else { break };
+            let now_gen = head.member_generation(worker);
+            if *seen != now_gen {
+                // A new occupant: the old one's call in flight, backoff and gap history are not its.
+                *seen = now_gen;
+                self.schedule.reset(worker);
+                self.pending.retain(|_, call| call.worker != worker);
+            }
+        }
         for (worker, state) in head.workers.iter().enumerate() {
             if state.retry_after_ms > now_ms {
                 if let Ok(worker) = u16::try_from(worker) {
@@ -68,13 +85,25 @@ impl Poller {
             .and_then(|w| w.cursor)
             .filter(|_| !self.schedule.wants_dump(worker));
         let kind = cursor.map_or(CallKind::Dump, |after| CallKind::Events { after });
-        self.dispatch(config, worker, kind, now)
+        let generation = head.member_generation(worker);
+        self.dispatch(config, worker, kind, generation, now)
     }
 
-    pub fn dispatch(&mut self, config: &Config, worker: u16, kind: CallKind, now_ms: u64) -> bool {
+    fn dispatch(
+        &mut self,
+        config: &Config,
+        worker: u16,
+        kind: CallKind,
+        generation: u64,
+        now_ms: u64,
+    ) -> bool {
         let Some(spec) = config.workers.get(usize::from(worker)) else {
             return false;
         };
+        if spec.is_vacant() {
+            // A membership pool entry without a host: nothing to poll (not a failure).
+            return true;
+        }
         let path = call_path(&config.events, kind);
         let address = spec.events_address_text.as_str();
         let headers = vec![
@@ -93,7 +122,14 @@ impl Poller {
         ) {
             Ok(token) => {
                 self.pending.retain(|_, call| call.worker != worker);
-                self.pending.insert(token, PendingCall { worker, kind });
+                self.pending.insert(
+                    token,
+                    PendingCall {
+                        worker,
+                        kind,
+                        generation,
+                    },
+                );
                 self.schedule.sent(worker, kind, timeout_ms, now_ms);
                 true
             }

@@ -55,6 +55,9 @@ impl Context for RouterRoot {
             return;
         };
         let now = host::now_ms();
+        if vm.membership_reply(token_id, num_headers, body_size, now) {
+            return;
+        }
         let Some(call) = vm.poller.take(token_id) else {
             return;
         };
@@ -129,6 +132,9 @@ impl VmState {
                 };
                 let appended =
                     replication::append(&HostStore, fingerprint, workers, now, &[record], |head| {
+                        if head.member_generation(worker) != call.generation {
+                            return false; // the entry has another occupant now
+                        }
                         let Some(w) = head.workers.get_mut(usize::from(worker)) else {
                             return false;
                         };
@@ -176,6 +182,9 @@ impl VmState {
                 let count = events.len() as u64;
                 let kinds = EventKinds::of(&events);
                 let edit = |head: &mut replication::LogHead| {
+                    if head.member_generation(worker) != call.generation {
+                        return false; // the entry has another occupant now
+                    }
                     let Some(w) = head.workers.get_mut(usize::from(worker)) else {
                         return false;
                     };
@@ -236,6 +245,9 @@ impl VmState {
                     config.workers.len(),
                     now,
                     |head| {
+                        if head.member_generation(worker) != call.generation {
+                            return false;
+                        }
                         let Some(w) = head.workers.get_mut(usize::from(worker)) else {
                             return false;
                         };
@@ -297,6 +309,7 @@ impl VmState {
     pub fn sync_replica(&mut self) {
         let config = Rc::clone(&self.config);
         let report = self.replica.sync(&HostStore, &config, host::now_ms());
+        self.follow_membership();
         let head = &self.replica.head;
         self.stale_slots.clear();
         self.stale_slots.extend(config.slots.iter().map(|slot| {
@@ -334,8 +347,11 @@ impl VmState {
             return;
         }
         self.fill_orphaned_batch(now);
+        self.poll_membership(now);
         self.mark_stale_workers(now);
         let head = self.replica.head.clone();
+        // The membership may have moved during this tick: poll with the configuration as it is.
+        let config = Rc::clone(&self.config);
         self.poller.dispatch_due(&config, &head, now);
         self.replica.maybe_write_snapshot(&HostStore);
         self.publish_gauges(now);
@@ -367,12 +383,13 @@ impl VmState {
             .iter()
             .enumerate()
             .filter(|(_, w)| !w.stale && now.saturating_sub(w.last_ok_ms) > stale_after)
-            // A worker without events is never stale: nothing is expected from it.
+            // A worker without events (approximate only, or a vacant membership entry) is never
+            // stale: nothing is expected from it.
             .filter(|(i, _)| {
                 config
                     .workers
                     .get(*i)
-                    .is_some_and(|w| w.kv_mode.has_events())
+                    .is_some_and(|w| w.kv_mode.has_events() && !w.is_vacant())
             })
             .filter_map(|(i, _)| u16::try_from(i).ok())
             .collect();
@@ -417,6 +434,7 @@ impl VmState {
             .gauge("index.entries", self.replica.index.entries() as u64);
         let stale = self.replica.head.workers.iter().filter(|w| w.stale).count();
         self.metrics.gauge("workers.stale", stale as u64);
+        self.membership_gauges();
         let table = load_store::read(&HostStore, slots);
         for (slot_idx, load) in table.view(now).iter().enumerate() {
             let Some(slot) = config.slots.get(slot_idx) else {
@@ -479,6 +497,10 @@ impl RootContext for RouterRoot {
             stale_slots: vec![false; config.slots.len()],
             fingerprint,
             nonce,
+            base_config: Rc::clone(&config),
+            members_applied: (false, 0),
+            members_call: None,
+            next_members_poll_ms: 0,
             releases: PendingReleases::default(),
             predicted: config
                 .approximate

@@ -17,7 +17,15 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 /// Everything a VM keeps between requests. Request contexts borrow it briefly; callbacks use
 /// `try_borrow_mut` so that a re-entrant host callback can never panic.
 pub struct VmState {
+    /// The effective configuration: `base_config` with the published membership applied
+    /// (pool entries' addresses, routability). The same as `base_config` without membership.
     pub config: Rc<Config>,
+    /// The configuration as compiled.
+    pub base_config: Rc<Config>,
+    /// `(members_seen, members_generation)` of the head `config` was built from.
+    pub(super) members_applied: (bool, u64),
+    pub(super) members_call: Option<super::members::MembersCall>,
+    pub(super) next_members_poll_ms: u64,
     pub(super) fingerprint: u64,
     pub nonce: u64,
     pub replica: Replica,

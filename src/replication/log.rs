@@ -61,6 +61,24 @@ pub struct WorkerPollState {
     pub rejections: u32,
     #[serde(default)]
     pub retry_after_ms: u64,
+    /// With `membership`: the host occupying this worker entry now (`None` = vacant, or a static
+    /// worker the cluster does not list).
+    #[serde(default)]
+    pub member: Option<Member>,
+}
+
+/// The host occupying a worker entry, as the membership poller last saw it in Envoy.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Member {
+    /// `ip:port` Envoy routes to.
+    pub address: String,
+    /// `ip:port` of its event endpoint.
+    pub events_address: String,
+    /// [`LogHead::members_generation`] when it took the entry: replies to calls made for an
+    /// earlier occupant carry another generation and are dropped.
+    pub generation: u64,
+    /// Not failing active health checks, not ejected by outlier detection, EDS not unhealthy.
+    pub healthy: bool,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -76,6 +94,23 @@ pub struct LogHead {
     pub version: u64,
     pub snapshot_seq: u64,
     pub workers: Vec<WorkerPollState>,
+    /// With `membership`: a membership table has been published (before that, static workers
+    /// are routable as configured).
+    #[serde(default)]
+    pub members_seen: bool,
+    /// Bumped by every membership change (join, leave, health).
+    #[serde(default)]
+    pub members_generation: u64,
+}
+
+impl LogHead {
+    /// The generation of the host occupying `worker` (0 without membership or when vacant).
+    pub fn member_generation(&self, worker: u16) -> u64 {
+        self.workers
+            .get(usize::from(worker))
+            .and_then(|w| w.member.as_ref())
+            .map_or(0, |m| m.generation)
+    }
 }
 
 impl LogHead {
@@ -86,6 +121,8 @@ impl LogHead {
             seq: after_seq,
             version: 0,
             snapshot_seq: 0,
+            members_seen: false,
+            members_generation: 0,
             workers: vec![
                 WorkerPollState {
                     last_ok_ms: now_ms,

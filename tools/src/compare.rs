@@ -195,7 +195,8 @@ pub fn run_mode(
     let mut envoy_opts =
         EnvoyOptions::new(config, workers.iter().map(|w| w.addr.clone()).collect());
     envoy_opts.concurrency = fleet.envoy_threads;
-    envoy_opts.route_timeout = Duration::from_secs(600);
+    // No deadline, as in the shipped configs.
+    envoy_opts.route_timeout = Duration::ZERO;
     envoy_opts.log_level = "warning";
     let envoy = Envoy::start(&envoy_opts)?;
     // Let the poller take every worker's (empty) dump before traffic starts.

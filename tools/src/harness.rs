@@ -445,7 +445,8 @@ pub struct EnvoyOptions {
     pub steering: Steering,
     /// Envoy worker threads (`--concurrency`).
     pub concurrency: u32,
-    /// Route timeout for upstream requests.
+    /// Route timeout for upstream requests; zero = none, as in the shipped configs (a long
+    /// generation streams for minutes). Tests keep a bound so that a hung response fails fast.
     pub route_timeout: Duration,
     /// Listener and route buffer limit (bytes).
     pub buffer_limit_bytes: u64,
@@ -457,7 +458,28 @@ pub struct EnvoyOptions {
     /// Serve the listener from a watched LDS file instead of the bootstrap, so that
     /// [`Envoy::update_filter_config`] can swap the filter's configuration while Envoy runs.
     pub dynamic_listener: bool,
+    /// Envoy-side membership: the worker cluster from filesystem EDS, health checks, outlier
+    /// detection, and the `envoy_admin` cluster the filter's `membership` reads. `None`: a STATIC
+    /// worker cluster as before.
+    pub discovery: Option<Discovery>,
 }
+
+/// How Envoy learns and judges the worker cluster's hosts (`EnvoyOptions::discovery`).
+#[derive(Clone, Debug, Default)]
+pub struct Discovery {
+    /// The worker cluster is EDS from `<dir>/eds.json` (`Envoy::set_endpoints` rewrites it);
+    /// false: STATIC with `worker_addrs`.
+    pub eds: bool,
+    /// Active HTTP health checks on `/health` every 100 ms (one failure marks a host unhealthy).
+    pub health_checks: bool,
+    /// Outlier detection ejecting a host after this many consecutive 5xx.
+    pub outlier_consecutive_5xx: Option<u32>,
+}
+
+/// Name of the cluster reaching Envoy's own admin interface (no route points at it).
+pub const ADMIN_CLUSTER: &str = "envoy_admin";
+/// Name of the routed worker cluster.
+pub const WORKER_CLUSTER: &str = "llm_workers";
 
 impl EnvoyOptions {
     pub fn new(filter_config: Value, worker_addrs: Vec<String>) -> EnvoyOptions {
@@ -472,6 +494,7 @@ impl EnvoyOptions {
             with_filter: true,
             wasm: None,
             dynamic_listener: false,
+            discovery: None,
         }
     }
 }
@@ -492,6 +515,81 @@ fn socket_address(addr: &str) -> Value {
     let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "0"));
     let host = host.trim_start_matches('[').trim_end_matches(']');
     json!({"socket_address": {"address": host, "port_value": port.parse::<u16>().unwrap_or(0)}})
+}
+
+/// A free loopback port (bound, read back, released): the admin port must be known before
+/// Envoy starts when the filter reads admin through a cluster.
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// The EDS resource file content for the worker cluster.
+pub fn eds_document(addrs: &[String]) -> Value {
+    let endpoints: Vec<Value> = addrs
+        .iter()
+        .map(|a| json!({"endpoint": {"address": socket_address(a)}}))
+        .collect();
+    json!({
+        "version_info": format!("{}", SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos())),
+        "resources": [{
+            "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+            "cluster_name": WORKER_CLUSTER,
+            "endpoints": [{"lb_endpoints": endpoints}]
+        }]
+    })
+}
+
+/// Writes `doc` to `path` atomically (a temporary file renamed over it), as EDS watchers expect.
+fn write_atomically(path: &Path, doc: &Value) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, doc.to_string())?;
+    std::fs::rename(&tmp, path)
+}
+
+/// Adds the discovery parts to a bootstrap: EDS, health checks, outlier detection, the admin
+/// cluster on `admin_port`.
+fn add_discovery(doc: &mut Value, discovery: &Discovery, dir: &Path, admin_port: u16) {
+    doc["admin"] = json!({"address": socket_address(&format!("127.0.0.1:{admin_port}"))});
+    // EDS subscriptions need a node identity.
+    doc["node"] = json!({"id": "ekr-test", "cluster": "ekr-test"});
+    let cluster = &mut doc["static_resources"]["clusters"][0];
+    if discovery.eds {
+        if let Some(map) = cluster.as_object_mut() {
+            map.remove("load_assignment");
+        }
+        cluster["type"] = json!("EDS");
+        cluster["eds_cluster_config"] = json!({"eds_config": {
+            "resource_api_version": "V3",
+            "path_config_source": {
+                "path": dir.join("eds.json").to_string_lossy(),
+                "watched_directory": {"path": dir.to_string_lossy()}
+            }
+        }});
+    }
+    if discovery.health_checks {
+        cluster["health_checks"] = json!([{
+            "timeout": "1s", "interval": "0.1s", "no_traffic_interval": "0.1s",
+            "unhealthy_threshold": 1, "healthy_threshold": 1,
+            "http_health_check": {"path": "/health"}
+        }]);
+    }
+    if let Some(n) = discovery.outlier_consecutive_5xx {
+        cluster["outlier_detection"] = json!({
+            "consecutive_5xx": n, "enforcing_consecutive_5xx": 100,
+            "interval": "1s", "base_ejection_time": "60s", "max_ejection_percent": 100,
+            // Otherwise the next passing active health check (every 100 ms) un-ejects the host.
+            "successful_active_health_check_uneject_host": false
+        });
+    }
+    if let Some(clusters) = doc["static_resources"]["clusters"].as_array_mut() {
+        clusters.push(json!({
+            "name": ADMIN_CLUSTER, "type": "STATIC", "connect_timeout": "1s",
+            "load_assignment": {"cluster_name": ADMIN_CLUSTER, "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": socket_address(&format!("127.0.0.1:{admin_port}"))}}]}]}
+        }));
+    }
 }
 
 /// The Envoy bootstrap, the same shape as `envoy/envoy.yaml`, with ports chosen by the OS.
@@ -528,6 +626,7 @@ pub fn bootstrap(opts: &EnvoyOptions, wasm: &Path, lds_path: Option<&Path>) -> V
             "original_dst_lb_config": {"use_http_header": true, "http_header_name": header}
         }),
     };
+    let worker_cluster = with_llm_limits(worker_cluster);
     let listeners = if opts.dynamic_listener {
         Vec::new()
     } else {
@@ -540,9 +639,17 @@ pub fn bootstrap(opts: &EnvoyOptions, wasm: &Path, lds_path: Option<&Path>) -> V
             "clusters": [worker_cluster, {
                 "name": "kv_events", "type": "ORIGINAL_DST", "connect_timeout": "1s",
                 "lb_policy": "CLUSTER_PROVIDED",
-                "original_dst_lb_config": {"use_http_header": true}
+                "original_dst_lb_config": {"use_http_header": true},
+                // One long poll per worker at a time, plus dumps.
+                "circuit_breakers": {"thresholds": [{"max_connections": 16384,
+                    "max_pending_requests": 16384, "max_requests": 16384}]}
             }]
-        }
+        },
+        "overload_manager": {"resource_monitors": [{
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                "max_active_downstream_connections": 100000}}]}
     });
     if let Some(lds) = lds_path {
         let watched = lds
@@ -565,6 +672,7 @@ pub fn lds_resources(opts: &EnvoyOptions, wasm: &Path, address: &str) -> Value {
 
 /// The LLM listener on `address`, with the filter (when `opts.with_filter`) and the router.
 fn listener(opts: &EnvoyOptions, wasm: &Path, address: &str) -> Value {
+    // "0s" disables the route timeout.
     let timeout = format!("{}s", opts.route_timeout.as_secs_f64());
     let wasm_filter = json!({"name": "envoy.filters.http.wasm", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
@@ -595,6 +703,10 @@ fn listener(opts: &EnvoyOptions, wasm: &Path, address: &str) -> Value {
                     "typed_config": {
                         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
                         "stat_prefix": "llm",
+                        // As envoy/envoy.yaml: a non-streamed completion or a queued long
+                        // prompt is silent for minutes before its first byte.
+                        "stream_idle_timeout": "900s",
+                        "request_headers_timeout": "10s",
                         "route_config": {"virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": [{
                             "match": {"prefix": "/"},
                             "route": {"cluster": "llm_workers", "timeout": timeout,
@@ -615,6 +727,21 @@ fn write_lds(path: &Path, opts: &EnvoyOptions, address: &str) -> std::io::Result
     std::fs::rename(&tmp, path)
 }
 
+/// The worker cluster's limits sized for LLM traffic, as in envoy/envoy.yaml (reasons there):
+/// circuit breakers far above the 1,024 defaults with a retry budget instead of 3 concurrent
+/// retries, and upstream connections closed before vLLM's 5 s keep-alive closes them.
+fn with_llm_limits(mut cluster: Value) -> Value {
+    cluster["circuit_breakers"] = json!({"thresholds": [{
+        "max_connections": 100_000, "max_pending_requests": 100_000, "max_requests": 100_000,
+        "retry_budget": {"budget_percent": {"value": 20}, "min_retry_concurrency": 100}}]});
+    cluster["typed_extension_protocol_options"] = json!({
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http_protocol_options": {}},
+            "common_http_protocol_options": {"idle_timeout": "4s"}}});
+    cluster
+}
+
 /// A running Envoy with the filter loaded.
 pub struct Envoy {
     /// `127.0.0.1:port` of the LLM listener.
@@ -625,14 +752,6 @@ pub struct Envoy {
     /// With [`EnvoyOptions::dynamic_listener`]: the options the LDS file was written from.
     dynamic: Option<EnvoyOptions>,
     process: ProcessGuard,
-}
-
-/// A free TCP port on 127.0.0.1 (bound and released; a dynamic listener keeps its address across
-/// updates, so it cannot ask for port 0).
-fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }
 
 impl Envoy {
@@ -652,7 +771,12 @@ impl Envoy {
             None
         };
         let lds = dynamic.as_ref().map(|_| lds_path.as_path());
-        std::fs::write(&config_path, bootstrap(opts, &wasm, lds).to_string())?;
+        let mut doc = bootstrap(opts, &wasm, lds);
+        if let Some(discovery) = &opts.discovery {
+            add_discovery(&mut doc, discovery, &dir, free_port()?);
+            write_atomically(&dir.join("eds.json"), &eds_document(&opts.worker_addrs))?;
+        }
+        std::fs::write(&config_path, doc.to_string())?;
         let admin_path = dir.join("admin-address");
         let log = std::fs::File::create(dir.join("envoy.log"))?;
         let child = Command::new(envoy_bin())
@@ -769,6 +893,46 @@ impl Envoy {
             socket["address"].as_str()?,
             socket["port_value"].as_u64()?
         ))
+    }
+
+    /// Replaces the EDS worker cluster's endpoints (`Discovery::eds`).
+    pub fn set_endpoints(&self, addrs: &[String]) -> std::io::Result<()> {
+        write_atomically(&self.dir.join("eds.json"), &eds_document(addrs))
+    }
+
+    /// The worker cluster's hosts as Envoy has them: `(ip:port, health flags)` from
+    /// `/clusters?format=json`.
+    pub fn cluster_hosts(&self) -> Vec<(String, Value)> {
+        let Ok(Ok(body)) = client::get(&self.admin, "/clusters?format=json").map(|r| r.json())
+        else {
+            return Vec::new();
+        };
+        let clusters = body["cluster_statuses"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let Some(c) = clusters.iter().find(|c| c["name"] == WORKER_CLUSTER) else {
+            return Vec::new();
+        };
+        c["host_statuses"]
+            .as_array()
+            .map(|hosts| {
+                hosts
+                    .iter()
+                    .map(|h| {
+                        let s = &h["address"]["socket_address"];
+                        (
+                            format!(
+                                "{}:{}",
+                                s["address"].as_str().unwrap_or(""),
+                                s["port_value"]
+                            ),
+                            h["health_status"].clone(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// Sends a request through Envoy's listener.

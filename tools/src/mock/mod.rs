@@ -244,6 +244,10 @@ pub struct MockWorker {
     pub(crate) backend: Backend,
     fault: Mutex<EventsFault>,
     load_override: Mutex<Option<Value>>,
+    /// Status `/health` answers (200 = healthy); `/admin/serve_fault`.
+    health_status: AtomicU64,
+    /// Status the completion endpoints answer with instead of serving (200 = serve).
+    completion_status: AtomicU64,
     requests: AtomicU64,
     in_flight: AtomicI64,
     seq: AtomicU64,
@@ -295,6 +299,8 @@ impl MockWorker {
             backend,
             fault: Mutex::new(EventsFault::None),
             load_override: Mutex::new(None),
+            health_status: AtomicU64::new(200),
+            completion_status: AtomicU64::new(200),
             requests: AtomicU64::new(0),
             in_flight: AtomicI64::new(0),
             seq: AtomicU64::new(0),
@@ -322,6 +328,28 @@ impl MockWorker {
     }
 
     /// Completion requests received so far.
+    pub fn set_serve_faults(&self, health: Option<u16>, completions: Option<u16>) {
+        if let Some(h) = health {
+            self.health_status.store(u64::from(h), Ordering::SeqCst);
+        }
+        if let Some(c) = completions {
+            self.completion_status.store(u64::from(c), Ordering::SeqCst);
+        }
+    }
+
+    pub fn health_status(&self) -> u16 {
+        u16::try_from(self.health_status.load(Ordering::SeqCst)).unwrap_or(500)
+    }
+
+    pub fn completion_status(&self) -> u16 {
+        u16::try_from(self.completion_status.load(Ordering::SeqCst)).unwrap_or(500)
+    }
+
+    /// Counts a request answered without serving it (an injected fault).
+    pub fn count_request(&self) {
+        self.requests.fetch_add(1, Ordering::SeqCst);
+    }
+
     pub fn requests(&self) -> u64 {
         self.requests.load(Ordering::SeqCst)
     }

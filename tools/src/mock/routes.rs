@@ -40,6 +40,7 @@ pub fn router(worker: Arc<MockWorker>) -> Router {
         .route("/admin/events_fault", post(events_fault))
         .route("/admin/load", post(load))
         .route("/admin/reset", post(reset))
+        .route("/admin/serve_fault", post(serve_fault))
         .route("/admin/events", post(echo_publish))
         .route("/admin/drop_events", post(echo_drop_events))
         .route("/admin/dump", post(echo_set_dump))
@@ -95,6 +96,10 @@ async fn not_found(State(w): Worker, req: Request) -> Response {
 }
 
 async fn health(State(w): Worker) -> Response {
+    let status = w.health_status();
+    if status != 200 {
+        return json_response(status, &json!({"status": "failing (injected)"}));
+    }
     json_response(
         200,
         &json!({"status": "ok", "worker_id": w.worker_id(),
@@ -144,6 +149,15 @@ async fn load(State(w): Worker, body: Bytes) -> Response {
         }
         Err(e) => json_response(400, &json!({"error": format!("bad JSON: {e}")})),
     }
+}
+
+/// `{"health": 503, "completions": 500}`: status codes `/health` and the completion endpoints
+/// answer with (200 = normal), for Envoy's health checks and outlier detection.
+async fn serve_fault(State(w): Worker, body: Bytes) -> Response {
+    let v = parse_json(&body).unwrap_or_default();
+    let code = |key: &str| v[key].as_u64().and_then(|c| u16::try_from(c).ok());
+    w.set_serve_faults(code("health"), code("completions"));
+    json_response(200, &json!({"ok": true}))
 }
 
 async fn reset(State(w): Worker) -> Response {
@@ -269,6 +283,11 @@ async fn completion(
     headers: &HeaderMap,
     body: &Bytes,
 ) -> Response {
+    let status = w.completion_status();
+    if status != 200 {
+        w.count_request();
+        return json_response(status, &json!({"error": "injected completion fault"}));
+    }
     let received = Instant::now();
     let (seq, guard) = w.begin_completion();
     let body = match parse_json(body) {

@@ -1,0 +1,117 @@
+//! The configuration as written: the root object and the workers, read by serde with every default
+//! filled in. The sub-objects (`cost`, `busy`, `load`, `events`, `index`) deserialize straight
+//! into their compiled types; [`super::compile`] checks ranges and derives the rest.
+
+use serde::de::IgnoredAny;
+use serde::Deserialize;
+
+use super::{
+    ApproximateConfig, BusyThresholds, ClientHints, CostWeights, DestinationFormat, Device,
+    EventsConfig, IndexConfig, LoadConfig, RoutingMode, TokenizerConfig, WorkerKvMode,
+};
+use crate::types::{DpRank, WorkerId};
+
+#[derive(Debug, Deserialize)]
+#[serde(
+    default,
+    deny_unknown_fields,
+    expecting = "the filter configuration, a JSON object"
+)]
+pub(super) struct RawConfig {
+    pub mode: RoutingMode,
+    pub block_size: u32,
+    pub destination_header: String,
+    pub destination_format: DestinationFormat,
+    pub fallback_count: usize,
+    pub llm_paths: Vec<String>,
+    pub max_body_bytes: usize,
+    pub response_headers: bool,
+    pub client_routing_hints: ClientHints,
+    pub client_routing_hints_max_items: usize,
+    pub router_temperature: f64,
+    pub cost: CostWeights,
+    pub busy: BusyThresholds,
+    pub load: LoadConfig,
+    pub device_ratio: f64,
+    pub tick_ms: u64,
+    pub events: EventsConfig,
+    pub index: IndexConfig,
+    pub tokenizer: Option<TokenizerConfig>,
+    pub approximate: Option<ApproximateConfig>,
+    pub affinity: Option<super::AffinityConfig>,
+    pub membership: Option<super::membership::RawMembership>,
+    /// Required; `Option` so that its absence reads as "workers: required field is missing".
+    pub workers: Option<Vec<RawWorker>>,
+    /// Removed; read only to name its replacement.
+    pub allow_client_pinning: Option<IgnoredAny>,
+}
+
+impl Default for RawConfig {
+    fn default() -> Self {
+        RawConfig {
+            mode: RoutingMode::Kv,
+            block_size: 64,
+            destination_header: "x-gateway-destination-endpoint".to_string(),
+            destination_format: DestinationFormat::OverrideHost,
+            fallback_count: 2,
+            llm_paths: vec![
+                "/v1/completions".to_string(),
+                "/v1/chat/completions".to_string(),
+            ],
+            max_body_bytes: 8 * 1024 * 1024,
+            response_headers: false,
+            client_routing_hints: ClientHints::Ignore,
+            client_routing_hints_max_items: crate::request::DEFAULT_MAX_HINT_ITEMS,
+            router_temperature: 0.0,
+            cost: CostWeights::default(),
+            busy: BusyThresholds::default(),
+            load: LoadConfig::default(),
+            device_ratio: 8.0,
+            tick_ms: 50,
+            events: EventsConfig::default(),
+            index: IndexConfig::default(),
+            tokenizer: None,
+            approximate: None,
+            affinity: None,
+            membership: None,
+            workers: None,
+            allow_client_pinning: None,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a worker object")]
+pub(super) struct RawWorker {
+    /// Required (see `RawConfig::workers`).
+    pub id: Option<WorkerId>,
+    /// Required. A string, parsed in `compile` for an error that shows the expected form.
+    pub address: Option<String>,
+    pub events_address: Option<String>,
+    #[serde(default)]
+    pub dp_start: DpRank,
+    #[serde(default = "one")]
+    pub dp_size: u32,
+    #[serde(default = "gpu")]
+    pub device: Device,
+    #[serde(default)]
+    pub taints: Vec<String>,
+    pub kv_capacity_blocks: Option<u32>,
+    pub max_num_batched_tokens: Option<u32>,
+    #[serde(default)]
+    pub models: Vec<String>,
+    #[serde(default = "events_only")]
+    pub kv_mode: WorkerKvMode,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn gpu() -> Device {
+    Device::Gpu
+}
+
+fn events_only() -> WorkerKvMode {
+    WorkerKvMode::Events
+}
