@@ -119,9 +119,14 @@ pub struct Args {
     /// ...its batch budget per DP rank...
     #[arg(long = "worker-max-num-batched-tokens", value_name = "TOKENS")]
     pub worker_max_num_batched_tokens: Option<u32>,
-    /// ...and the models it serves (repeatable).
+    /// ...and the models it serves (repeatable; default: the ids of `--engine-models-url`).
     #[arg(long = "worker-model", value_name = "MODEL")]
     pub worker_models: Vec<String>,
+
+    /// The engine's OpenAI `/v1/models`, read every `--engine-metrics-interval-ms` for the
+    /// description's `models`.
+    #[arg(long = "engine-models-url", value_name = "URL")]
+    pub engine_models_url: Option<String>,
 
     /// Largest payload frame decoded.
     #[arg(long, default_value_t = DEFAULT_MAX_PAYLOAD_BYTES)]
@@ -174,6 +179,8 @@ pub struct BridgeConfig {
     /// The page's `worker` description from the `--worker-*` flags (they win over what the
     /// engine metrics say).
     pub worker: WorkerDescription,
+    /// `--engine-models-url`.
+    pub engine_models_url: Option<String>,
 }
 
 impl Args {
@@ -255,6 +262,7 @@ impl Args {
                 reconnect_backoff_max: Duration::from_secs(2),
             },
             engine_metrics_urls: self.engine_metrics_urls,
+            engine_models_url: self.engine_models_url,
             worker: WorkerDescription {
                 block_size: Some(self.block_size),
                 dp_start: self.worker_dp_start,

@@ -62,6 +62,13 @@ impl Bridge {
         for spec in config.engines.iter().cloned() {
             tasks.spawn(engine::run(Arc::clone(&shared), spec, config.timing));
         }
+        if let Some(url) = config.engine_models_url.clone() {
+            tasks.spawn(describe::run_models(
+                Arc::clone(&shared),
+                url,
+                config.engine_metrics_interval,
+            ));
+        }
         if !config.engine_metrics_urls.is_empty() {
             tasks.spawn(load::run(
                 Arc::clone(&shared),

@@ -148,8 +148,16 @@ impl Shared {
         *lock(&self.worker_flags) = flags;
     }
 
+    /// What the engine metrics said (block size, capacity); models are kept.
     pub fn set_worker_learned(&self, learned: WorkerDescription) {
-        *lock(&self.worker_learned) = learned;
+        let mut current = lock(&self.worker_learned);
+        current.block_size = learned.block_size;
+        current.kv_capacity_blocks = learned.kv_capacity_blocks;
+    }
+
+    /// What the engine's `/v1/models` said.
+    pub fn set_worker_models(&self, models: Vec<String>) {
+        lock(&self.worker_learned).models = Some(models);
     }
 
     /// The page's `worker` object (flags over what was learned), if anything is known.

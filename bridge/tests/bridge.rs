@@ -208,6 +208,7 @@ async fn serve_replays(
 fn config(engines: &[(&FakeEngine, bool)], idle: Duration) -> BridgeConfig {
     BridgeConfig {
         worker: Default::default(),
+        engine_models_url: None,
         listen: "127.0.0.1:0".parse().unwrap(),
         engines: engines
             .iter()
@@ -977,7 +978,7 @@ async fn idle_probes_keep_one_connection() {
     bridge.shutdown(Duration::from_secs(5)).await;
 }
 
-/// Serves `body` as a Prometheus page to every connection (a vLLM `/metrics` stand-in).
+/// Serves `body` to every connection (a vLLM `/metrics` or `/v1/models` stand-in).
 async fn serve_metrics(body: &'static str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -1006,8 +1007,10 @@ async fn the_page_describes_the_worker_from_flags_and_engine_metrics() {
     let mut config = config(&[(&engine, true)], Duration::from_secs(60));
     config.engine_metrics_urls = vec![metrics];
     config.engine_metrics_interval = Duration::from_millis(50);
-    config.worker.models = Some(vec!["llama".into()]);
     config.worker.dp_size = Some(1);
+    // Models from the engine's /v1/models (no --worker-model flag).
+    config.engine_models_url =
+        Some(serve_metrics(r#"{"object":"list","data":[{"id":"llama","object":"model"}]}"#).await);
     let block_size = config.core.block_size;
     config.worker.block_size = Some(block_size); // as `into_config` sets it
     let bridge = Bridge::start(config).await.unwrap();
@@ -1015,7 +1018,7 @@ async fn the_page_describes_the_worker_from_flags_and_engine_metrics() {
     let deadline = Instant::now() + Duration::from_secs(10);
     let page = loop {
         let page = get_json(&bridge, "/kv/events?after=0").await;
-        if page["worker"]["kv_capacity_blocks"] == 3055 {
+        if page["worker"]["kv_capacity_blocks"] == 3055 && page["worker"]["models"][0] == "llama" {
             break page;
         }
         assert!(Instant::now() < deadline, "no learned capacity: {page}");
