@@ -392,3 +392,53 @@ fn a_discovered_worker_describes_itself_on_its_event_page() {
         resp.text()
     );
 }
+
+/// A static `workers` entry for a discovered host wins over the host's own description.
+#[test]
+fn a_static_entry_wins_over_the_hosts_description() {
+    let workers = echo_workers(2, BLOCK);
+    let (w1, w2) = (&workers[0], &workers[1]);
+    let described = json!({"models": ["only-on-2"], "kv_capacity_blocks": 10});
+    assert_eq!(w2.admin("/admin/describe", &described).unwrap().status, 200);
+    let mut m = membership(4);
+    m["worker"] = json!({"models": ["mock"]});
+    let mut fixed = w2.filter_entry();
+    fixed["models"] = json!(["mock"]);
+    let list = vec![fixed];
+    let mut config = json!({"block_size": BLOCK, "response_headers": true,
+        "client_routing_hints": "honor", "workers": list, "membership": m,
+        "events": {"poll_interval_ms": 50}});
+    config["membership"]["first_id"] = json!(10);
+    let mut opts = EnvoyOptions::new(config, addrs(&[w1, w2]));
+    opts.discovery = Some(eds());
+    let envoy = Envoy::start(&opts).expect("start envoy");
+    assert!(envoy.wait_for(Duration::from_secs(10), |e| e
+        .router_stat("membership.workers")
+        == 2));
+    // Its events are polled (so its page, with the description, was read) ...
+    publish(
+        w2,
+        vec![vllm_stored(
+            &tokens(100, 2 * BLOCK),
+            BLOCK,
+            None,
+            900,
+            "GPU",
+        )],
+    );
+    assert!(wait_for_overlap(
+        &envoy,
+        &completion(&tokens(100, 2 * BLOCK)),
+        2,
+        Duration::from_secs(10)
+    ));
+    // ... but the static entry's models stand.
+    let resp = envoy
+        .post_json(
+            "/v1/completions",
+            &json!({"model": "only-on-2", "prompt": tokens(1, 40), "max_tokens": 4}),
+        )
+        .expect("request");
+    assert_eq!(resp.status, 404, "{}", resp.text());
+    assert_eq!(envoy.router_stat("membership.described"), 0);
+}
