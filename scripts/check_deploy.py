@@ -374,7 +374,10 @@ def istio_bootstrap(m: Manifests) -> dict:
         route["timeout"] = http["timeout"]
     if "retries" in http:
         route["retry_policy"] = {"retry_on": http["retries"]["retryOn"], "num_retries": http["retries"]["attempts"]}
-    bootstrap = {"static_resources": {
+    bootstrap = {
+      # istio-proxy's admin: loopback only, inside the gateway pod.
+      "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 15000}}},
+      "static_resources": {
         "listeners": [{
             "name": f"0.0.0.0_{port}",
             "address": {"socket_address": {"address": "0.0.0.0", "port_value": port}},
@@ -471,7 +474,10 @@ def envoy_gateway_bootstrap(m: Manifests) -> dict:
             HTTP_OPTIONS, {"@type": f"type.googleapis.com/{HTTP_OPTIONS}",
                            "explicit_http_config": {"http_protocol_options": {}}}
         ).setdefault("common_http_protocol_options", {})["idle_timeout"] = idle
-    bootstrap = {"static_resources": {
+    bootstrap = {
+      # Envoy Gateway's bootstrap: admin on loopback only, inside the proxy pod.
+      "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 19000}}},
+      "static_resources": {
         "listeners": [{
             "name": listener_name,
             "address": {"socket_address": {"address": "0.0.0.0", "port_value": port}},
@@ -1113,6 +1119,12 @@ def self_test(m: Manifests, doc: str, dashboard: str) -> list[str]:
         cfg["configuration"]["value"] = json.dumps(value)
         cm["data"]["envoy.yaml"] = yaml.safe_dump(boot)
 
+    def mesh_filter_config(doc: dict, edit: Callable[[dict], None]) -> None:
+        cfg = wasm_config(doc)
+        value = json.loads(cfg["configuration"]["value"])
+        edit(value)
+        cfg["configuration"]["value"] = json.dumps(value)
+
     def envoy_only(scenario: str) -> Callable[[Manifests], list[str]]:
         return lambda mm: envoy_validate(SCENARIOS[scenario](mm), scenario)
 
@@ -1176,6 +1188,27 @@ def self_test(m: Manifests, doc: str, dashboard: str) -> list[str]:
         ("rendered: membership reads admin through a cluster that is not the admin",
          lambda: check_scenario(mutate(m, "ConfigMap", "kubernetes", lambda cm: configmap_filter_config(
              cm, lambda c: c["membership"].update(admin_cluster="kv_events"))), "kubernetes", False),
+         "does not point at this Envoy's admin"),
+        ("rendered: Istio membership follows a cluster the gateway does not route to",
+         lambda: check_scenario(mutate(m, "EnvoyFilter", "istio", lambda d: mesh_filter_config(
+             d, lambda c: c["membership"].update(cluster="outbound|8000||other.internal"))), "istio", False),
+         "is not a cluster this listener routes to"),
+        ("rendered: Istio membership admin cluster that is not the pod's admin",
+         lambda: check_scenario(mutate(m, "EnvoyFilter", "istio", lambda d: mesh_filter_config(
+             d, lambda c: c["membership"].update(admin_cluster="kv_events"))), "istio", False),
+         "does not point at this Envoy's admin"),
+        ("rendered: Istio membership admin cluster missing",
+         lambda: check_scenario(mutate(m, "EnvoyFilter", "istio", lambda d: d["spec"]["configPatches"].pop()),
+                                "istio", False),
+         "membership.admin_cluster 'kv_router_admin' is not defined"),
+        ("rendered: Envoy Gateway membership admin cluster routed by the listener",
+         lambda: check_scenario(mutate(m, "EnvoyPatchPolicy", "envoy-gateway", lambda d: mesh_filter_config(
+             d, lambda c: c["membership"].update(admin_cluster="httproute/llm/vllm/rule/0"))), "envoy-gateway", False),
+         "is routed by the client listener"),
+        ("rendered: Envoy Gateway membership admin cluster on another port",
+         lambda: check_scenario(mutate(m, "EnvoyPatchPolicy", "envoy-gateway", set_(
+             "spec.jsonPatches.3.operation.value.load_assignment.endpoints.0.lb_endpoints.0.endpoint.address"
+             ".socket_address.port_value", 15000)), "envoy-gateway", False),
          "does not point at this Envoy's admin"),
         ("rendered: block size differs from vLLM's",
          lambda: check_scenario(mutate(m, "ConfigMap", "kubernetes", lambda cm: configmap_filter_config(

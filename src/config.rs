@@ -112,7 +112,7 @@ pub enum DestinationFormat {
 }
 
 /// Worker device class (for `device-aware-weighted`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Device {
     /// Any non-CPU accelerator.

@@ -70,6 +70,10 @@ pub struct EventPage {
     pub last_event_id: u64,
     pub events: Vec<NumberedEvent>,
     pub load: Option<ReportedLoad>,
+    /// The worker's description of itself (`worker`), if the page carries a valid one.
+    pub worker: Option<crate::membership::description::WorkerDescription>,
+    /// Why the page's `worker` object was dropped, if it was not valid.
+    pub invalid_worker: Option<String>,
 }
 
 /// Why a worker's event page was rejected. Every variant rejects the whole page.

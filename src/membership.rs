@@ -25,6 +25,8 @@ use crate::load_store;
 use crate::replication::log::{self as replication, LogHead, Member};
 use crate::store::SharedStore;
 
+pub mod description;
+
 /// One host of the routed cluster.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Host {
@@ -275,6 +277,7 @@ pub fn apply(config: &Config, head: &mut LogHead, hosts: &[Host], now_ms: u64) -
                 events_address,
                 generation,
                 healthy: host.healthy,
+                described: None,
             });
             if let Ok(i) = u16::try_from(i) {
                 changes.joined.push(i);
@@ -286,6 +289,23 @@ pub fn apply(config: &Config, head: &mut LogHead, hosts: &[Host], now_ms: u64) -
         head.members_generation += 1;
     }
     changes
+}
+
+/// Records a pool entry occupant's vetted description; a change moves the membership
+/// generation so every VM rebuilds its effective configuration.
+pub fn set_description(head: &mut LogHead, worker: u16, d: &description::WorkerDescription) {
+    let Some(member) = head
+        .workers
+        .get_mut(usize::from(worker))
+        .and_then(|w| w.member.as_mut())
+    else {
+        return;
+    };
+    if member.described.as_ref() == Some(d) {
+        return;
+    }
+    member.described = Some(d.clone());
+    head.members_generation += 1;
 }
 
 /// What [`publish`] committed.
@@ -370,9 +390,18 @@ pub fn effective_config(base: &Config, head: &LogHead) -> Config {
     if config.membership.is_none() || !head.members_seen {
         return config;
     }
+    let first_pool = config
+        .membership
+        .as_ref()
+        .map_or(usize::MAX, |m| usize::from(m.first_pool_worker));
     let mut any_healthy = false;
     for (i, w) in config.workers.iter_mut().enumerate() {
         let member = head.workers.get(i).and_then(|s| s.member.as_ref());
+        if let Some(d) = member.and_then(|m| m.described.as_ref()) {
+            if i >= first_pool {
+                description::apply(w, d);
+            }
+        }
         let addresses = member.and_then(|m| {
             Some((
                 m.address.parse::<SocketAddr>().ok()?,

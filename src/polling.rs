@@ -550,6 +550,8 @@ mod tests {
 
     fn page(first: Option<u64>, last: u64, ids: &[u64]) -> EventPage {
         EventPage {
+            worker: None,
+            invalid_worker: None,
             block_size: 4,
             first_event_id: first,
             last_event_id: last,

@@ -337,3 +337,108 @@ fn load_returns_to_zero_with_workers_joining_and_leaving_during_a_thousand_mixed
         .count();
     assert_eq!(gauges, 4 * 3, "per-slot gauges stay one set per pool entry");
 }
+
+/// A discovered worker describes itself on its event page: its models (and capacity) replace the
+/// template's on its pool entry, so a request for a model only it serves goes to it; a DP layout
+/// the template's slots do not reserve is refused (counted), the rest applied.
+#[test]
+fn a_discovered_worker_describes_itself_on_its_event_page() {
+    let workers = echo_workers(3, BLOCK);
+    let (w1, w2, w3) = (&workers[0], &workers[1], &workers[2]);
+    let described = json!({"block_size": BLOCK, "dp_size": 4, "kv_capacity_blocks": 500,
+                           "models": ["mock", "only-on-3"]});
+    assert_eq!(w3.admin("/admin/describe", &described).unwrap().status, 200);
+    let mut m = membership(4);
+    m["worker"] = json!({"models": ["mock"]});
+    let envoy = start(&[w1, w2, w3], &[], eds(), json!({"membership": m}));
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| e
+            .router_stat("membership.described")
+            == 1),
+        "worker 3's description applied"
+    );
+    assert_eq!(envoy.router_stat("membership.description_refused"), 1);
+    let special =
+        |i: u32| json!({"model": "only-on-3", "prompt": tokens(i * 100, 40), "max_tokens": 4});
+    for i in 0..20 {
+        assert_eq!(route(&envoy, &special(i)).0, 3, "request {i} for only-on-3");
+    }
+    for i in 0..10 {
+        let served = route(&envoy, &completion(&tokens(9000 + i * 100, 40))).0;
+        assert!((1..=3).contains(&served), "served by {served}");
+    }
+    // Without its description (an old worker's page) worker 3 falls back to the template, which
+    // does not serve the model.
+    assert_eq!(
+        w3.admin("/admin/describe", &Value::Null).unwrap().status,
+        200
+    );
+    let _ = w3.admin("/admin/reset", &json!({}));
+    envoy.set_endpoints(&addrs(&[w1, w2])).unwrap();
+    assert!(envoy.wait_for(Duration::from_secs(10), |e| e
+        .router_stat("membership.workers")
+        == 2));
+    envoy.set_endpoints(&addrs(&[w1, w2, w3])).unwrap();
+    assert!(envoy.wait_for(Duration::from_secs(10), |e| e
+        .router_stat("membership.workers")
+        == 3));
+    let resp = envoy
+        .post_json("/v1/completions", &special(1))
+        .expect("request");
+    assert_ne!(
+        resp.status,
+        200,
+        "only-on-3 is served by nobody now: {}",
+        resp.text()
+    );
+}
+
+/// A static `workers` entry for a discovered host wins over the host's own description.
+#[test]
+fn a_static_entry_wins_over_the_hosts_description() {
+    let workers = echo_workers(2, BLOCK);
+    let (w1, w2) = (&workers[0], &workers[1]);
+    let described = json!({"models": ["only-on-2"], "kv_capacity_blocks": 10});
+    assert_eq!(w2.admin("/admin/describe", &described).unwrap().status, 200);
+    let mut m = membership(4);
+    m["worker"] = json!({"models": ["mock"]});
+    let mut fixed = w2.filter_entry();
+    fixed["models"] = json!(["mock"]);
+    let list = vec![fixed];
+    let mut config = json!({"block_size": BLOCK, "response_headers": true,
+        "client_routing_hints": "honor", "workers": list, "membership": m,
+        "events": {"poll_interval_ms": 50}});
+    config["membership"]["first_id"] = json!(10);
+    let mut opts = EnvoyOptions::new(config, addrs(&[w1, w2]));
+    opts.discovery = Some(eds());
+    let envoy = Envoy::start(&opts).expect("start envoy");
+    assert!(envoy.wait_for(Duration::from_secs(10), |e| e
+        .router_stat("membership.workers")
+        == 2));
+    // Its events are polled (so its page, with the description, was read) ...
+    publish(
+        w2,
+        vec![vllm_stored(
+            &tokens(100, 2 * BLOCK),
+            BLOCK,
+            None,
+            900,
+            "GPU",
+        )],
+    );
+    assert!(wait_for_overlap(
+        &envoy,
+        &completion(&tokens(100, 2 * BLOCK)),
+        2,
+        Duration::from_secs(10)
+    ));
+    // ... but the static entry's models stand.
+    let resp = envoy
+        .post_json(
+            "/v1/completions",
+            &json!({"model": "only-on-2", "prompt": tokens(1, 40), "max_tokens": 4}),
+        )
+        .expect("request");
+    assert_eq!(resp.status, 404, "{}", resp.text());
+    assert_eq!(envoy.router_stat("membership.described"), 0);
+}

@@ -1,5 +1,6 @@
 //! Command-line flags.
 
+use crate::describe::WorkerDescription;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -102,6 +103,31 @@ pub struct Args {
     #[arg(long, default_value = "time")]
     pub first_event_id: FirstEventId,
 
+    /// The worker's description on the page (`worker`): its first DP rank...
+    #[arg(long = "worker-dp-start", value_name = "RANK")]
+    pub worker_dp_start: Option<u32>,
+    /// ...its DP ranks...
+    #[arg(long = "worker-dp-size", value_name = "N")]
+    pub worker_dp_size: Option<u32>,
+    /// ...its device (`gpu` or `cpu`)...
+    #[arg(long = "worker-device", value_parser = ["gpu", "cpu"])]
+    pub worker_device: Option<String>,
+    /// ...its KV capacity per DP rank in blocks (default: vLLM's `num_gpu_blocks` from the
+    /// engine metrics)...
+    #[arg(long = "worker-kv-capacity-blocks", value_name = "BLOCKS")]
+    pub worker_kv_capacity_blocks: Option<u32>,
+    /// ...its batch budget per DP rank...
+    #[arg(long = "worker-max-num-batched-tokens", value_name = "TOKENS")]
+    pub worker_max_num_batched_tokens: Option<u32>,
+    /// ...and the models it serves (repeatable; default: the ids of `--engine-models-url`).
+    #[arg(long = "worker-model", value_name = "MODEL")]
+    pub worker_models: Vec<String>,
+
+    /// The engine's OpenAI `/v1/models`, read every `--engine-metrics-interval-ms` for the
+    /// description's `models`.
+    #[arg(long = "engine-models-url", value_name = "URL")]
+    pub engine_models_url: Option<String>,
+
     /// Largest payload frame decoded.
     #[arg(long, default_value_t = DEFAULT_MAX_PAYLOAD_BYTES)]
     pub max_payload_bytes: usize,
@@ -150,6 +176,11 @@ pub struct BridgeConfig {
     pub timing: EngineTiming,
     pub engine_metrics_urls: Vec<String>,
     pub engine_metrics_interval: Duration,
+    /// The page's `worker` description from the `--worker-*` flags (they win over what the
+    /// engine metrics say).
+    pub worker: WorkerDescription,
+    /// `--engine-models-url`.
+    pub engine_models_url: Option<String>,
 }
 
 impl Args {
@@ -231,6 +262,16 @@ impl Args {
                 reconnect_backoff_max: Duration::from_secs(2),
             },
             engine_metrics_urls: self.engine_metrics_urls,
+            engine_models_url: self.engine_models_url,
+            worker: WorkerDescription {
+                block_size: Some(self.block_size),
+                dp_start: self.worker_dp_start,
+                dp_size: self.worker_dp_size,
+                device: self.worker_device,
+                kv_capacity_blocks: self.worker_kv_capacity_blocks,
+                max_num_batched_tokens: self.worker_max_num_batched_tokens,
+                models: (!self.worker_models.is_empty()).then_some(self.worker_models),
+            },
             engine_metrics_interval: ms(self.engine_metrics_interval_ms.max(10)),
         })
     }

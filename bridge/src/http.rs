@@ -71,6 +71,7 @@ async fn events(State(app): State<AppState>, query: Query<EventsQuery>) -> Respo
     }
     let load = shared.load();
     let body = shared.with_core(|core| core.page(after, app.limits.page, load));
+    let body = crate::describe::splice(body, shared.worker_json().as_deref());
     json(StatusCode::OK, body)
 }
 
@@ -79,6 +80,7 @@ async fn dump(State(app): State<AppState>) -> Response {
         .metrics
         .inc("kv_bridge_page_requests_total", &[("path", "/kv/dump")]);
     let body = app.shared.with_core(|core| core.dump());
+    let body = crate::describe::splice(body, app.shared.worker_json().as_deref());
     json(StatusCode::OK, body)
 }
 

@@ -11,6 +11,7 @@
 
 pub mod config;
 pub mod core;
+pub mod describe;
 pub mod engine;
 pub mod http;
 pub mod load;
@@ -54,11 +55,19 @@ impl Bridge {
         // A scraped load stays valid for a few missed scrapes.
         let load_max_age = config.engine_metrics_interval * 3 + Duration::from_secs(1);
         let shared = Arc::new(Shared::new(config.core, statuses, load_max_age));
+        shared.set_worker_flags(config.worker.clone());
         let listener = tokio::net::TcpListener::bind(config.listen).await?;
         let addr = listener.local_addr()?;
         let mut tasks = JoinSet::new();
         for spec in config.engines.iter().cloned() {
             tasks.spawn(engine::run(Arc::clone(&shared), spec, config.timing));
+        }
+        if let Some(url) = config.engine_models_url.clone() {
+            tasks.spawn(describe::run_models(
+                Arc::clone(&shared),
+                url,
+                config.engine_metrics_interval,
+            ));
         }
         if !config.engine_metrics_urls.is_empty() {
             tasks.spawn(load::run(

@@ -159,6 +159,10 @@ pub async fn run(shared: Arc<Shared>, urls: Vec<String>, interval: Duration, tim
             match scrape(&client, url).await {
                 Ok(text) => {
                     let found = parse_metrics(&text);
+                    let learned = crate::describe::learn_from_metrics(&text);
+                    if !learned.is_empty() {
+                        shared.set_worker_learned(learned);
+                    }
                     if !found.found {
                         debug!("engine metrics: {url} has no request-count series");
                     }

@@ -1,5 +1,6 @@
 //! State shared by the engine tasks, the load scraper and the HTTP server.
 
+use crate::describe::WorkerDescription;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -41,6 +42,9 @@ pub struct Shared {
     pub metrics: Metrics,
     engines: Vec<Mutex<EngineStatus>>,
     load: Mutex<Option<(Load, Instant)>>,
+    /// The `--worker-*` flags, and what the engine metrics said (`describe`).
+    worker_flags: Mutex<WorkerDescription>,
+    worker_learned: Mutex<WorkerDescription>,
     /// A scraped load older than this is not reported.
     pub load_max_age: Duration,
     shutdown: watch::Sender<bool>,
@@ -61,6 +65,8 @@ impl Shared {
             engines: engines.into_iter().map(Mutex::new).collect(),
             load: Mutex::new(None),
             load_max_age,
+            worker_flags: Mutex::default(),
+            worker_learned: Mutex::default(),
             shutdown: watch::Sender::new(false),
         }
     }
@@ -136,6 +142,29 @@ impl Shared {
                 status
             })
             .collect()
+    }
+
+    pub fn set_worker_flags(&self, flags: WorkerDescription) {
+        *lock(&self.worker_flags) = flags;
+    }
+
+    /// What the engine metrics said (block size, capacity); models are kept.
+    pub fn set_worker_learned(&self, learned: WorkerDescription) {
+        let mut current = lock(&self.worker_learned);
+        current.block_size = learned.block_size;
+        current.kv_capacity_blocks = learned.kv_capacity_blocks;
+    }
+
+    /// What the engine's `/v1/models` said.
+    pub fn set_worker_models(&self, models: Vec<String>) {
+        lock(&self.worker_learned).models = Some(models);
+    }
+
+    /// The page's `worker` object (flags over what was learned), if anything is known.
+    pub fn worker_json(&self) -> Option<String> {
+        let flags = lock(&self.worker_flags).clone();
+        let learned = lock(&self.worker_learned).clone();
+        flags.over(&learned).to_json()
     }
 
     pub fn set_load(&self, load: Option<Load>) {

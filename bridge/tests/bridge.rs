@@ -207,6 +207,8 @@ async fn serve_replays(
 
 fn config(engines: &[(&FakeEngine, bool)], idle: Duration) -> BridgeConfig {
     BridgeConfig {
+        worker: Default::default(),
+        engine_models_url: None,
         listen: "127.0.0.1:0".parse().unwrap(),
         engines: engines
             .iter()
@@ -974,4 +976,65 @@ async fn idle_probes_keep_one_connection() {
     wait_for_seq(&bridge, 0, seq).await;
     assert_consistent(&bridge, &[&engine]).await;
     bridge.shutdown(Duration::from_secs(5)).await;
+}
+
+/// Serves `body` to every connection (a vLLM `/metrics` or `/v1/models` stand-in).
+async fn serve_metrics(body: &'static str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let mut buf = [0u8; 4096];
+            let _ = socket.read(&mut buf).await;
+            let reply = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = socket.write_all(reply.as_bytes()).await;
+        }
+    });
+    format!("http://{addr}/metrics")
+}
+
+#[tokio::test]
+async fn the_page_describes_the_worker_from_flags_and_engine_metrics() {
+    let metrics = serve_metrics(
+        "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"3055\"} 1.0\nvllm:num_requests_running 1\nvllm:num_requests_waiting 0\n",
+    )
+    .await;
+    let mut engine = FakeEngine::start(0).await;
+    let mut config = config(&[(&engine, true)], Duration::from_secs(60));
+    config.engine_metrics_urls = vec![metrics];
+    config.engine_metrics_interval = Duration::from_millis(50);
+    config.worker.dp_size = Some(1);
+    // Models from the engine's /v1/models (no --worker-model flag).
+    config.engine_models_url =
+        Some(serve_metrics(r#"{"object":"list","data":[{"id":"llama","object":"model"}]}"#).await);
+    let block_size = config.core.block_size;
+    config.worker.block_size = Some(block_size); // as `into_config` sets it
+    let bridge = Bridge::start(config).await.unwrap();
+    engine.wait_subscribed().await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let page = loop {
+        let page = get_json(&bridge, "/kv/events?after=0").await;
+        if page["worker"]["kv_capacity_blocks"] == 3055 && page["worker"]["models"][0] == "llama" {
+            break page;
+        }
+        assert!(Instant::now() < deadline, "no learned capacity: {page}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(
+        page["worker"],
+        serde_json::json!({"block_size": block_size, "dp_size": 1, "kv_capacity_blocks": 3055, "models": ["llama"]})
+    );
+    // The filter reads it from the page and from the dump.
+    let (_, body) = get(&bridge, "/kv/events?after=0").await;
+    let parsed = parse_event_page(body.as_bytes(), block_size, 1 << 20).unwrap();
+    let described = parsed.worker.unwrap();
+    assert_eq!(described.kv_capacity_blocks, Some(3055));
+    assert_eq!(described.models, Some(vec!["llama".to_string()]));
+    let (_, dump) = get(&bridge, "/kv/dump").await;
+    let parsed = parse_dump(dump.as_bytes(), block_size, 1 << 20).unwrap();
+    assert_eq!(parsed.worker.unwrap().dp_size, Some(1));
 }

@@ -21,6 +21,7 @@ use serde::Deserialize;
 
 use super::{EventError, EventPage, IndexEvent, NumberedEvent, ReportedLoad, MAX_EVENT_ID};
 use crate::hashing::{hash_seed, local_block_hashes};
+use crate::membership::description::WorkerDescription;
 use crate::types::{DpRank, ExternalBlockHash, LocalBlockHash, StorageTier};
 
 // ---------------------------------------------------------------------------------------------
@@ -108,6 +109,8 @@ struct RawPage {
     #[serde(default)]
     events: Vec<RawEvent>,
     load: Option<RawLoad>,
+    /// The worker's own description (optional; a malformed one is dropped, not the page).
+    worker: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
@@ -427,8 +430,17 @@ fn parse_body(
         num_running: l.num_running.unwrap_or(0),
         kv_usage: l.kv_usage.unwrap_or(0.0),
     });
+    let (worker, invalid_worker) = match raw.worker {
+        None => (None, None),
+        Some(value) => match serde_json::from_value::<WorkerDescription>(value) {
+            Ok(d) => (Some(d), None),
+            Err(e) => (None, Some(e.to_string())),
+        },
+    };
     Ok(EventPage {
         block_size: expected_block_size,
+        worker,
+        invalid_worker,
         first_event_id,
         last_event_id,
         events,

@@ -72,6 +72,86 @@ fn membership_config_errors_name_their_field() {
 }
 
 #[test]
+fn a_described_pool_entry_uses_its_description_and_a_static_entry_its_config() {
+    use crate::events::parse_event_page;
+    use description::{vet, Refusal};
+    let c = config();
+    let mut head = LogHead::default();
+    apply(
+        &c,
+        &mut head,
+        &[host("10.0.0.1:8000", true), host("10.0.0.7:8000", true)],
+        0,
+    );
+    let pool = 1u16;
+    assert_eq!(
+        head.workers[1].member.as_ref().unwrap().address,
+        "10.0.0.7:8000"
+    );
+    let page = parse_event_page(
+        br#"{"block_size": 16, "last_event_id": 0, "events": [],
+             "worker": {"block_size": 16, "dp_size": 4, "device": "gpu", "kv_capacity_blocks": 900,
+                        "max_num_batched_tokens": 4096, "models": ["m-only-here"], "future": 1}}"#,
+        16,
+        1 << 20,
+    )
+    .unwrap();
+    let (vetted, refused) = vet(&c.workers[1], 16, page.worker.as_ref().unwrap());
+    assert_eq!(
+        refused,
+        vec![Refusal::Layout {
+            template: (0, 2),
+            described: (0, 4)
+        }]
+    );
+    let generation = head.members_generation;
+    set_description(&mut head, pool, &vetted);
+    assert_eq!(head.members_generation, generation + 1);
+    set_description(&mut head, pool, &vetted);
+    assert_eq!(
+        head.members_generation,
+        generation + 1,
+        "unchanged: no bump"
+    );
+    // A static entry never takes a description, even if one is recorded.
+    set_description(&mut head, 0, &vetted);
+    let e = effective_config(&c, &head);
+    let w = &e.workers[1];
+    assert_eq!(w.models, vec!["m-only-here".to_string()]);
+    assert_eq!(w.kv_capacity_blocks, Some(900));
+    assert_eq!(w.max_num_batched_tokens, Some(4096));
+    assert_eq!(w.device, crate::config::Device::Gpu);
+    assert_eq!(w.dp_size, 2, "slots are fixed: the template's layout stays");
+    assert!(e.workers[0].models.is_empty());
+    assert_eq!(e.workers[0].kv_capacity_blocks, None);
+    assert_eq!(e.slots, c.slots);
+    // A page without a description, or with a malformed one, still parses.
+    let plain =
+        parse_event_page(br#"{"block_size": 16, "last_event_id": 0}"#, 16, 1 << 20).unwrap();
+    assert!(plain.worker.is_none() && plain.invalid_worker.is_none());
+    let bad = parse_event_page(
+        br#"{"block_size": 16, "last_event_id": 0, "worker": {"models": "x"}}"#,
+        16,
+        1 << 20,
+    )
+    .unwrap();
+    assert!(bad.worker.is_none() && bad.invalid_worker.is_some());
+    // Oversized model lists and zero capacities are refused field by field.
+    let many = description::WorkerDescription {
+        models: Some(vec!["m".into(); description::MAX_MODELS + 1]),
+        kv_capacity_blocks: Some(0),
+        max_num_batched_tokens: Some(8),
+        ..Default::default()
+    };
+    let (v, r) = vet(&c.workers[1], 16, &many);
+    assert_eq!(r.len(), 2);
+    assert_eq!(
+        (v.models, v.kv_capacity_blocks, v.max_num_batched_tokens),
+        (None, None, Some(8))
+    );
+}
+
+#[test]
 fn admin_reply_gives_hosts_with_health() {
     let body = admin(
         r#"{"address": {"socket_address": {"address": "10.0.0.5", "port_value": 8000}},

@@ -6,6 +6,8 @@
 use super::host::{self, HostStore};
 use super::vm::VmState;
 use crate::config::Config;
+use crate::events::EventPage;
+use crate::membership::description::{vet, WorkerDescription};
 use crate::membership::{effective_config, parse_admin_clusters, publish};
 use crate::polling::{disposition, Disposition};
 use log::{info, warn};
@@ -145,6 +147,51 @@ impl VmState {
             changes.health_changed
         );
         self.sync_replica();
+    }
+
+    /// The part of `page`'s worker description to record for pool entry `worker`, when it
+    /// differs from the recorded one (counted and logged then). `None`: nothing to record (no
+    /// description, not a pool entry, or unchanged).
+    pub(super) fn vet_description(
+        &mut self,
+        worker: u16,
+        page: &EventPage,
+    ) -> Option<WorkerDescription> {
+        let m = self.base_config.membership.as_ref()?;
+        if let Some(err) = &page.invalid_worker {
+            self.metrics.inc("membership.description_invalid");
+            log::debug!("kv-router: membership: worker {worker}'s description is not valid: {err}");
+            return None;
+        }
+        let described = page.worker.as_ref()?;
+        if worker < m.first_pool_worker {
+            return None; // a static entry: its configuration wins
+        }
+        let template = self.base_config.workers.get(usize::from(worker))?;
+        let (vetted, refused) = vet(template, self.base_config.block_size, described);
+        let member = self
+            .replica
+            .head
+            .workers
+            .get(usize::from(worker))
+            .and_then(|w| w.member.as_ref())?;
+        if member.described.as_ref() == Some(&vetted) {
+            return None;
+        }
+        let id = crate::proxy::vm::worker_id(&self.base_config, worker);
+        for r in &refused {
+            self.metrics.inc("membership.description_refused");
+            warn!(
+                "kv-router: membership: worker {id} ({}) describes itself with {r}",
+                member.address
+            );
+        }
+        self.metrics.inc("membership.described");
+        info!(
+            "kv-router: membership: worker {id} ({}) describes itself: {vetted:?}",
+            member.address
+        );
+        Some(vetted)
     }
 
     /// Rebuilds the effective configuration when the published membership moved.

@@ -119,6 +119,12 @@ impl VmState {
             }
         };
         let reported = page.load;
+        let described = self.vet_description(worker, &page);
+        let describe = |head: &mut replication::LogHead| {
+            if let Some(d) = &described {
+                crate::membership::set_description(head, worker, d);
+            }
+        };
         let workers = config.workers.len();
         let fingerprint = self.fingerprint;
         let outcome = match call.kind {
@@ -142,6 +148,7 @@ impl VmState {
                         w.last_ok_ms = now;
                         w.stale = false;
                         w.reported = reported;
+                        describe(head);
                         true
                     });
                 if appended {
@@ -197,6 +204,7 @@ impl VmState {
                     w.reported = reported;
                     w.rejections = 0;
                     w.retry_after_ms = 0;
+                    describe(head);
                     true
                 };
                 let applied = if events.is_empty() {

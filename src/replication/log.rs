@@ -79,6 +79,9 @@ pub struct Member {
     pub generation: u64,
     /// Not failing active health checks, not ejected by outlier detection, EDS not unhealthy.
     pub healthy: bool,
+    /// The host's vetted description of itself from its event page (pool entries only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub described: Option<crate::membership::description::WorkerDescription>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

@@ -244,6 +244,8 @@ pub struct MockWorker {
     pub(crate) backend: Backend,
     fault: Mutex<EventsFault>,
     load_override: Mutex<Option<Value>>,
+    /// The `worker` description its event pages and dumps carry (`/admin/describe`).
+    description: Mutex<Option<Value>>,
     /// Status `/health` answers (200 = healthy); `/admin/serve_fault`.
     health_status: AtomicU64,
     /// Status the completion endpoints answer with instead of serving (200 = serve).
@@ -299,6 +301,7 @@ impl MockWorker {
             backend,
             fault: Mutex::new(EventsFault::None),
             load_override: Mutex::new(None),
+            description: Mutex::new(None),
             health_status: AtomicU64::new(200),
             completion_status: AtomicU64::new(200),
             requests: AtomicU64::new(0),
@@ -389,6 +392,14 @@ impl MockWorker {
 
     pub fn set_load_override(&self, v: Option<Value>) {
         *lock(&self.load_override) = v;
+    }
+
+    pub fn description(&self) -> Option<Value> {
+        lock(&self.description).clone()
+    }
+
+    pub fn set_description(&self, v: Option<Value>) {
+        *lock(&self.description) = v;
     }
 
     /// Clears faults, the load override and stats; echo: events and dump (ids restart at 1);

@@ -39,6 +39,7 @@ pub fn router(worker: Arc<MockWorker>) -> Router {
         .route("/admin/stats", get(stats))
         .route("/admin/events_fault", post(events_fault))
         .route("/admin/load", post(load))
+        .route("/admin/describe", post(describe))
         .route("/admin/reset", post(reset))
         .route("/admin/serve_fault", post(serve_fault))
         .route("/admin/events", post(echo_publish))
@@ -141,6 +142,17 @@ async fn events_fault(State(w): Worker, body: Bytes) -> Response {
     }
 }
 
+/// The `worker` description (JSON object, `null` = none) its event pages and dumps carry.
+async fn describe(State(w): Worker, body: Bytes) -> Response {
+    match parse_json(&body) {
+        Ok(v) => {
+            w.set_description(if v.is_null() { None } else { Some(v) });
+            json_response(200, &json!({"ok": true}))
+        }
+        Err(e) => json_response(400, &json!({"error": format!("bad JSON: {e}")})),
+    }
+}
+
 async fn load(State(w): Worker, body: Bytes) -> Response {
     match parse_json(&body) {
         Ok(v) => {
@@ -189,6 +201,9 @@ async fn kv_dump(State(w): Worker) -> Response {
 
 /// An event page or dump, as the injected fault (if any) would have it.
 async fn event_body(w: &MockWorker, mut body: Value) -> Response {
+    if let Some(d) = w.description() {
+        body["worker"] = d;
+    }
     match w.fault() {
         EventsFault::None => json_response(200, &body),
         EventsFault::Http500 => json_response(500, &json!({"error": "injected fault"})),

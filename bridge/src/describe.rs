@@ -1,0 +1,218 @@
+//! The page's `worker` object: the worker's description of itself (see the filter's DESIGN,
+//! "membership"). Flags (`--worker-*`) win; otherwise what the engine's metrics say
+//! (`vllm:cache_config_info`: `block_size`, `num_gpu_blocks`). Nothing known: no object.
+
+use serde::Serialize;
+
+/// What the bridge says about its worker. `None` fields are left out.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct WorkerDescription {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp_start: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp_size: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_capacity_blocks: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_num_batched_tokens: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub models: Option<Vec<String>>,
+}
+
+impl WorkerDescription {
+    /// `self` (the flags) over `learned`.
+    pub fn over(&self, learned: &WorkerDescription) -> WorkerDescription {
+        WorkerDescription {
+            block_size: self.block_size.or(learned.block_size),
+            dp_start: self.dp_start.or(learned.dp_start),
+            dp_size: self.dp_size.or(learned.dp_size),
+            device: self.device.clone().or_else(|| learned.device.clone()),
+            kv_capacity_blocks: self.kv_capacity_blocks.or(learned.kv_capacity_blocks),
+            max_num_batched_tokens: self
+                .max_num_batched_tokens
+                .or(learned.max_num_batched_tokens),
+            models: self.models.clone().or_else(|| learned.models.clone()),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        *self == WorkerDescription::default()
+    }
+
+    /// The JSON object, or `None` when nothing is known.
+    pub fn to_json(&self) -> Option<String> {
+        if self.is_empty() {
+            return None;
+        }
+        serde_json::to_string(self).ok()
+    }
+}
+
+/// `block_size` and `num_gpu_blocks` (the KV capacity of one engine, in blocks) from vLLM's
+/// `vllm:cache_config_info{block_size="16",num_gpu_blocks="3000",...} 1.0`.
+pub fn learn_from_metrics(text: &str) -> WorkerDescription {
+    let mut out = WorkerDescription::default();
+    let Some(rest) = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("vllm:cache_config_info{"))
+    else {
+        return out;
+    };
+    let labels = labels(rest);
+    let label = |key: &str| -> Option<u32> {
+        labels
+            .iter()
+            .find(|(k, _)| k == key)
+            .and_then(|(_, v)| v.parse().ok())
+    };
+    out.block_size = label("block_size");
+    out.kv_capacity_blocks = label("num_gpu_blocks").filter(|&b| b > 0);
+    out
+}
+
+/// `key="value"` pairs of a Prometheus label set, from just after its `{` to its `}`. Values
+/// may hold commas, braces and escaped quotes (vLLM's info labels are `str()` of config fields).
+fn labels(text: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut chars = text.chars().peekable();
+    loop {
+        while chars.peek().is_some_and(|c| *c == ',' || c.is_whitespace()) {
+            chars.next();
+        }
+        let key: String = chars
+            .by_ref()
+            .take_while(|c| *c != '=' && *c != '}')
+            .collect();
+        if key.is_empty() || chars.next() != Some('"') {
+            return out;
+        }
+        let mut value = String::new();
+        loop {
+            match chars.next() {
+                None => return out,
+                Some('\\') => {
+                    if let Some(c) = chars.next() {
+                        value.push(c);
+                    }
+                }
+                Some('"') => break,
+                Some(c) => value.push(c),
+            }
+        }
+        out.push((key.trim().to_owned(), value));
+    }
+}
+
+/// At most this many models are read from `/v1/models` (the filter refuses more than 32).
+pub const MAX_MODELS: usize = 32;
+
+/// The model ids of an OpenAI `/v1/models` reply (`{"data": [{"id": "..."}]}`).
+pub fn parse_models(body: &str) -> Result<Vec<String>, String> {
+    let v: serde_json::Value = serde_json::from_str(body).map_err(|e| e.to_string())?;
+    let data = v["data"].as_array().ok_or("no data array")?;
+    let ids: Vec<String> = data
+        .iter()
+        .filter_map(|m| m["id"].as_str().map(str::to_owned))
+        .take(MAX_MODELS)
+        .collect();
+    if ids.is_empty() {
+        return Err("no model ids".to_owned());
+    }
+    Ok(ids)
+}
+
+/// Reads the engine's `/v1/models` every `interval` into the description's `models`.
+pub async fn run_models(
+    shared: std::sync::Arc<crate::state::Shared>,
+    url: String,
+    interval: std::time::Duration,
+) {
+    let client = match reqwest::Client::builder()
+        .timeout(interval.max(std::time::Duration::from_millis(500)))
+        .build()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            log::warn!("engine models: cannot build the HTTP client: {e}; no models reported");
+            return;
+        }
+    };
+    let mut shutdown = shared.shutdown_watch();
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = shutdown.wait_for(|&s| s) => return,
+        }
+        let reply = async {
+            let r = client.get(&url).send().await.map_err(|e| e.to_string())?;
+            if !r.status().is_success() {
+                return Err(format!("HTTP {}", r.status()));
+            }
+            r.text().await.map_err(|e| e.to_string())
+        };
+        match reply.await.and_then(|body| parse_models(&body)) {
+            Ok(models) => shared.set_worker_models(models),
+            Err(e) => log::debug!("engine models: {url}: {e}"),
+        }
+    }
+}
+
+/// Splices `,"worker":{...}` into a page or dump body (a JSON object).
+pub fn splice(mut body: String, worker: Option<&str>) -> String {
+    if let Some(w) = worker {
+        if body.ends_with('}') {
+            body.pop();
+            body.push_str(",\"worker\":");
+            body.push_str(w);
+            body.push('}');
+        }
+    }
+    body
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn learns_from_vllm_cache_config_info_and_flags_win() {
+        let text = "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+# TYPE vllm:cache_config_info gauge\n\
+vllm:cache_config_info{block_size=\"16\",kv_offloading=\"{'a': 1, \\\"b\\\": 2}\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",num_cpu_blocks=\"None\",num_gpu_blocks=\"3055\"} 1.0\n\
+vllm:num_requests_running{engine=\"0\"} 2.0\n";
+        let learned = learn_from_metrics(text);
+        assert_eq!(learned.block_size, Some(16));
+        assert_eq!(learned.kv_capacity_blocks, Some(3055));
+        let flags = WorkerDescription {
+            kv_capacity_blocks: Some(100),
+            models: Some(vec!["m".into()]),
+            ..Default::default()
+        };
+        let d = flags.over(&learned);
+        assert_eq!(
+            d.to_json().unwrap(),
+            r#"{"block_size":16,"kv_capacity_blocks":100,"models":["m"]}"#
+        );
+        assert_eq!(
+            learn_from_metrics("vllm:num_requests_running 1\n"),
+            WorkerDescription::default()
+        );
+        assert_eq!(WorkerDescription::default().to_json(), None);
+        assert_eq!(
+            splice("{\"a\":1}".into(), Some("{\"dp_size\":2}")),
+            "{\"a\":1,\"worker\":{\"dp_size\":2}}"
+        );
+        assert_eq!(splice("{\"a\":1}".into(), None), "{\"a\":1}");
+        assert_eq!(
+            parse_models(r#"{"object":"list","data":[{"id":"Qwen/Qwen3-0.6B","object":"model"}]}"#),
+            Ok(vec!["Qwen/Qwen3-0.6B".to_string()])
+        );
+        assert!(parse_models(r#"{"data":[]}"#).is_err());
+    }
+}
