@@ -318,7 +318,7 @@ fn load_view(config: &Config, rng: &mut Rng) -> Vec<SlotLoad> {
     for key in 0..64u64 {
         let slot = rng.below(u64::from(WORKERS)) as SlotIdx;
         let prompt_tokens = 512 + rng.below(16_384) as u32;
-        table.admit(
+        let ticket = table.admit(
             key,
             slot,
             prompt_tokens,
@@ -326,8 +326,8 @@ fn load_view(config: &Config, rng: &mut Rng) -> Vec<SlotLoad> {
             None,
             1_000,
         );
-        if rng.below(4) != 0 {
-            table.first_token(key, 1_100);
+        if let Some(ticket) = ticket.filter(|_| rng.below(4) != 0) {
+            table.first_token(&ticket, 1_100);
         }
     }
     LoadTable::decode(&table.encode(), config.num_slots())

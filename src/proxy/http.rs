@@ -11,7 +11,7 @@ use super::vm::{worker_id, VmState};
 use crate::approx::Record;
 use crate::config::{ClientHints, Config, DestinationFormat, PrefillLoadModel, RoutingMode};
 use crate::hashing::prompt_sequence_hashes;
-use crate::load::{output_milli_blocks, predicted_prefill_ms};
+use crate::load::{output_milli_blocks, predicted_prefill_ms, Ticket};
 use crate::load_store::{self, Release};
 use crate::prompt_text::{prompt_text, render_cache_key, text_prefix_hashes};
 use crate::render::{classify, parse_reply, RenderFailure};
@@ -22,7 +22,6 @@ use crate::request::{
 use crate::router::{decide, prompt_blocks, Decision, RouteError, RouteInput};
 use crate::text::{excerpt, MAX_EXCERPT_BYTES};
 use crate::types::SequenceHash;
-use crate::types::SlotIdx;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
@@ -49,8 +48,8 @@ struct OutcomeDetail {
 
 /// The load this request booked, released in `on_log`.
 struct Booking {
-    key: u64,
-    slot: SlotIdx,
+    /// What the load table holds for this request (fixed-size table; the details live here).
+    ticket: Ticket,
     address: String,
     stream: bool,
     first_token_seen: bool,
@@ -504,13 +503,11 @@ impl RequestContext {
                 decision.prompt_blocks,
                 expected_ms,
                 now,
-            );
-            Some(())
+            )
         });
-        if booked.is_ok() {
+        if let Ok(ticket) = booked {
             self.booking = Some(Booking {
-                key,
-                slot: decision.slot,
+                ticket,
                 address: worker.address_text.clone(),
                 stream: request.stream,
                 first_token_seen: false,
@@ -613,14 +610,12 @@ impl RequestContext {
         else {
             return;
         };
-        let key = booking.key;
+        let ticket = booking.ticket;
         let now = host::now_ms();
-        if load_store::update(&HostStore, config.slots.len(), |table| {
-            table.move_to(key, slot, now).then_some(())
-        })
-        .is_ok()
-        {
-            booking.slot = slot;
+        if let Ok(moved) = load_store::update(&HostStore, config.slots.len(), |table| {
+            table.move_to(&ticket, slot, now)
+        }) {
+            booking.ticket = moved;
             booking.address = upstream;
             if let Some(detail) = self.outcome.as_mut().and_then(|o| o.detail.as_mut()) {
                 detail.worker = worker.id.to_string();
@@ -639,12 +634,17 @@ impl RequestContext {
             return;
         }
         booking.first_token_seen = true;
-        let key = booking.key;
-        if let Some(config) = self.config() {
-            let now = host::now_ms();
-            let _ = load_store::update(&HostStore, config.slots.len(), |table| {
-                table.first_token(key, now).then_some(())
-            });
+        let ticket = booking.ticket;
+        let Some(slots) = self.config().map(|c| c.slots.len()) else {
+            return;
+        };
+        let now = host::now_ms();
+        if let Ok(done) =
+            load_store::update(&HostStore, slots, |table| table.first_token(&ticket, now))
+        {
+            if let Some(booking) = self.booking.as_mut() {
+                booking.ticket = done;
+            }
         }
     }
 
@@ -672,10 +672,13 @@ impl RequestContext {
             return;
         }
         booking.output_milli_blocks = milli;
-        let key = booking.key;
-        let _ = load_store::update(&HostStore, config.slots.len(), |table| {
-            table.set_output_milli_blocks(key, milli).then_some(())
-        });
+        let ticket = booking.ticket;
+        let now = host::now_ms();
+        if let Ok(updated) = load_store::update(&HostStore, config.slots.len(), |table| {
+            table.set_output_milli_blocks(&ticket, milli, now)
+        }) {
+            booking.ticket = updated;
+        }
     }
 }
 
@@ -894,13 +897,13 @@ impl HttpContext for RequestContext {
             // Never expected (no other callback runs inside on_log); release without the queue.
             if let Some(config) = self.config() {
                 let _ = load_store::update(&HostStore, config.slots.len(), |table| {
-                    table.release_at(booking.key, now).then_some(())
+                    table.release_at(&booking.ticket, now).then_some(())
                 });
             }
             return;
         };
         let slots = vm.config.slots.len();
-        match vm.releases.release(&HostStore, slots, booking.key, now) {
+        match vm.releases.release(&HostStore, slots, booking.ticket, now) {
             Release::Released => {}
             Release::Unknown => vm.metrics.inc("load.release_unknown"),
             Release::Deferred => vm.metrics.inc("load.release_deferred"),
