@@ -10,7 +10,7 @@ use super::host::{self, HostStore};
 use super::vm::{worker_id, VmState};
 use crate::approx::Record;
 use crate::config::{ClientHints, Config, DestinationFormat, PrefillLoadModel, RoutingMode};
-use crate::hashing::prompt_sequence_hashes;
+use crate::lazy_hash::PromptHasher;
 use crate::load::{output_milli_blocks, predicted_prefill_ms, Ticket};
 use crate::load_store::{self, Release};
 use crate::prompt_text::{prompt_text, render_cache_key, text_prefix_hashes};
@@ -377,27 +377,44 @@ impl RequestContext {
         let now = host::now_ms();
         // Only KV mode scores prefix overlap; the basic modes skip hashing and the index.
         let from_text = text_hashes.is_some();
-        let hashes = match (&request.token_ids, text_hashes) {
-            (_, Some(hashes)) => hashes,
-            (Some(tokens), None) if config.mode == RoutingMode::Kv => {
-                prompt_sequence_hashes(tokens, config.block_size, request.lora_name.as_deref())
-            }
-            _ => Vec::new(),
+        let mut hasher = match (&request.token_ids, &text_hashes) {
+            (Some(tokens), None) if config.mode == RoutingMode::Kv => Some(PromptHasher::new(
+                tokens,
+                config.block_size,
+                request.lora_name.as_deref(),
+            )),
+            _ => None,
         };
         // Events, stale flags and reported load the poller published since this thread's last
         // tick count at once.
         if vm.replica.is_behind(&HostStore) {
             vm.sync_replica();
         }
+        if vm.predicted.is_some() && (hasher.is_some() || text_hashes.is_some()) {
+            vm.sync_predictions(now);
+        }
+        // Hash only as far as some slot (indexed or predicted) holds the prefix: overlaps stop
+        // at the first block nobody holds (lazy_hash).
+        if let Some(h) = hasher.as_mut() {
+            let index = &vm.replica.index;
+            let predicted = vm.predicted.as_ref();
+            h.hash_while_held(|seq| {
+                index.holds_anywhere(seq) || predicted.is_some_and(|p| p.knows(seq))
+            });
+        }
+        let hashes: &[SequenceHash] = match (&text_hashes, &hasher) {
+            (Some(t), _) => t,
+            (None, Some(h)) => h.hashes(),
+            (None, None) => &[],
+        };
         let mut overlaps = std::mem::take(&mut vm.overlaps);
         if hashes.is_empty() || from_text {
             overlaps.clear();
         } else {
-            vm.replica.index.find_overlaps(&hashes, &mut overlaps);
+            vm.replica.index.find_overlaps(hashes, &mut overlaps);
         }
         if vm.predicted.is_some() && !hashes.is_empty() {
-            vm.sync_predictions(now);
-            merge_predictions(vm, config, &hashes, from_text, now, &mut overlaps);
+            merge_predictions(vm, config, hashes, from_text, now, &mut overlaps);
         }
         let mut load = load_store::read(&HostStore, config.slots.len()).view(now);
         if config.load.reported_load {
@@ -417,7 +434,16 @@ impl RequestContext {
         match decided {
             Ok(decision) => {
                 self.steer(vm, config, &decision, now, &request, note);
-                record_prediction(vm, config, &decision, hashes, from_text, now);
+                // A record needs the leading blocks even past the first miss: hashed only now.
+                let record_hashes = |max_blocks: usize| match (text_hashes, hasher) {
+                    (Some(t), _) => t,
+                    (None, Some(mut h)) => {
+                        h.extend_to(max_blocks);
+                        h.into_hashes()
+                    }
+                    (None, None) => Vec::new(),
+                };
+                record_prediction(vm, config, &decision, record_hashes, from_text, now);
                 Action::Continue
             }
             Err(RouteError::NonFiniteCost { slot, cost }) => {
@@ -716,7 +742,7 @@ fn record_prediction(
     vm: &mut VmState,
     config: &Config,
     decision: &Decision,
-    mut hashes: Vec<SequenceHash>,
+    hashes: impl FnOnce(usize) -> Vec<SequenceHash>,
     from_text: bool,
     now: u64,
 ) {
@@ -727,7 +753,11 @@ fn record_prediction(
         || config
             .worker_of_slot(decision.slot)
             .is_some_and(|w| w.kv_mode.has_predictions());
-    if hashes.is_empty() || !predicts {
+    if !predicts {
+        return;
+    }
+    let mut hashes = hashes(approx.max_record_blocks);
+    if hashes.is_empty() {
         return;
     }
     hashes.truncate(approx.max_record_blocks);
