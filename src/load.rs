@@ -41,9 +41,10 @@ pub const DEFAULT_TIMEOUT_MS: u64 = 900_000;
 const MAGIC: &[u8; 4] = b"EKLT";
 const VERSION: u8 = 2;
 const HEADER_LEN: usize = 4 + 1 + 4 + 8 + 8 + 8 * BUCKETS;
-const QUEUED_LEN: usize = 8 + 8 + 4 + 4 + 8;
+const QUEUED_LEN: usize = 8 + 4 + 4 + 8;
 const COUNTERS_LEN: usize = 8 + 8 + 4;
-const SLOT_FIXED_LEN: usize = 4 + 8 + 1 + COUNTERS_LEN * BUCKETS;
+/// Generation, anchor time, queue length, mask of the non-zero buckets that follow.
+const SLOT_FIXED_LEN: usize = 4 + 8 + 1 + 1;
 
 /// Booked load of one slot at one instant.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -86,7 +87,7 @@ struct Counters {
 }
 
 /// A decaying prefill waiting for (or being) its slot's anchor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Queued {
     key: u64,
     epoch: u64,
@@ -95,13 +96,72 @@ struct Queued {
     admitted_ms: u64,
 }
 
+/// At most [`PREFILL_QUEUE`] prefills in admission order, inline (decoding allocates nothing).
+#[derive(Clone, Debug, Default)]
+struct PrefillQueue {
+    items: [Queued; PREFILL_QUEUE],
+    len: usize,
+}
+
+impl PartialEq for PrefillQueue {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl Eq for PrefillQueue {}
+
+impl PrefillQueue {
+    fn as_slice(&self) -> &[Queued] {
+        self.items.get(..self.len).unwrap_or_default()
+    }
+    fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+    fn iter(&self) -> std::slice::Iter<'_, Queued> {
+        self.as_slice().iter()
+    }
+    fn first(&self) -> Option<&Queued> {
+        self.as_slice().first()
+    }
+    /// `false` (nothing kept) when full.
+    fn push(&mut self, q: Queued) -> bool {
+        match self.items.get_mut(self.len) {
+            Some(slot) => {
+                *slot = q;
+                self.len += 1;
+                true
+            }
+            None => false,
+        }
+    }
+    fn remove(&mut self, i: usize) {
+        if i < self.len {
+            if let Some(tail) = self.items.get_mut(i..self.len) {
+                tail.rotate_left(1);
+            }
+            self.len -= 1;
+        }
+    }
+    fn retain(&mut self, keep: impl Fn(&Queued) -> bool) {
+        let mut i = 0;
+        while i < self.len {
+            if self.items.get(i).is_some_and(&keep) {
+                i += 1;
+            } else {
+                self.remove(i);
+            }
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Slot {
     generation: u32,
     /// When the last anchor left prefill (0 = never).
     anchor_since_ms: u64,
     /// Admission order, at most [`PREFILL_QUEUE`].
-    queue: Vec<Queued>,
+    queue: PrefillQueue,
     /// Indexed by `epoch % BUCKETS`.
     buckets: [Counters; BUCKETS],
 }
@@ -243,23 +303,39 @@ impl LoadTable {
             if queued > PREFILL_QUEUE {
                 return Err(LoadDecodeError::Malformed);
             }
-            let mut queue = Vec::with_capacity(queued);
+            let mut queue = PrefillQueue::default();
             for _ in 0..queued {
+                let key = r.u64()?;
+                let prefill_tokens = r.u32()?;
+                let expected_prefill_ms = r.u32()?;
+                let admitted_ms = r.u64()?;
+                // queued <= PREFILL_QUEUE: every push lands.
                 queue.push(Queued {
-                    key: r.u64()?,
-                    epoch: r.u64()?,
-                    prefill_tokens: r.u32()?,
-                    expected_prefill_ms: r.u32()?,
-                    admitted_ms: r.u64()?,
+                    key,
+                    epoch: admitted_ms / bucket_ms,
+                    prefill_tokens,
+                    expected_prefill_ms,
+                    admitted_ms,
                 });
             }
+            let mask = r.u8()?;
+            if usize::from(mask) >> BUCKETS != 0 {
+                return Err(LoadDecodeError::Malformed);
+            }
             let mut buckets = [Counters::default(); BUCKETS];
-            for c in buckets.iter_mut() {
+            for (i, c) in buckets.iter_mut().enumerate() {
+                if mask & (1 << i) == 0 {
+                    continue;
+                }
                 *c = Counters {
                     prefill_tokens: r.u64()?,
                     decode_milli: r.u64()?,
                     active: r.u32()?,
                 };
+                if *c == Counters::default() {
+                    // Zero buckets are left out: one encoding per table.
+                    return Err(LoadDecodeError::Malformed);
+                }
             }
             slots.push(Slot {
                 generation,
@@ -291,12 +367,26 @@ impl LoadTable {
         }
     }
 
-    /// Fixed-layout little-endian binary: header, ring epochs, then per slot its generation,
-    /// anchor time, prefill queue and bucket counters.
+    /// Little-endian binary: header, ring epochs, then per slot its generation, anchor time,
+    /// prefill queue and its non-zero bucket counters (a mask says which). At most
+    /// `HEADER_LEN + slots * (14 + 4 * 24 + 4 * 20)` bytes, whatever the requests in flight.
     pub fn encode(&self) -> Vec<u8> {
         let queued: usize = self.slots.iter().map(|s| s.queue.len()).sum();
+        let buckets: usize = self
+            .slots
+            .iter()
+            .map(|s| {
+                s.buckets
+                    .iter()
+                    .filter(|c| **c != Counters::default())
+                    .count()
+            })
+            .sum();
         let mut out = Vec::with_capacity(
-            HEADER_LEN + self.slots.len() * SLOT_FIXED_LEN + queued * QUEUED_LEN,
+            HEADER_LEN
+                + self.slots.len() * SLOT_FIXED_LEN
+                + queued * QUEUED_LEN
+                + buckets * COUNTERS_LEN,
         );
         out.extend_from_slice(MAGIC);
         out.push(VERSION);
@@ -313,12 +403,19 @@ impl LoadTable {
             out.push(s.queue.len().min(PREFILL_QUEUE) as u8);
             for q in s.queue.iter().take(PREFILL_QUEUE) {
                 out.extend_from_slice(&q.key.to_le_bytes());
-                out.extend_from_slice(&q.epoch.to_le_bytes());
                 out.extend_from_slice(&q.prefill_tokens.to_le_bytes());
                 out.extend_from_slice(&q.expected_prefill_ms.to_le_bytes());
                 out.extend_from_slice(&q.admitted_ms.to_le_bytes());
             }
-            for c in &s.buckets {
+            let zero = Counters::default();
+            let mask = s
+                .buckets
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| **c != zero)
+                .fold(0u8, |m, (i, _)| m | (1 << i));
+            out.push(mask);
+            for c in s.buckets.iter().filter(|c| **c != zero) {
                 out.extend_from_slice(&c.prefill_tokens.to_le_bytes());
                 out.extend_from_slice(&c.decode_milli.to_le_bytes());
                 out.extend_from_slice(&c.active.to_le_bytes());
@@ -430,15 +527,14 @@ impl LoadTable {
         };
         if expected > 0 && prefill_tokens > 0 {
             if let Some(s) = self.slots.get_mut(usize::from(slot)) {
-                if s.queue.len() < PREFILL_QUEUE {
-                    s.queue.push(Queued {
-                        key,
-                        epoch,
-                        prefill_tokens,
-                        expected_prefill_ms: expected,
-                        admitted_ms: now_ms,
-                    });
-                }
+                // A full queue keeps nothing: that prefill counts in full until its first token.
+                s.queue.push(Queued {
+                    key,
+                    epoch,
+                    prefill_tokens,
+                    expected_prefill_ms: expected,
+                    admitted_ms: now_ms,
+                });
             }
         }
         Some(ticket)
@@ -571,11 +667,7 @@ impl LoadTable {
     /// [`LoadTable::expire`] drops them).
     pub fn view(&self, now_ms: u64) -> Vec<SlotLoad> {
         let now_epoch = self.epoch_of(now_ms);
-        let live: Vec<bool> = self
-            .ring
-            .iter()
-            .map(|&e| LoadTable::alive(e, now_epoch))
-            .collect();
+        let live = self.ring.map(|e| LoadTable::alive(e, now_epoch));
         self.slots
             .iter()
             .map(|s| {
@@ -905,11 +997,16 @@ mod tests {
     #[test]
     fn the_encoded_size_does_not_grow_with_requests_in_flight() {
         let mut t = LoadTable::new(64);
-        let empty = t.encode().len();
+        let mut one_each = 0;
         for k in 0..10_000u64 {
-            t.admit(k, (k % 64) as SlotIdx, 4096, 64, None, k).unwrap();
+            t.admit(k, (k % 64) as SlotIdx, 4096, 64, Some(50.0), k)
+                .unwrap();
+            if k == 63 {
+                one_each = t.encode().len();
+            }
         }
-        assert_eq!(t.encode().len(), empty);
+        assert_eq!(t.encode().len(), one_each + 64 * 3 * QUEUED_LEN);
+        assert!(one_each < HEADER_LEN + 64 * (SLOT_FIXED_LEN + QUEUED_LEN + COUNTERS_LEN) + 1);
         assert_eq!(t.active_requests(10_000), 10_000);
     }
 
