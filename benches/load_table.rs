@@ -7,7 +7,10 @@
 //! Host-call overhead and CAS retries are not included (see `benches/envoy_overhead.rs` for the
 //! whole filter in Envoy). Prints medians; asserts nothing.
 //!
-//! Usage: `cargo bench --bench load_table [-- --quick]`.
+//! Usage: `cargo bench --bench load_table [-- --quick] [--in-flight N]`. Instruction counts per
+//! request: run the built binary under `valgrind --tool=callgrind
+//! --toggle-collect='load_table::request_*'` with `--quick --in-flight N` and divide each
+//! function's inclusive count by its calls.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 
@@ -24,6 +27,7 @@ const TOKENS: u32 = 4096;
 const BLOCKS: u32 = 64;
 
 /// One routed request against the fixed-size table's bytes; returns the new bytes.
+#[inline(never)]
 fn request_fixed(bytes: &[u8], key: u64, now: u64) -> Vec<u8> {
     let view = LoadTable::decode(bytes, SLOTS).unwrap().view(now);
     let slot = (key % SLOTS as u64) as u16;
@@ -42,6 +46,7 @@ fn request_fixed(bytes: &[u8], key: u64, now: u64) -> Vec<u8> {
 }
 
 /// The same request against the per-request table.
+#[inline(never)]
 fn request_legacy(bytes: &[u8], key: u64, now: u64) -> Vec<u8> {
     let view = legacy::LoadTable::decode(bytes, SLOTS).unwrap().view(now);
     let slot = (key % SLOTS as u64) as u16;
@@ -70,8 +75,17 @@ fn main() {
         "{:>10} | {:>12} | {:>12} | {:>8} | {:>11} | {:>11}",
         "in flight", "fixed (new)", "per-request", "ratio", "bytes new", "bytes old"
     );
-    let mut base_fixed = None;
-    for in_flight in [0usize, 400, 1_000, 10_000] {
+    let args: Vec<String> = std::env::args().collect();
+    let only: Option<usize> = args
+        .iter()
+        .position(|a| a == "--in-flight")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|n| n.parse().ok());
+    let sizes: Vec<usize> = match only {
+        Some(n) => vec![n],
+        None => vec![0, 400, 1_000, 10_000],
+    };
+    for in_flight in sizes {
         let mut fixed = LoadTable::with_timeout(SLOTS, 900_000);
         let mut old = legacy::LoadTable::new(SLOTS);
         for k in 0..in_flight as u64 {
@@ -94,7 +108,6 @@ fn main() {
             t_old.push(start.elapsed());
         }
         let (n, o) = (median(&mut t_new), median(&mut t_old));
-        base_fixed.get_or_insert(n);
         println!(
             "{:>10} | {:>9.1} µs | {:>9.1} µs | {:>7.1}x | {:>11} | {:>11}",
             in_flight,

@@ -728,6 +728,7 @@ struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
+    #[inline]
     fn take(&mut self, n: usize) -> Result<&'a [u8], LoadDecodeError> {
         let end = self.pos.saturating_add(n);
         let s = self
@@ -740,18 +741,22 @@ impl<'a> Reader<'a> {
         self.pos = end;
         Ok(s)
     }
+    #[inline]
     fn array<const N: usize>(&mut self) -> Result<[u8; N], LoadDecodeError> {
         let s = self.take(N)?;
         let mut a = [0u8; N];
         a.copy_from_slice(s);
         Ok(a)
     }
+    #[inline]
     fn u8(&mut self) -> Result<u8, LoadDecodeError> {
         Ok(u8::from_le_bytes(self.array::<1>()?))
     }
+    #[inline]
     fn u32(&mut self) -> Result<u32, LoadDecodeError> {
         Ok(u32::from_le_bytes(self.array()?))
     }
+    #[inline]
     fn u64(&mut self) -> Result<u64, LoadDecodeError> {
         Ok(u64::from_le_bytes(self.array()?))
     }
