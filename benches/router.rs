@@ -27,6 +27,7 @@ use envoy_kv_router::config::Config;
 use envoy_kv_router::events::IndexEvent;
 use envoy_kv_router::hashing::{local_block_hashes, prompt_sequence_hashes, DYNAMO_HASH_SEED};
 use envoy_kv_router::index::KvIndex;
+use envoy_kv_router::lazy_hash::PromptHasher;
 use envoy_kv_router::load::{LoadTable, SlotLoad};
 use envoy_kv_router::request::{parse_request, Endpoint, Pin};
 use envoy_kv_router::router::{decide, prompt_blocks, RouteInput, SelectorState};
@@ -318,7 +319,7 @@ fn load_view(config: &Config, rng: &mut Rng) -> Vec<SlotLoad> {
     for key in 0..64u64 {
         let slot = rng.below(u64::from(WORKERS)) as SlotIdx;
         let prompt_tokens = 512 + rng.below(16_384) as u32;
-        table.admit(
+        let ticket = table.admit(
             key,
             slot,
             prompt_tokens,
@@ -326,8 +327,8 @@ fn load_view(config: &Config, rng: &mut Rng) -> Vec<SlotLoad> {
             None,
             1_000,
         );
-        if rng.below(4) != 0 {
-            table.first_token(key, 1_100);
+        if let Some(ticket) = ticket.filter(|_| rng.below(4) != 0) {
+            table.first_token(&ticket, 1_100);
         }
     }
     LoadTable::decode(&table.encode(), config.num_slots())
@@ -376,6 +377,8 @@ struct Row {
     body_bytes: usize,
     iters: usize,
     stages: Vec<(&'static str, Duration, Duration)>,
+    /// Lazy hashing (the filter's kv path): median time and blocks hashed.
+    lazy: (Duration, usize),
 }
 
 fn bench_prompt(
@@ -394,6 +397,9 @@ fn bench_prompt(
     let mut hash = Samples(Vec::with_capacity(iters));
     let mut lookup = Samples(Vec::with_capacity(iters));
     let mut route = Samples(Vec::with_capacity(iters));
+    let mut lazy = Samples(Vec::with_capacity(iters));
+    let mut lazy_blocks = 0;
+    let mut lazy_overlaps = Vec::with_capacity(index.num_slots());
     let mut overlaps = Vec::with_capacity(index.num_slots());
     let mut chosen = vec![0u32; index.num_slots()];
     let warmup = iters / 10 + 1;
@@ -404,6 +410,15 @@ fn bench_prompt(
         let ids = req.token_ids.as_deref().unwrap();
         let seqs = time(&mut hash, || prompt_sequence_hashes(ids, BLOCK_SIZE, None));
         time(&mut lookup, || index.find_overlaps(&seqs, &mut overlaps));
+        // The filter hashes lazily: only up to the first block no worker holds.
+        let lazy_seqs = time(&mut lazy, || {
+            let mut h = PromptHasher::new(ids, BLOCK_SIZE, None);
+            h.hash_while_held(|s| index.holds_anywhere(s));
+            h.into_hashes()
+        });
+        lazy_blocks = lazy_seqs.len();
+        index.find_overlaps(&lazy_seqs, &mut lazy_overlaps);
+        assert_eq!(lazy_overlaps, overlaps, "lazy hashing changed the overlaps");
         let input = RouteInput {
             request: &req,
             header_pin: Pin::default(),
@@ -417,7 +432,7 @@ fn bench_prompt(
         });
         chosen[usize::from(decision.slot)] += 1;
         if i + 1 == warmup {
-            for s in [&mut parse, &mut hash, &mut lookup, &mut route] {
+            for s in [&mut parse, &mut hash, &mut lookup, &mut route, &mut lazy] {
                 s.0.clear();
             }
             chosen.fill(0);
@@ -453,6 +468,7 @@ fn bench_prompt(
         body_bytes: body.len(),
         iters,
         stages,
+        lazy: (lazy.quantile(0.5), lazy_blocks),
     }
 }
 
@@ -592,4 +608,22 @@ fn main() {
         "*/blk: median / prompt blocks; look/hit: lookup median / matched blocks of the best slot"
     );
     println!("hit d/h/x: the best slot's matched device/host/disk blocks (slots 1 and 5 hold half the prompt)");
+    println!();
+    println!("lazy hashing (the filter's kv path: hash up to the first block no worker holds; same overlaps, asserted)");
+    println!(
+        "{:>7} {:>12} {:>12} {:>14} {:>8}",
+        "tokens", "full hash", "lazy hash", "blocks hashed", "ratio"
+    );
+    for r in &rows {
+        let full = r.stages[1].1;
+        println!(
+            "{:>7} {:>12} {:>12} {:>7} / {:<6} {:>7.1}x",
+            r.tokens,
+            fmt_dur(full),
+            fmt_dur(r.lazy.0),
+            r.lazy.1,
+            r.blocks,
+            full.as_secs_f64() / r.lazy.0.as_secs_f64().max(1e-12)
+        );
+    }
 }

@@ -119,6 +119,12 @@ pub struct PredictedStore {
 }
 
 impl PredictedStore {
+    /// Whether any slot is (or was, expiry aside) predicted to hold `hash`: past the first hash
+    /// none is, [`PredictedStore::overlaps`] counts nothing more.
+    pub fn knows(&self, hash: SequenceHash) -> bool {
+        self.entries.contains_key(&hash)
+    }
+
     pub fn new(max_blocks: usize) -> PredictedStore {
         PredictedStore {
             entries: HashMap::new(),

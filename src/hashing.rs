@@ -40,7 +40,7 @@ fn full_blocks(token_count: usize, block_size: u32) -> usize {
 
 /// Hashes one block's tokens, reusing `bytes` as scratch space so callers hashing many blocks
 /// allocate once.
-fn hash_block(block: &[u32], seed: u64, bytes: &mut Vec<u8>) -> LocalBlockHash {
+pub(crate) fn hash_block(block: &[u32], seed: u64, bytes: &mut Vec<u8>) -> LocalBlockHash {
     bytes.clear();
     for token in block {
         bytes.extend_from_slice(&token.to_le_bytes());

@@ -552,6 +552,12 @@ impl KvIndex {
         }
     }
 
+    /// Whether any slot holds prefix `seq` on any tier: past the first prefix no slot holds,
+    /// [`KvIndex::find_overlaps`] reads nothing (the lazy hashing stop, `crate::lazy_hash`).
+    pub fn holds_anywhere(&self, seq: SequenceHash) -> bool {
+        self.holders.get(&seq).is_some()
+    }
+
     /// Tiers on which `slot` holds prefix `seq` (for tests and debugging endpoints).
     pub fn tiers_held(&self, slot: SlotIdx, seq: SequenceHash) -> Vec<StorageTier> {
         let mask = self

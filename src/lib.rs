@@ -11,6 +11,7 @@ pub mod events;
 pub mod filters;
 pub mod hashing;
 pub mod index;
+pub mod lazy_hash;
 pub mod load;
 pub mod load_store;
 pub mod membership;

@@ -5,13 +5,16 @@
 //! drops it (`load.request_timeout_ms`, 15 minutes by default). So a release whose CAS loop is
 //! outlasted by contention is kept in the VM's [`PendingReleases`] and folded into this VM's next
 //! load update (and retried on every tick) until it lands.
+//!
+//! The table's size is fixed by the slot count (see [`crate::load`]), so every CAS round costs
+//! the same whatever the requests in flight.
 
-use crate::load::LoadTable;
+use crate::load::{bucket_ms_for, LoadTable, Ticket};
 use crate::store::{SharedStore, StoreError};
 
 const LOAD_KEY: &str = "ekr.load";
 const CAS_ATTEMPTS: usize = 64;
-/// Releases a VM keeps while contention defers them (each is 16 bytes).
+/// Releases a VM keeps while contention defers them (each is about 56 bytes).
 pub const MAX_PENDING_RELEASES: usize = 4096;
 
 /// Why [`update`] wrote nothing.
@@ -23,10 +26,16 @@ pub enum UpdateFailure {
     Contended,
 }
 
-/// Creates the key if absent, so later writers always have a CAS version to check.
-pub fn init(store: &dyn SharedStore, num_slots: usize) {
-    if store.get(LOAD_KEY).0.is_none() {
-        let _ = store.set(LOAD_KEY, &LoadTable::new(num_slots).encode(), None);
+/// Creates the key if absent (so later writers always have a CAS version to check), or replaces
+/// a table another configuration wrote (slot count or bucket width for `timeout_ms`).
+pub fn init(store: &dyn SharedStore, num_slots: usize, timeout_ms: u64) {
+    let (bytes, cas) = store.get(LOAD_KEY);
+    let fits = bytes.as_deref().is_some_and(|b| {
+        LoadTable::decode(b, num_slots).is_ok_and(|t| t.bucket_ms() == bucket_ms_for(timeout_ms))
+    });
+    if !fits {
+        let fresh = LoadTable::with_timeout(num_slots, timeout_ms).encode();
+        let _ = store.set(LOAD_KEY, &fresh, cas);
     }
 }
 
@@ -56,10 +65,18 @@ pub fn update<R>(
     Err(UpdateFailure::Contended)
 }
 
-/// Drops entries older than the request timeout: requests whose VM died before releasing them.
+/// Drops buckets older than the request timeout: requests whose VM died before releasing them.
+/// Returns how many requests this call reaped (bookings and other phases expire buckets too;
+/// [`LoadTable::reaped_total`] counts them all). A table with another bucket width (written
+/// after corrupt data was replaced, or by another configuration) is replaced by a fresh one.
 pub fn reap(store: &dyn SharedStore, num_slots: usize, now_ms: u64, timeout_ms: u64) -> usize {
+    let width = bucket_ms_for(timeout_ms);
     update(store, num_slots, |table| {
-        let reaped = table.reap_older_than(now_ms, timeout_ms);
+        if table.bucket_ms() != width {
+            *table = LoadTable::with_timeout(num_slots, timeout_ms);
+            return Some(0);
+        }
+        let reaped = table.expire(now_ms);
         (reaped > 0).then_some(reaped)
     })
     .unwrap_or(0)
@@ -75,10 +92,10 @@ pub enum Release {
     Deferred,
 }
 
-/// Releases this VM could not write yet, oldest first: `(request key, release time)`.
+/// Releases this VM could not write yet, oldest first: `(ticket, release time)`.
 #[derive(Debug, Default)]
 pub struct PendingReleases {
-    queue: Vec<(u64, u64)>,
+    queue: Vec<(Ticket, u64)>,
     /// Releases dropped because the queue was full (the reaper gets them).
     pub dropped: u64,
 }
@@ -92,21 +109,21 @@ impl PendingReleases {
         self.queue.is_empty()
     }
 
-    /// Releases `key` at `now_ms`, together with every deferred release (one CAS loop).
+    /// Releases `ticket` at `now_ms`, together with every deferred release (one CAS loop).
     pub fn release(
         &mut self,
         store: &dyn SharedStore,
         num_slots: usize,
-        key: u64,
+        ticket: Ticket,
         now_ms: u64,
     ) -> Release {
         let queued = std::mem::take(&mut self.queue);
         let outcome = update(store, num_slots, |table| {
             let mut changed = false;
-            for &(k, at) in &queued {
-                changed |= table.release_at(k, at);
+            for (t, at) in &queued {
+                changed |= table.release_at(t, *at);
             }
-            let released = table.release_at(key, now_ms);
+            let released = table.release_at(&ticket, now_ms);
             (changed || released).then_some(released)
         });
         match outcome {
@@ -115,7 +132,7 @@ impl PendingReleases {
             Ok(false) | Err(UpdateFailure::Declined) => Release::Unknown,
             Err(UpdateFailure::Contended) => {
                 self.queue = queued;
-                self.push(key, now_ms);
+                self.push(ticket, now_ms);
                 Release::Deferred
             }
         }
@@ -129,8 +146,8 @@ impl PendingReleases {
         let queued = std::mem::take(&mut self.queue);
         let outcome = update(store, num_slots, |table| {
             let mut changed = false;
-            for &(k, at) in &queued {
-                changed |= table.release_at(k, at);
+            for (t, at) in &queued {
+                changed |= table.release_at(t, *at);
             }
             changed.then_some(())
         });
@@ -140,12 +157,12 @@ impl PendingReleases {
         self.queue.len()
     }
 
-    fn push(&mut self, key: u64, now_ms: u64) {
+    fn push(&mut self, ticket: Ticket, now_ms: u64) {
         if self.queue.len() >= MAX_PENDING_RELEASES {
             self.queue.remove(0);
             self.dropped += 1;
         }
-        self.queue.push((key, now_ms));
+        self.queue.push((ticket, now_ms));
     }
 }
 
@@ -164,16 +181,12 @@ mod tests {
 
     const SLOTS: usize = 2;
 
-    fn admit(store: &dyn SharedStore, key: u64, slot: u16) {
-        update(store, SLOTS, |t| {
-            t.admit(key, slot, 100, 4, None, 0);
-            Some(())
-        })
-        .unwrap();
+    fn admit(store: &dyn SharedStore, key: u64, slot: u16) -> Ticket {
+        update(store, SLOTS, |t| t.admit(key, slot, 100, 4, None, 0)).unwrap()
     }
 
-    fn keys_in_flight(store: &MemStore) -> usize {
-        read(store, SLOTS).active_entries()
+    fn keys_in_flight(store: &MemStore) -> u64 {
+        read(store, SLOTS).active_requests(60)
     }
 
     /// Another VM books a request between every read and write of ours, `rounds` times: every
@@ -193,34 +206,34 @@ mod tests {
     #[test]
     fn a_release_outlasted_by_contention_is_kept_and_lands_later() {
         let store = MemStore::new();
-        init(&store, SLOTS);
-        admit(&store, 7, 0);
+        init(&store, SLOTS, 900_000);
+        let seven = admit(&store, 7, 0);
         let mut pending = PendingReleases::default();
         let others = contend(&store, CAS_ATTEMPTS);
-        assert_eq!(pending.release(&store, SLOTS, 7, 50), Release::Deferred);
+        assert_eq!(pending.release(&store, SLOTS, seven, 50), Release::Deferred);
         store.clear_hook();
         assert_eq!(pending.len(), 1);
         assert_eq!(others.get(), CAS_ATTEMPTS);
         // Still booked: the release has not landed.
-        assert_eq!(keys_in_flight(&store), 1 + CAS_ATTEMPTS);
+        assert_eq!(keys_in_flight(&store), 1 + CAS_ATTEMPTS as u64);
         assert_eq!(pending.flush(&store, SLOTS), 0);
         assert!(pending.is_empty());
         // Ours is gone and none of the other VM's bookings was lost.
-        assert_eq!(keys_in_flight(&store), CAS_ATTEMPTS);
+        assert_eq!(keys_in_flight(&store), CAS_ATTEMPTS as u64);
         assert_eq!(read(&store, SLOTS).view(60)[0].active_requests, 0);
     }
 
     #[test]
     fn a_deferred_release_rides_on_the_next_release() {
         let store = MemStore::new();
-        init(&store, SLOTS);
-        admit(&store, 7, 0);
-        admit(&store, 8, 0);
+        init(&store, SLOTS, 900_000);
+        let seven = admit(&store, 7, 0);
+        let eight = admit(&store, 8, 0);
         let mut pending = PendingReleases::default();
         let _others = contend(&store, CAS_ATTEMPTS);
-        assert_eq!(pending.release(&store, SLOTS, 7, 50), Release::Deferred);
+        assert_eq!(pending.release(&store, SLOTS, seven, 50), Release::Deferred);
         store.clear_hook();
-        assert_eq!(pending.release(&store, SLOTS, 8, 60), Release::Released);
+        assert_eq!(pending.release(&store, SLOTS, eight, 60), Release::Released);
         assert!(pending.is_empty());
         assert_eq!(read(&store, SLOTS).view(60)[0].active_requests, 0);
     }
@@ -228,11 +241,11 @@ mod tests {
     #[test]
     fn brief_contention_is_retried_with_fresh_reads() {
         let store = MemStore::new();
-        init(&store, SLOTS);
-        admit(&store, 7, 0);
+        init(&store, SLOTS, 900_000);
+        let seven = admit(&store, 7, 0);
         let mut pending = PendingReleases::default();
         let others = contend(&store, 10);
-        assert_eq!(pending.release(&store, SLOTS, 7, 50), Release::Released);
+        assert_eq!(pending.release(&store, SLOTS, seven, 50), Release::Released);
         store.clear_hook();
         assert_eq!(others.get(), 10);
         let view = read(&store, SLOTS).view(60);
@@ -242,21 +255,71 @@ mod tests {
     #[test]
     fn releasing_an_unknown_key_writes_nothing() {
         let store = MemStore::new();
-        init(&store, SLOTS);
+        init(&store, SLOTS, 900_000);
+        let mut other = LoadTable::new(SLOTS);
+        let never_landed = other.admit(99, 0, 1, 1, None, 0).unwrap();
         let mut pending = PendingReleases::default();
-        assert_eq!(pending.release(&store, SLOTS, 99, 1), Release::Unknown);
+        assert_eq!(
+            pending.release(&store, SLOTS, never_landed, 1),
+            Release::Unknown
+        );
         assert!(pending.is_empty());
     }
 
     #[test]
     fn the_deferred_queue_is_bounded() {
         let store = MemStore::new();
-        init(&store, SLOTS);
+        init(&store, SLOTS, 900_000);
+        let ticket = LoadTable::new(SLOTS).admit(1, 0, 1, 1, None, 0).unwrap();
         let mut pending = PendingReleases::default();
         for k in 0..MAX_PENDING_RELEASES as u64 + 3 {
-            pending.push(k, 0);
+            pending.push(ticket, k);
         }
         assert_eq!(pending.len(), MAX_PENDING_RELEASES);
         assert_eq!(pending.dropped, 3);
+    }
+
+    #[test]
+    fn reaping_drops_what_no_release_came_for() {
+        let store = MemStore::new();
+        init(&store, SLOTS, 3_000);
+        let lost = admit(&store, 7, 0);
+        assert_eq!(reap(&store, SLOTS, 3_999, 3_000), 0);
+        assert_eq!(reap(&store, SLOTS, 4_000, 3_000), 1);
+        assert_eq!(read(&store, SLOTS).view(4_000)[0], Default::default());
+        let mut pending = PendingReleases::default();
+        assert_eq!(
+            pending.release(&store, SLOTS, lost, 4_100),
+            Release::Unknown
+        );
+    }
+
+    #[test]
+    fn a_table_of_another_width_or_slot_count_is_replaced() {
+        let store = MemStore::new();
+        init(&store, SLOTS, 900_000);
+        admit(&store, 7, 0);
+        init(&store, SLOTS, 900_000);
+        assert_eq!(keys_in_flight(&store), 1, "same configuration: kept");
+        init(&store, SLOTS, 3_000);
+        assert_eq!(read(&store, SLOTS).bucket_ms(), 1_000);
+        assert_eq!(keys_in_flight(&store), 0);
+        // Corrupt bytes decode as a default-width table; the next reap restores the width.
+        store.set(LOAD_KEY, b"garbage", None).unwrap();
+        assert_eq!(reap(&store, SLOTS, 10, 3_000), 0);
+        assert_eq!(read(&store, SLOTS).bucket_ms(), 1_000);
+    }
+
+    #[test]
+    fn a_cleared_slot_keeps_the_other_slots() {
+        let store = MemStore::new();
+        init(&store, SLOTS, 900_000);
+        let gone = admit(&store, 7, 0);
+        admit(&store, 8, 1);
+        update(&store, SLOTS, |t| t.clear_slot(0).then_some(())).unwrap();
+        let view = read(&store, SLOTS).view(60);
+        assert_eq!((view[0].active_requests, view[1].active_requests), (0, 1));
+        let mut pending = PendingReleases::default();
+        assert_eq!(pending.release(&store, SLOTS, gone, 70), Release::Unknown);
     }
 }

@@ -313,7 +313,7 @@ pub fn set_description(head: &mut LogHead, worker: u16, d: &description::WorkerD
 pub struct Published {
     pub changes: Changes,
     /// In-flight load entries dropped because their worker's entry changed occupant.
-    pub load_cleared: usize,
+    pub load_cleared: u64,
 }
 
 /// The poller's step: plans `hosts` against `from` (its replica's head), appends a `WorkerLost`
@@ -355,7 +355,7 @@ pub fn publish(
     if !committed {
         return None;
     }
-    let mut load_cleared = 0usize;
+    let mut load_cleared = 0u64;
     let _ = load_store::update(store, config.slots.len(), |table| {
         load_cleared = cleared
             .iter()

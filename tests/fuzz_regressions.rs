@@ -143,30 +143,33 @@ fn load_tables_round_trip() {
     }
 }
 
-/// Found by the load_table fuzzer: an anchor of 0 ms (the "unset" value, which encode leaves out)
-/// decodes to the same table as no anchor at all, so it round-trips by value, not by bytes.
+/// Found by the load_table fuzzer against the per-request table (version 1): such tables are
+/// refused now (the fixed-size version 2 replaced them) and the caller starts fresh.
 #[test]
-fn a_zero_anchor_in_a_load_table_decodes_as_no_anchor() {
+fn a_version_1_load_table_is_refused_and_replaced_by_a_fresh_one() {
     let data = std::fs::read(
         Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/regressions/load_table/zero_anchor"),
     )
     .unwrap();
     let bytes = &data[1..];
-    let table = LoadTable::decode(bytes, 2).unwrap();
-    let reencoded = table.encode();
-    assert!(reencoded.len() < bytes.len(), "the zero anchor is dropped");
-    assert_eq!(LoadTable::decode(&reencoded, 2), Ok(table));
+    assert_eq!(
+        LoadTable::decode(bytes, 2),
+        Err(LoadDecodeError::UnsupportedVersion { found: 1 })
+    );
+    let (fresh, err) = LoadTable::decode_or_fresh(bytes, 2);
+    assert_eq!(fresh, LoadTable::new(2));
+    assert!(err.is_some());
 }
 
 #[test]
-fn a_load_table_declaring_four_billion_entries_is_refused_before_allocating() {
-    let mut bytes = b"EKLT\x01".to_vec();
-    bytes.extend_from_slice(&2u32.to_le_bytes());
+fn a_load_table_declaring_four_billion_slots_is_refused_before_allocating() {
+    let mut bytes = b"EKLT\x02".to_vec();
     bytes.extend_from_slice(&u32::MAX.to_le_bytes());
-    bytes.extend_from_slice(&u32::MAX.to_le_bytes());
+    bytes.extend_from_slice(&1u64.to_le_bytes()); // bucket width
+    bytes.extend_from_slice(&[0u8; 40]); // reaped total, ring epochs
     assert!(matches!(
-        LoadTable::decode(&bytes, 2),
-        Err(LoadDecodeError::TooManyEntries { .. })
+        LoadTable::decode(&bytes, u32::MAX as usize),
+        Err(LoadDecodeError::Truncated { .. })
     ));
 }
 

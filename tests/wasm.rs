@@ -617,8 +617,8 @@ fn router_worked_example_end_to_end() {
     // Requests in flight past their prefill: 2 decode blocks on slot 0, 7 on slot 2. The table
     // goes through its shared-data codec, as it would between Envoy threads.
     let mut table = LoadTable::new(config.num_slots());
-    assert!(table.admit(u64::MAX, 0, 0, 2, None, 1_000));
-    assert!(table.admit(1 << 40, 2, 0, 7, None, 1_000));
+    assert!(table.admit(u64::MAX, 0, 0, 2, None, 1_000).is_some());
+    assert!(table.admit(1 << 40, 2, 0, 7, None, 1_000).is_some());
     let table = LoadTable::decode(&table.encode(), config.num_slots()).unwrap();
     let load = table.view(1_000);
     let decode: Vec<f64> = load.iter().map(|l| l.decode_blocks).collect();

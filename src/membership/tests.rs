@@ -319,7 +319,7 @@ mod churn {
         let c = config();
         let store = MemStore::new();
         replication::init(&store);
-        load_store::init(&store, c.slots.len());
+        load_store::init(&store, c.slots.len(), c.load.request_timeout_ms);
         let mut replica = Replica::new(&c, FP);
         let (a, b) = (host("10.0.0.2:8000", true), host("10.0.0.3:8000", true));
         publish(&store, FP, &c, &replica.head, std::slice::from_ref(&b), 1).unwrap();
@@ -353,7 +353,7 @@ mod churn {
                 assert_eq!(done.load_cleared, 1, "its in-flight load goes at once");
                 assert_eq!(replica.index.entries(), 0, "its blocks left the index");
                 let table = load_store::read(&store, c.slots.len());
-                assert_eq!(table.active_entries(), 0);
+                assert_eq!(table.active_requests(now), 0);
             }
         }
         assert_eq!(

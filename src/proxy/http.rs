@@ -10,8 +10,8 @@ use super::host::{self, HostStore};
 use super::vm::{worker_id, VmState};
 use crate::approx::Record;
 use crate::config::{ClientHints, Config, DestinationFormat, PrefillLoadModel, RoutingMode};
-use crate::hashing::prompt_sequence_hashes;
-use crate::load::{output_milli_blocks, predicted_prefill_ms};
+use crate::lazy_hash::PromptHasher;
+use crate::load::{output_milli_blocks, predicted_prefill_ms, Ticket};
 use crate::load_store::{self, Release};
 use crate::prompt_text::{prompt_text, render_cache_key, text_prefix_hashes};
 use crate::render::{classify, parse_reply, RenderFailure};
@@ -22,7 +22,6 @@ use crate::request::{
 use crate::router::{decide, prompt_blocks, Decision, RouteError, RouteInput};
 use crate::text::{excerpt, MAX_EXCERPT_BYTES};
 use crate::types::SequenceHash;
-use crate::types::SlotIdx;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
@@ -52,8 +51,8 @@ struct OutcomeDetail {
 
 /// The load this request booked, released in `on_log`.
 struct Booking {
-    key: u64,
-    slot: SlotIdx,
+    /// What the load table holds for this request (fixed-size table; the details live here).
+    ticket: Ticket,
     address: String,
     stream: bool,
     first_token_seen: bool,
@@ -381,12 +380,13 @@ impl RequestContext {
         let now = host::now_ms();
         // Only KV mode scores prefix overlap; the basic modes skip hashing and the index.
         let from_text = text_hashes.is_some();
-        let hashes = match (&request.token_ids, text_hashes) {
-            (_, Some(hashes)) => hashes,
-            (Some(tokens), None) if config.mode == RoutingMode::Kv => {
-                prompt_sequence_hashes(tokens, config.block_size, request.lora_name.as_deref())
-            }
-            _ => Vec::new(),
+        let mut hasher = match (&request.token_ids, &text_hashes) {
+            (Some(tokens), None) if config.mode == RoutingMode::Kv => Some(PromptHasher::new(
+                tokens,
+                config.block_size,
+                request.lora_name.as_deref(),
+            )),
+            _ => None,
         };
         // Events, stale flags and reported load the poller published since this thread's last
         // tick count at once.
@@ -396,15 +396,31 @@ impl RequestContext {
         // The sync may have brought a new membership table (and so a new effective configuration).
         let current = Rc::clone(&vm.config);
         let config: &Config = &current;
+        if vm.predicted.is_some() && (hasher.is_some() || text_hashes.is_some()) {
+            vm.sync_predictions(now);
+        }
+        // Hash only as far as some slot (indexed or predicted) holds the prefix: overlaps stop
+        // at the first block nobody holds (lazy_hash).
+        if let Some(h) = hasher.as_mut() {
+            let index = &vm.replica.index;
+            let predicted = vm.predicted.as_ref();
+            h.hash_while_held(|seq| {
+                index.holds_anywhere(seq) || predicted.is_some_and(|p| p.knows(seq))
+            });
+        }
+        let hashes: &[SequenceHash] = match (&text_hashes, &hasher) {
+            (Some(t), _) => t,
+            (None, Some(h)) => h.hashes(),
+            (None, None) => &[],
+        };
         let mut overlaps = std::mem::take(&mut vm.overlaps);
         if hashes.is_empty() || from_text {
             overlaps.clear();
         } else {
-            vm.replica.index.find_overlaps(&hashes, &mut overlaps);
+            vm.replica.index.find_overlaps(hashes, &mut overlaps);
         }
         if vm.predicted.is_some() && !hashes.is_empty() {
-            vm.sync_predictions(now);
-            merge_predictions(vm, config, &hashes, from_text, now, &mut overlaps);
+            merge_predictions(vm, config, hashes, from_text, now, &mut overlaps);
         }
         let mut load = load_store::read(&HostStore, config.slots.len()).view(now);
         if config.load.reported_load {
@@ -424,7 +440,16 @@ impl RequestContext {
         match decided {
             Ok(decision) => {
                 self.steer(vm, config, &decision, now, &request, note);
-                record_prediction(vm, config, &decision, hashes, from_text, now);
+                // A record needs the leading blocks even past the first miss: hashed only now.
+                let record_hashes = |max_blocks: usize| match (text_hashes, hasher) {
+                    (Some(t), _) => t,
+                    (None, Some(mut h)) => {
+                        h.extend_to(max_blocks);
+                        h.into_hashes()
+                    }
+                    (None, None) => Vec::new(),
+                };
+                record_prediction(vm, config, &decision, record_hashes, from_text, now);
                 Action::Continue
             }
             Err(RouteError::NonFiniteCost { slot, cost }) => {
@@ -510,13 +535,11 @@ impl RequestContext {
                 decision.prompt_blocks,
                 expected_ms,
                 now,
-            );
-            Some(())
+            )
         });
-        if booked.is_ok() {
+        if let Ok(ticket) = booked {
             self.booking = Some(Booking {
-                key,
-                slot: decision.slot,
+                ticket,
                 address: worker.address_text.clone(),
                 stream: request.stream,
                 first_token_seen: false,
@@ -632,14 +655,12 @@ impl RequestContext {
         else {
             return;
         };
-        let key = booking.key;
+        let ticket = booking.ticket;
         let now = host::now_ms();
-        if load_store::update(&HostStore, config.slots.len(), |table| {
-            table.move_to(key, slot, now).then_some(())
-        })
-        .is_ok()
-        {
-            booking.slot = slot;
+        if let Ok(moved) = load_store::update(&HostStore, config.slots.len(), |table| {
+            table.move_to(&ticket, slot, now)
+        }) {
+            booking.ticket = moved;
             booking.address = upstream;
             if let Some(detail) = self.outcome.as_mut().and_then(|o| o.detail.as_mut()) {
                 detail.worker = worker.id.to_string();
@@ -658,12 +679,17 @@ impl RequestContext {
             return;
         }
         booking.first_token_seen = true;
-        let key = booking.key;
-        if let Some(config) = self.config() {
-            let now = host::now_ms();
-            let _ = load_store::update(&HostStore, config.slots.len(), |table| {
-                table.first_token(key, now).then_some(())
-            });
+        let ticket = booking.ticket;
+        let Some(slots) = self.config().map(|c| c.slots.len()) else {
+            return;
+        };
+        let now = host::now_ms();
+        if let Ok(done) =
+            load_store::update(&HostStore, slots, |table| table.first_token(&ticket, now))
+        {
+            if let Some(booking) = self.booking.as_mut() {
+                booking.ticket = done;
+            }
         }
     }
 
@@ -691,10 +717,13 @@ impl RequestContext {
             return;
         }
         booking.output_milli_blocks = milli;
-        let key = booking.key;
-        let _ = load_store::update(&HostStore, config.slots.len(), |table| {
-            table.set_output_milli_blocks(key, milli).then_some(())
-        });
+        let ticket = booking.ticket;
+        let now = host::now_ms();
+        if let Ok(updated) = load_store::update(&HostStore, config.slots.len(), |table| {
+            table.set_output_milli_blocks(&ticket, milli, now)
+        }) {
+            booking.ticket = updated;
+        }
     }
 }
 
@@ -732,7 +761,7 @@ fn record_prediction(
     vm: &mut VmState,
     config: &Config,
     decision: &Decision,
-    mut hashes: Vec<SequenceHash>,
+    hashes: impl FnOnce(usize) -> Vec<SequenceHash>,
     from_text: bool,
     now: u64,
 ) {
@@ -743,7 +772,11 @@ fn record_prediction(
         || config
             .worker_of_slot(decision.slot)
             .is_some_and(|w| w.kv_mode.has_predictions());
-    if hashes.is_empty() || !predicts {
+    if !predicts {
+        return;
+    }
+    let mut hashes = hashes(approx.max_record_blocks);
+    if hashes.is_empty() {
         return;
     }
     hashes.truncate(approx.max_record_blocks);
@@ -918,13 +951,13 @@ impl HttpContext for RequestContext {
             // Never expected (no other callback runs inside on_log); release without the queue.
             if let Some(config) = self.config() {
                 let _ = load_store::update(&HostStore, config.slots.len(), |table| {
-                    table.release_at(booking.key, now).then_some(())
+                    table.release_at(&booking.ticket, now).then_some(())
                 });
             }
             return;
         };
         let slots = vm.config.slots.len();
-        match vm.releases.release(&HostStore, slots, booking.key, now) {
+        match vm.releases.release(&HostStore, slots, booking.ticket, now) {
             Release::Released => {}
             Release::Unknown => vm.metrics.inc("load.release_unknown"),
             Release::Deferred => vm.metrics.inc("load.release_deferred"),

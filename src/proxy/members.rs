@@ -137,7 +137,7 @@ impl VmState {
         self.metrics
             .add("membership.health_changed", changes.health_changed);
         self.metrics
-            .add("membership.load_cleared", done.load_cleared as u64);
+            .add("membership.load_cleared", done.load_cleared);
         let id = |w: &u16| crate::proxy::vm::worker_id(base, *w);
         info!(
             "kv-router: membership: {} host(s); joined {:?}, left {:?}, {} health change(s)",

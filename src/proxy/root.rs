@@ -464,7 +464,7 @@ impl VmState {
             );
         }
         self.metrics
-            .gauge("load.active_entries", table.active_entries() as u64);
+            .gauge("load.active_entries", table.active_requests(now));
         if let Some(predicted) = &self.predicted {
             self.metrics.gauge("approx.entries", predicted.len() as u64);
         }
@@ -520,7 +520,11 @@ impl RootContext for RouterRoot {
             ),
             config: Rc::clone(&config),
         };
-        load_store::init(&HostStore, config.slots.len());
+        load_store::init(
+            &HostStore,
+            config.slots.len(),
+            config.load.request_timeout_ms,
+        );
         replication::init(&HostStore);
         if config.approximate.is_some() {
             approx::init(&HostStore);
