@@ -277,38 +277,7 @@ fn load_returns_to_zero_with_workers_joining_and_leaving_during_a_thousand_mixed
             changes
         })
     };
-    let threads: Vec<_> = (0..8u32)
-        .map(|t| {
-            let listener = listener.clone();
-            std::thread::spawn(move || {
-                for i in 0..125u32 {
-                    let n = t * 1000 + i;
-                    let prompt: Vec<u32> = (n..n + 40 + (n % 50)).collect();
-                    let (stream, mock) = match n % 6 {
-                        0 => (false, json!({})),
-                        1 => (true, json!({"chunks": 6, "chunk_interval_ms": 2})),
-                        2 => (true, json!({"chunks": 50, "chunk_interval_ms": 20})), // aborted below
-                        3 => (false, json!({"status": 503})),
-                        4 => (false, json!({"hang_ms": 3000})), // route timeout 1.5 s
-                        _ => (true, json!({"status": 500})),
-                    };
-                    let body = json!({"model": "m", "prompt": prompt, "stream": stream, "max_tokens": 8, "mock": mock});
-                    let bytes = body.to_string();
-                    if n % 6 == 2 {
-                        if let Ok(mut s) = http::request_streaming(&listener, "POST", "/v1/completions", &[], bytes.as_bytes(), Duration::from_secs(10)) {
-                            let _ = s.next_event();
-                            s.abort();
-                        }
-                    } else {
-                        let _ = http::request(&listener, "POST", "/v1/completions", &[], bytes.as_bytes(), Duration::from_secs(10));
-                    }
-                }
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().expect("client thread");
-    }
+    send_mixed_requests(&listener);
     done.store(true, std::sync::atomic::Ordering::SeqCst);
     let changes = churn.join().unwrap();
     envoy.set_endpoints(&addrs(&all)).unwrap();

@@ -125,3 +125,41 @@ pub fn wait_for_overlap(
     }
     false
 }
+
+/// 1,000 mixed requests from 8 client threads (125 each): plain, streamed, aborted mid-stream,
+/// 503, hanging past the route timeout, streamed 500. Returns when every client is done.
+pub fn send_mixed_requests(listener: &str) {
+    let threads: Vec<_> = (0..8u32)
+        .map(|t| {
+            let listener = listener.to_string();
+            std::thread::spawn(move || {
+                for i in 0..125u32 {
+                    let n = t * 1000 + i;
+                    let prompt: Vec<u32> = (n..n + 40 + (n % 50)).collect();
+                    let (stream, mock) = match n % 6 {
+                        0 => (false, json!({})),
+                        1 => (true, json!({"chunks": 6, "chunk_interval_ms": 2})),
+                        2 => (true, json!({"chunks": 50, "chunk_interval_ms": 20})), // aborted below
+                        3 => (false, json!({"status": 503})),
+                        4 => (false, json!({"hang_ms": 3000})), // route timeout 1.5 s
+                        _ => (true, json!({"status": 500})),
+                    };
+                    let body = json!({"model": "m", "prompt": prompt, "stream": stream, "max_tokens": 8, "mock": mock});
+                    let bytes = body.to_string();
+                    let timeout = std::time::Duration::from_secs(10);
+                    if n % 6 == 2 {
+                        if let Ok(mut s) = http::request_streaming(&listener, "POST", "/v1/completions", &[], bytes.as_bytes(), timeout) {
+                            let _ = s.next_event();
+                            s.abort(); // client goes away mid-stream
+                        }
+                    } else {
+                        let _ = http::request(&listener, "POST", "/v1/completions", &[], bytes.as_bytes(), timeout);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("client thread");
+    }
+}
