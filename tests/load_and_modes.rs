@@ -22,26 +22,6 @@ fn envoy_with(workers: &[Worker], extra: Value) -> Envoy {
     })
 }
 
-/// Sum of every load gauge the filter publishes (active requests, prefill tokens, decode blocks).
-fn total_load(envoy: &Envoy) -> (u64, u64) {
-    let stats = envoy.stats();
-    let load: u64 = stats
-        .iter()
-        .filter(|(k, _)| {
-            k.starts_with("wasmcustom.kv_router.worker.")
-                && (k.ends_with(".active_requests")
-                    || k.ends_with(".prefill_tokens")
-                    || k.ends_with(".decode_blocks"))
-        })
-        .map(|(_, v)| *v)
-        .sum();
-    let entries = stats
-        .get("wasmcustom.kv_router.load.active_entries")
-        .copied()
-        .unwrap_or(u64::MAX);
-    (load, entries)
-}
-
 fn distribution(envoy: &Envoy, n: u32, body: impl Fn(u32) -> Value) -> HashMap<u64, u32> {
     let mut counts = HashMap::new();
     for i in 0..n {

@@ -217,26 +217,6 @@ fn unhealthy_and_ejected_hosts_are_not_chosen_with_the_static_list_as_override()
     assert_eq!(resp.status, 404, "{}", resp.text());
 }
 
-/// Sum of every load gauge the filter publishes, and the in-flight entries.
-fn total_load(envoy: &Envoy) -> (u64, u64) {
-    let stats = envoy.stats();
-    let load: u64 = stats
-        .iter()
-        .filter(|(k, _)| {
-            k.starts_with("wasmcustom.kv_router.worker.")
-                && (k.ends_with(".active_requests")
-                    || k.ends_with(".prefill_tokens")
-                    || k.ends_with(".decode_blocks"))
-        })
-        .map(|(_, v)| *v)
-        .sum();
-    let entries = stats
-        .get("wasmcustom.kv_router.load.active_entries")
-        .copied()
-        .unwrap_or(u64::MAX);
-    (load, entries)
-}
-
 #[test]
 fn load_returns_to_zero_with_workers_joining_and_leaving_during_a_thousand_mixed_requests() {
     let workers = echo_workers(4, BLOCK);

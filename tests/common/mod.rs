@@ -163,3 +163,24 @@ pub fn send_mixed_requests(listener: &str) {
         t.join().expect("client thread");
     }
 }
+
+/// Sum of every per-worker load gauge the filter publishes (active requests, prefill tokens,
+/// decode blocks), and the requests booked in the shared load table.
+pub fn total_load(envoy: &Envoy) -> (u64, u64) {
+    let stats = envoy.stats();
+    let load: u64 = stats
+        .iter()
+        .filter(|(k, _)| {
+            k.starts_with("wasmcustom.kv_router.worker.")
+                && (k.ends_with(".active_requests")
+                    || k.ends_with(".prefill_tokens")
+                    || k.ends_with(".decode_blocks"))
+        })
+        .map(|(_, v)| *v)
+        .sum();
+    let entries = stats
+        .get("wasmcustom.kv_router.load.active_entries")
+        .copied()
+        .unwrap_or(u64::MAX);
+    (load, entries)
+}
