@@ -30,11 +30,13 @@ mod compile;
 mod membership;
 mod raw;
 mod tokenizer;
+mod ttft;
 
 pub use affinity::AffinityConfig;
 pub use approximate::{ApproximateConfig, WorkerKvMode};
 pub use membership::{MembershipConfig, MAX_POOL_WORKERS};
 pub use tokenizer::TokenizerConfig;
+pub use ttft::TtftConfig;
 
 use compile::compile;
 
@@ -333,6 +335,8 @@ pub struct Config {
     pub approximate: Option<ApproximateConfig>,
     /// Load-gated prefix affinity in `kv` mode, when set.
     pub affinity: Option<AffinityConfig>,
+    /// The predicted-TTFT policy in `kv` mode (instead of the Dynamo cost), when set.
+    pub ttft: Option<TtftConfig>,
     pub workers: Vec<WorkerConfig>,
     pub slots: Vec<Slot>,
     /// Follow the routed cluster's hosts (see `config/membership.rs`); `None` = static list only.

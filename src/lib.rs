@@ -26,6 +26,7 @@ pub mod router;
 pub mod select;
 pub mod store;
 pub mod text;
+pub mod ttft;
 pub mod types;
 
 // The adapter links proxy-wasm, whose exported `proxy_on_*` entry points import host functions

@@ -14,13 +14,16 @@
 //! * `affinity` set (kv mode, requests with a prefix): the max-overlap slot wins unless its load
 //!   exceeds the least-loaded candidate's by the configured margins ([`crate::affinity`]); the
 //!   cost decides otherwise. Scores and fallbacks are the cost's either way.
+//! * `ttft` set (kv mode): each slot's score is its predicted time to first token in ms
+//!   ([`crate::ttft`]) instead of the Dynamo cost; the lowest wins (ties random, or the softmax of
+//!   `router_temperature`), and fallbacks, headers and the affinity gate's ties use it too.
 //! * Overlaps of stale slots (`stale_slots[slot]`) count as zero: their blocks are unknown.
 //!   Missing entries in `overlaps` / `load` / `stale_slots` read as zero / idle / fresh.
 //! * Fallbacks (pinned requests get none): other eligible slots on a different address from the
 //!   choice and from each other, best first (by cost in `kv` mode, else fewest in-flight).
 
 use crate::affinity::{affine_slot, AffinityCandidate};
-use crate::config::{Config, RoutingMode};
+use crate::config::{Config, RoutingMode, TtftConfig};
 use crate::cost::{self, CostInputs};
 use crate::filters;
 use crate::load::SlotLoad;
@@ -28,6 +31,7 @@ use crate::request::{LlmRequest, Pin};
 use crate::rng::Rng;
 pub use crate::route_error::{Incompatibility, RouteError};
 use crate::select;
+use crate::ttft::{predicted_ttft, PredictedTtft, TtftInputs};
 use crate::types::{Overlap, SlotIdx};
 
 /// Characters per token assumed for requests without token ids.
@@ -179,16 +183,25 @@ pub fn decide(
                     }
                     _ => 1.0,
                 };
-                let inputs = CostInputs {
-                    isl_tokens: isl,
-                    prompt_blocks: input.prompt_blocks,
-                    overlap: overlap_of(slot),
-                    load: load_of(slot),
-                    preferred_multiplier: multiplier,
+                let score = match &config.ttft {
+                    Some(t) => ttft_score(config, t, slot, isl, overlap_of(slot), load_of(slot))
+                        .map(|p| p.ttft_ms * multiplier),
+                    None => {
+                        let inputs = CostInputs {
+                            isl_tokens: isl,
+                            prompt_blocks: input.prompt_blocks,
+                            overlap: overlap_of(slot),
+                            load: load_of(slot),
+                            preferred_multiplier: multiplier,
+                        };
+                        cost::slot_cost(&config.cost, config.block_size, &inputs).map(|c| c.cost)
+                    }
                 };
-                let c = cost::slot_cost(&config.cost, config.block_size, &inputs)
-                    .map_err(|e| RouteError::NonFiniteCost { slot, cost: e.cost })?;
-                scores.push((slot, c.cost));
+                let score = score.map_err(|e| RouteError::NonFiniteCost { slot, cost: e.cost })?;
+                if !score.is_finite() {
+                    return Err(RouteError::NonFiniteCost { slot, cost: score });
+                }
+                scores.push((slot, score));
             }
             let affine = match &config.affinity {
                 Some(affinity) if has_prefix => {
@@ -258,6 +271,35 @@ pub fn decide(
         isl_tokens: isl,
         reason,
     })
+}
+
+/// The predicted TTFT of `slot` ([`crate::ttft`]), with its worker's step size and capacity.
+fn ttft_score(
+    config: &Config,
+    ttft: &TtftConfig,
+    slot: SlotIdx,
+    isl_tokens: u32,
+    overlap: Overlap,
+    load: SlotLoad,
+) -> Result<PredictedTtft, cost::NonFiniteCost> {
+    let worker = config.worker_of_slot(slot);
+    let inputs = TtftInputs {
+        isl_tokens,
+        overlap,
+        load,
+        chunk_tokens: worker
+            .and_then(|w| w.max_num_batched_tokens)
+            .unwrap_or(ttft.chunk_tokens),
+        kv_capacity_blocks: worker.and_then(|w| w.kv_capacity_blocks),
+        preferred_multiplier: 1.0,
+    };
+    predicted_ttft(
+        ttft,
+        &config.cost,
+        &config.load.prefill_time_ms_poly,
+        config.block_size,
+        &inputs,
+    )
 }
 
 fn fallbacks(

@@ -128,6 +128,9 @@ pub(super) fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     if let Some(a) = &raw.affinity {
         super::affinity::check_affinity(a)?;
     }
+    if let Some(t) = &raw.ttft {
+        super::ttft::check_ttft(t)?;
+    }
     let approximate = match raw.approximate {
         Some(mut a) => {
             super::approximate::finish(&mut a, raw.block_size)?;
@@ -164,6 +167,7 @@ pub(super) fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         tokenizer: raw.tokenizer,
         approximate,
         affinity: raw.affinity,
+        ttft: raw.ttft,
         workers,
         slots,
         membership,

@@ -39,6 +39,7 @@ pub(super) struct RawConfig {
     pub tokenizer: Option<TokenizerConfig>,
     pub approximate: Option<ApproximateConfig>,
     pub affinity: Option<super::AffinityConfig>,
+    pub ttft: Option<super::TtftConfig>,
     pub membership: Option<super::membership::RawMembership>,
     /// Required; `Option` so that its absence reads as "workers: required field is missing".
     pub workers: Option<Vec<RawWorker>>,
@@ -73,6 +74,7 @@ impl Default for RawConfig {
             tokenizer: None,
             approximate: None,
             affinity: None,
+            ttft: None,
             membership: None,
             workers: None,
             allow_client_pinning: None,

@@ -1,0 +1,56 @@
+//! `ttft`: the predicted-TTFT policy of `kv` mode. When set, each eligible worker is scored by
+//! the time to first token a request would see there (its prefill queue plus the compute of the
+//! prompt's uncached tokens, with the prefill-time polynomial `load.prefill_time_ms_poly`, plus the
+//! decode steps interleaved with that prefill) instead of the Dynamo cost, and the lowest wins.
+//! The Dynamo cost counts a long multi-turn prompt's blocks as decode load wherever it goes; what
+//! a request waits for is the prefill work ahead of it and its own uncached tokens.
+
+use serde::Deserialize;
+
+use super::ConfigError;
+
+/// Largest accepted `ttft.chunk_tokens`.
+pub const MAX_CHUNK_TOKENS: u32 = 1 << 24;
+
+/// Compiled `ttft` object.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TtftConfig {
+    /// Prefill tokens an engine step computes (chunked prefill), for workers without
+    /// `max_num_batched_tokens`. `1..=2^24`.
+    pub chunk_tokens: u32,
+    /// Decode step time in ms as a polynomial in the worker's decode load as a fraction of its
+    /// `kv_capacity_blocks` (0 without one), lowest degree first; added once per prefill step
+    /// while the worker has requests in flight. 1..=8 finite coefficients; results clamp at 0.
+    pub decode_step_ms_poly: Vec<f64>,
+}
+
+impl Default for TtftConfig {
+    fn default() -> Self {
+        TtftConfig {
+            chunk_tokens: 8192,
+            // Dynamo's mocker: -25.74 u^2 + 54.01 u + 5.74 ms per decode step.
+            decode_step_ms_poly: vec![5.74, 54.01, -25.74],
+        }
+    }
+}
+
+/// Rules serde cannot express.
+pub(super) fn check_ttft(c: &TtftConfig) -> Result<(), ConfigError> {
+    if c.chunk_tokens == 0 || c.chunk_tokens > MAX_CHUNK_TOKENS {
+        return Err(ConfigError::OutOfRange {
+            field: "ttft.chunk_tokens".to_string(),
+            expected: "within [1, 16777216]",
+            got: c.chunk_tokens.to_string(),
+        });
+    }
+    let n = c.decode_step_ms_poly.len();
+    if n == 0 || n > 8 || c.decode_step_ms_poly.iter().any(|v| !v.is_finite()) {
+        return Err(ConfigError::OutOfRange {
+            field: "ttft.decode_step_ms_poly".to_string(),
+            expected: "a list of 1 to 8 finite coefficients (lowest degree first)",
+            got: format!("{:?}", c.decode_step_ms_poly),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,302 @@
+//! The predicted-TTFT score (the `ttft` option of `kv` mode). Lower is better. Pure.
+//!
+//! ```text
+//! uncached = max(isl - block_size * (overlap_score_credit * device_blocks
+//!              + host_cache_hit_weight * host_blocks + disk_cache_hit_weight * disk_blocks), 0)
+//! work     = active_prefill_tokens(worker) + uncached          (prefill runs in arrival order)
+//! prefill  = floor(work / chunk) * poly(chunk) + poly(work mod chunk)      (poly(0) = 0)
+//! steps    = max(ceil(work / chunk), 1)
+//! decode   = steps * decode_poly(decode_blocks / kv_capacity_blocks)   if requests in flight, else 0
+//! ttft_ms  = (prefill + decode) * preferred_taint_multiplier
+//! ```
+//!
+//! * `poly` is `load.prefill_time_ms_poly` (the mocker's 4.21e-7 T^2 + 0.0152 T + 16.5 by default)
+//!   and `chunk` the worker's `max_num_batched_tokens` (else `ttft.chunk_tokens`): an engine with
+//!   chunked prefill computes the queue ahead of the request, then the request, in steps of at
+//!   most `chunk` tokens, each step paying the polynomial of its own tokens.
+//! * Cached blocks count through the Dynamo cost's own credits, so the tiers weigh the same in
+//!   both policies (a host-tier block is reloaded, not free).
+//! * The decode term is small by design: each step of a busy worker also decodes its running
+//!   requests (`decode_poly` of its KV fill; fill 0 without a configured capacity).
+
+use crate::config::{CostWeights, TtftConfig};
+use crate::cost::NonFiniteCost;
+use crate::load::SlotLoad;
+use crate::types::Overlap;
+
+/// What the prediction for one slot depends on.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TtftInputs {
+    pub isl_tokens: u32,
+    pub overlap: Overlap,
+    pub load: SlotLoad,
+    /// Prefill tokens per engine step on this slot's worker, `>= 1`.
+    pub chunk_tokens: u32,
+    /// The worker's KV capacity per rank, when configured.
+    pub kv_capacity_blocks: Option<u32>,
+    pub preferred_multiplier: f64,
+}
+
+/// The terms of one slot's prediction, for logs and tests.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PredictedTtft {
+    /// This request's tokens to compute on the slot (tier-weighted).
+    pub uncached_tokens: f64,
+    /// Active prefill tokens ahead of it plus its own.
+    pub work_tokens: f64,
+    pub prefill_ms: f64,
+    pub decode_ms: f64,
+    pub ttft_ms: f64,
+}
+
+/// A polynomial (lowest degree first) at `x`.
+fn horner(poly: &[f64], x: f64) -> f64 {
+    poly.iter().rev().fold(0.0, |acc, c| acc * x + c)
+}
+
+/// Prefill time of `tokens` in one step; 0 for none (no work, no step).
+fn step_prefill_ms(poly: &[f64], tokens: f64) -> f64 {
+    if tokens <= 0.0 {
+        return 0.0;
+    }
+    horner(poly, tokens).max(0.0)
+}
+
+/// The predicted TTFT of one slot; see the module docs. `prefill_poly` is
+/// `load.prefill_time_ms_poly`.
+pub fn predicted_ttft(
+    config: &TtftConfig,
+    weights: &CostWeights,
+    prefill_poly: &[f64],
+    block_size: u32,
+    inputs: &TtftInputs,
+) -> Result<PredictedTtft, NonFiniteCost> {
+    let load = &inputs.load;
+    if !(load.prefill_tokens.is_finite() && load.decode_blocks.is_finite()) {
+        return Err(NonFiniteCost {
+            cost: load.prefill_tokens + load.decode_blocks,
+        });
+    }
+    let bs = f64::from(block_size.max(1));
+    let o = &inputs.overlap;
+    let cached_blocks = weights.overlap_score_credit * f64::from(o.device_blocks)
+        + weights.host_cache_hit_weight * f64::from(o.host_blocks)
+        + weights.disk_cache_hit_weight * f64::from(o.disk_blocks);
+    let uncached_tokens = (f64::from(inputs.isl_tokens) - bs * cached_blocks).max(0.0);
+    let work_tokens = load.prefill_tokens.max(0.0) + uncached_tokens;
+    let chunk = f64::from(inputs.chunk_tokens.max(1));
+    let full_chunks = (work_tokens / chunk).floor();
+    let rest = work_tokens - full_chunks * chunk;
+    let prefill_ms = full_chunks * step_prefill_ms(prefill_poly, chunk)
+        + step_prefill_ms(prefill_poly, rest);
+    let decode_ms = if load.active_requests > 0 {
+        let fill = match inputs.kv_capacity_blocks {
+            Some(cap) if cap > 0 => (load.decode_blocks / f64::from(cap)).clamp(0.0, 1.0),
+            _ => 0.0,
+        };
+        let steps = (work_tokens / chunk).ceil().max(1.0);
+        steps * horner(&config.decode_step_ms_poly, fill).max(0.0)
+    } else {
+        0.0
+    };
+    let ttft_ms = (prefill_ms + decode_ms) * inputs.preferred_multiplier;
+    if !ttft_ms.is_finite() {
+        return Err(NonFiniteCost { cost: ttft_ms });
+    }
+    Ok(PredictedTtft {
+        uncached_tokens,
+        work_tokens,
+        prefill_ms,
+        decode_ms,
+        ttft_ms,
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+
+    const POLY: [f64; 3] = [16.5, 0.0152, 4.21e-7];
+
+    fn mocker_prefill(t: f64) -> f64 {
+        4.21e-7 * t * t + 0.0152 * t + 16.5
+    }
+
+    fn inputs(isl: u32, device: u32, prefill: f64, active: u32) -> TtftInputs {
+        TtftInputs {
+            isl_tokens: isl,
+            overlap: Overlap {
+                device_blocks: device,
+                ..Overlap::default()
+            },
+            load: SlotLoad {
+                prefill_tokens: prefill,
+                decode_blocks: 0.0,
+                active_requests: active,
+            },
+            chunk_tokens: 8192,
+            kv_capacity_blocks: None,
+            preferred_multiplier: 1.0,
+        }
+    }
+
+    fn ttft(i: &TtftInputs) -> PredictedTtft {
+        predicted_ttft(&TtftConfig::default(), &CostWeights::default(), &POLY, 64, i).unwrap()
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9 * b.abs().max(1.0)
+    }
+
+    #[test]
+    fn idle_worker_pays_its_uncached_tokens_once() {
+        // 4,096 tokens, 16 of 64 blocks cached: 3,072 tokens to compute, nothing ahead.
+        let p = ttft(&inputs(4096, 16, 0.0, 0));
+        assert_eq!(p.uncached_tokens, 3072.0);
+        assert!(close(p.prefill_ms, mocker_prefill(3072.0)), "{p:?}");
+        assert_eq!(p.decode_ms, 0.0);
+        // Fully cached and idle: nothing to wait for.
+        assert_eq!(ttft(&inputs(4096, 64, 0.0, 0)).ttft_ms, 0.0);
+    }
+
+    #[test]
+    fn queue_and_prompt_run_in_chunks_with_a_decode_step_each() {
+        // 10,000 queued + 10,000 own = 20,000 tokens: 2 full 8,192-token steps + 3,616 tokens.
+        let p = ttft(&inputs(10_000, 0, 10_000.0, 3));
+        assert_eq!(p.work_tokens, 20_000.0);
+        let expect = 2.0 * mocker_prefill(8192.0) + mocker_prefill(20_000.0 - 16_384.0);
+        assert!(close(p.prefill_ms, expect), "{p:?}");
+        // 3 steps, each with a decode step at fill ~0: 5.74 ms.
+        assert!((p.decode_ms - 3.0 * 5.74).abs() < 1e-6, "{p:?}");
+        // With a capacity the fill raises the decode step: 4,096 of 8,192 blocks -> u = 0.5.
+        let mut i = inputs(10_000, 0, 10_000.0, 3);
+        i.load.decode_blocks = 4096.0;
+        i.kv_capacity_blocks = Some(8192);
+        let step = -25.74 * 0.25 + 54.01 * 0.5 + 5.74;
+        assert!((ttft(&i).decode_ms - 3.0 * step).abs() < 1e-9);
+    }
+
+    #[test]
+    fn host_tier_blocks_count_as_partly_computed() {
+        let mut i = inputs(1280, 4, 0.0, 0);
+        i.overlap.host_blocks = 8;
+        // 4 device blocks + 0.75 * 8 host blocks = 10 blocks credited: 1,280 - 640 = 640 tokens.
+        assert_eq!(ttft(&i).uncached_tokens, 640.0);
+    }
+
+    #[test]
+    fn corrupt_load_is_an_error() {
+        let bad = inputs(1000, 0, f64::NAN, 1);
+        let r = predicted_ttft(&TtftConfig::default(), &CostWeights::default(), &POLY, 64, &bad);
+        assert!(r.is_err());
+    }
+
+    // Through `decide`: the policy as a user configures it.
+    use crate::config::Config;
+    use crate::request::{LlmRequest, Pin};
+    use crate::router::{decide, prompt_blocks, RouteInput, SelectorState};
+
+    fn config(extra: &str) -> Config {
+        let json = format!(
+            r#"{{"block_size": 64{extra}, "workers": [
+                {{"id": 1, "address": "10.0.0.1:8000"}},
+                {{"id": 2, "address": "10.0.0.2:8000"}},
+                {{"id": 3, "address": "10.0.0.3:8000"}}]}}"#
+        );
+        Config::from_json(json.as_bytes()).unwrap()
+    }
+
+    fn load(prefill: f64, decode: f64, active: u32) -> SlotLoad {
+        SlotLoad {
+            prefill_tokens: prefill,
+            decode_blocks: decode,
+            active_requests: active,
+        }
+    }
+
+    /// The slot `decide` picks for a 12,288-token prompt (192 blocks).
+    fn pick(c: &Config, overlaps: &[u32], loads: &[SlotLoad], seed: u64) -> u16 {
+        let req = LlmRequest {
+            token_ids: Some((0..12_288).collect()),
+            ..LlmRequest::default()
+        };
+        let overlaps: Vec<Overlap> = overlaps
+            .iter()
+            .map(|&d| Overlap {
+                device_blocks: d,
+                ..Overlap::default()
+            })
+            .collect();
+        let input = RouteInput {
+            request: &req,
+            header_pin: Pin::default(),
+            prompt_blocks: prompt_blocks(c, &req),
+            overlaps: &overlaps,
+            load: loads,
+            stale_slots: &[],
+        };
+        decide(c, &input, &mut SelectorState::new(seed)).unwrap().slot
+    }
+
+    #[test]
+    fn a_long_history_on_a_busy_worker_beats_an_idle_worker() {
+        // Slot 1 holds 176 of the 192 blocks (a conversation's history) and is moderately busy:
+        // 4,096 prefill tokens queued, 6 requests decoding 1,500 blocks. Slots 0 and 2 are idle.
+        let overlaps = [0, 176, 0];
+        let loads = [load(0.0, 0.0, 0), load(4096.0, 1500.0, 6), load(0.0, 0.0, 0)];
+        // Predicted: slot 1 computes 4,096 + 1,024 tokens (~111 ms), an idle slot 12,288 (~255 ms).
+        let ttft = config(r#", "ttft": {}"#);
+        for seed in 0..20 {
+            assert_eq!(pick(&ttft, &overlaps, &loads, seed), 1);
+        }
+        // The Dynamo cost counts the busy slot's 1,516 decode blocks and sends the turn away
+        // from its history: 80 + 1,516 against 192 + 192 on an idle slot.
+        let dynamo = config("");
+        for seed in 0..20 {
+            assert_ne!(pick(&dynamo, &overlaps, &loads, seed), 1);
+        }
+    }
+
+    #[test]
+    fn an_overloaded_holder_loses() {
+        // The same history behind a 40,000-token prefill queue: 41,024 tokens (~870 ms) to wait
+        // for there against 12,288 (~255 ms) on slot 2; slot 0 has a short queue of its own.
+        let overlaps = [0, 176, 0];
+        let loads = [load(2048.0, 0.0, 1), load(40_000.0, 0.0, 8), load(0.0, 0.0, 0)];
+        let c = config(r#", "ttft": {}"#);
+        for seed in 0..20 {
+            assert_eq!(pick(&c, &overlaps, &loads, seed), 2);
+        }
+        // With a shorter queue the holder keeps it: 8,000 + 1,024 tokens (~190 ms).
+        let loads = [load(2048.0, 0.0, 1), load(8000.0, 0.0, 8), load(0.0, 0.0, 0)];
+        assert_eq!(pick(&c, &overlaps, &loads, 7), 1);
+    }
+
+    #[test]
+    fn equal_predictions_are_split_at_random() {
+        let c = config(r#", "ttft": {}"#);
+        let idle = [load(0.0, 0.0, 0); 3];
+        let mut counts = [0u32; 3];
+        for seed in 0..3000 {
+            counts[usize::from(pick(&c, &[0, 0, 0], &idle, seed))] += 1;
+        }
+        assert!(counts.iter().all(|n| (850..1150).contains(n)), "{counts:?}");
+    }
+
+    #[test]
+    fn configuration_checks_name_the_field() {
+        let c = config(r#", "ttft": {}"#);
+        assert_eq!(c.ttft, Some(TtftConfig::default()));
+        assert_eq!(config("").ttft, None);
+        let bad = |extra: &str| {
+            let json = format!(
+                r#"{{"ttft": {extra}, "workers": [{{"id": 1, "address": "10.0.0.1:8000"}}]}}"#
+            );
+            Config::from_json(json.as_bytes()).unwrap_err().to_string()
+        };
+        assert!(bad(r#"{"chunk_tokens": 0}"#).starts_with("ttft.chunk_tokens: must be"));
+        assert!(bad(r#"{"decode_step_ms_poly": []}"#).starts_with("ttft.decode_step_ms_poly"));
+        assert!(bad(r#"{"chunk": 5}"#).contains("unknown field"));
+    }
+}
