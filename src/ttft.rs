@@ -87,8 +87,8 @@ pub fn predicted_ttft(
     let chunk = f64::from(inputs.chunk_tokens.max(1));
     let full_chunks = (work_tokens / chunk).floor();
     let rest = work_tokens - full_chunks * chunk;
-    let prefill_ms = full_chunks * step_prefill_ms(prefill_poly, chunk)
-        + step_prefill_ms(prefill_poly, rest);
+    let prefill_ms =
+        full_chunks * step_prefill_ms(prefill_poly, chunk) + step_prefill_ms(prefill_poly, rest);
     let decode_ms = if load.active_requests > 0 {
         let fill = match inputs.kv_capacity_blocks {
             Some(cap) if cap > 0 => (load.decode_blocks / f64::from(cap)).clamp(0.0, 1.0),
@@ -142,7 +142,14 @@ mod tests {
     }
 
     fn ttft(i: &TtftInputs) -> PredictedTtft {
-        predicted_ttft(&TtftConfig::default(), &CostWeights::default(), &POLY, 64, i).unwrap()
+        predicted_ttft(
+            &TtftConfig::default(),
+            &CostWeights::default(),
+            &POLY,
+            64,
+            i,
+        )
+        .unwrap()
     }
 
     fn close(a: f64, b: f64) -> bool {
@@ -188,7 +195,13 @@ mod tests {
     #[test]
     fn corrupt_load_is_an_error() {
         let bad = inputs(1000, 0, f64::NAN, 1);
-        let r = predicted_ttft(&TtftConfig::default(), &CostWeights::default(), &POLY, 64, &bad);
+        let r = predicted_ttft(
+            &TtftConfig::default(),
+            &CostWeights::default(),
+            &POLY,
+            64,
+            &bad,
+        );
         assert!(r.is_err());
     }
 
@@ -236,7 +249,9 @@ mod tests {
             load: loads,
             stale_slots: &[],
         };
-        decide(c, &input, &mut SelectorState::new(seed)).unwrap().slot
+        decide(c, &input, &mut SelectorState::new(seed))
+            .unwrap()
+            .slot
     }
 
     #[test]
@@ -244,7 +259,11 @@ mod tests {
         // Slot 1 holds 176 of the 192 blocks (a conversation's history) and is moderately busy:
         // 4,096 prefill tokens queued, 6 requests decoding 1,500 blocks. Slots 0 and 2 are idle.
         let overlaps = [0, 176, 0];
-        let loads = [load(0.0, 0.0, 0), load(4096.0, 1500.0, 6), load(0.0, 0.0, 0)];
+        let loads = [
+            load(0.0, 0.0, 0),
+            load(4096.0, 1500.0, 6),
+            load(0.0, 0.0, 0),
+        ];
         // Predicted: slot 1 computes 4,096 + 1,024 tokens (~111 ms), an idle slot 12,288 (~255 ms).
         let ttft = config(r#", "ttft": {}"#);
         for seed in 0..20 {
@@ -263,13 +282,21 @@ mod tests {
         // The same history behind a 40,000-token prefill queue: 41,024 tokens (~870 ms) to wait
         // for there against 12,288 (~255 ms) on slot 2; slot 0 has a short queue of its own.
         let overlaps = [0, 176, 0];
-        let loads = [load(2048.0, 0.0, 1), load(40_000.0, 0.0, 8), load(0.0, 0.0, 0)];
+        let loads = [
+            load(2048.0, 0.0, 1),
+            load(40_000.0, 0.0, 8),
+            load(0.0, 0.0, 0),
+        ];
         let c = config(r#", "ttft": {}"#);
         for seed in 0..20 {
             assert_eq!(pick(&c, &overlaps, &loads, seed), 2);
         }
         // With a shorter queue the holder keeps it: 8,000 + 1,024 tokens (~190 ms).
-        let loads = [load(2048.0, 0.0, 1), load(8000.0, 0.0, 8), load(0.0, 0.0, 0)];
+        let loads = [
+            load(2048.0, 0.0, 1),
+            load(8000.0, 0.0, 8),
+            load(0.0, 0.0, 0),
+        ];
         assert_eq!(pick(&c, &overlaps, &loads, 7), 1);
     }
 

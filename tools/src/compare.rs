@@ -141,6 +141,26 @@ pub fn run_mode(
         // Load-gated prefix affinity (the filter's `affinity` option): at its defaults, or
         // `kv+affinity:R` with a margin of R in-flight requests.
         "kv+affinity" => ("kv", json!({"affinity": {}}), None),
+        // The predicted-TTFT policy (the filter's `ttft` option) at its defaults; `+approx`:
+        // predictions bridging the event lag (workers' `kv_mode` `events+approximate`);
+        // `+decay`: booked prefills decay over their predicted duration
+        // (`load.prefill_load_model: polynomial`).
+        m if m.starts_with("kv+ttft") => {
+            let mut extra = json!({"ttft": {}});
+            for option in m.trim_start_matches("kv+ttft").split('+').skip(1) {
+                match option {
+                    "approx" => {}
+                    "decay" => extra["load"] = json!({"prefill_load_model": "polynomial"}),
+                    _ => {
+                        return Err(io::Error::new(
+                            io::ErrorKind::InvalidInput,
+                            format!("{m}: expected kv+ttft[+approx][+decay]"),
+                        ))
+                    }
+                }
+            }
+            ("kv", extra, None)
+        }
         // Affinity with predictions bridging the event lag (workers' `kv_mode`
         // `events+approximate`), margin R.
         m if m.starts_with("kv+affinity+approx:") => {
@@ -180,7 +200,9 @@ pub fn run_mode(
         other => (other, json!({}), None),
     };
     let mut config = fleet.filter_config(filter_mode, &workers);
-    if mode.starts_with("kv+affinity+approx:") {
+    if mode.starts_with("kv+affinity+approx:")
+        || (mode.starts_with("kv+ttft") && mode.contains("+approx"))
+    {
         if let Some(list) = config["workers"].as_array_mut() {
             for w in list {
                 w["kv_mode"] = json!("events+approximate");

@@ -11,6 +11,7 @@ pub fn affinity_table(
     results: &[(String, RunStats)],
     workload: &Workload,
     block_size: u32,
+    capacity_blocks: Option<usize>,
 ) -> String {
     let pct = |x: Option<f64>| x.map_or_else(|| "-".to_string(), |v| format!("{:.1}%", v * 100.0));
     let mut out = String::new();
@@ -29,7 +30,7 @@ pub fn affinity_table(
         "n/a"
     );
     for (name, s) in results {
-        let a = affinity_replay(workload, &s.results, block_size);
+        let a = affinity_replay(workload, &s.results, block_size, capacity_blocks);
         let _ = writeln!(
             out,
             "{:<26} {:>8} {:>11} {:>14} {:>16} {:>10} | {:>6} {:>6} {:>6} {:>6}",
@@ -48,7 +49,11 @@ pub fn affinity_table(
     let _ = writeln!(
         out,
         "(replay in send order: max-overlap worker = the one sent the longest prefix of the request \
-         earlier in the run; evictions not modelled; blocks of {block_size} tokens)"
+         earlier in the run; {}; blocks of {block_size} tokens)",
+        match capacity_blocks {
+            Some(n) => format!("each worker keeps its {n} most recently used blocks (LRU)"),
+            None => "evictions not modelled".to_string(),
+        }
     );
     let _ = writeln!(
         out,

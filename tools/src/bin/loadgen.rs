@@ -227,7 +227,17 @@ fn main() {
             .unwrap_or_else(|e| fail(&e.to_string()));
         report_comparison(&results, args.svg.as_deref(), args.json.as_deref());
         print!("{}", quality_table(&results, args.fleet));
-        print!("{}", affinity_table(&results, &workload, args.block_size));
+        print!(
+            "{}",
+            affinity_table(&results, &workload, args.block_size, None)
+        );
+        // Again with the workers' caches bounded (LRU), so a max-overlap worker is one that
+        // plausibly still holds the prefix.
+        let capacity = kv_blocks_of(&args.worker_args);
+        print!(
+            "{}",
+            affinity_table(&results, &workload, args.block_size, Some(capacity))
+        );
         return;
     }
     let targets: Vec<String> = args
@@ -276,4 +286,20 @@ fn main() {
     if stats.completed() == 0 {
         std::process::exit(1);
     }
+}
+
+/// The fleet's KV capacity per worker: `--kv-blocks N` in the worker arguments, else the mock's
+/// default.
+fn kv_blocks_of(worker_args: &str) -> usize {
+    let words: Vec<&str> = worker_args.split_whitespace().collect();
+    words
+        .windows(2)
+        .find(|w| w[0] == "--kv-blocks")
+        .and_then(|w| w[1].parse().ok())
+        .or_else(|| {
+            words
+                .iter()
+                .find_map(|w| w.strip_prefix("--kv-blocks=")?.parse().ok())
+        })
+        .unwrap_or(envoy_kv_router_tools::mock::DEFAULT_KV_BLOCKS)
 }

@@ -7,10 +7,13 @@
 //! to it earlier (full `block_size` blocks, chained like KV block hashes). The request's
 //! "max-overlap worker" is the one holding the longest prefix of it; it "went to" that worker
 //! when its own worker's overlap equals the maximum. Blocks given up = max overlap minus the
-//! overlap of the worker it went to. Evictions are not modelled (a worker is taken to keep all it
-//! was sent), so the figures are the affinity a router could have had with unbounded caches.
+//! overlap of the worker it went to. With `capacity_blocks` each worker keeps at most that many
+//! blocks, evicting the least recently used first (leaf blocks before their prefix, as vLLM and
+//! the mock do), so "max-overlap worker" means one that plausibly still holds the prefix; without
+//! it a worker keeps all it was sent (the affinity a router could have had with unbounded caches).
+//! Not modelled: blocks pinned by running requests, output blocks, the engine's block ids.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 
 use super::runner::RequestResult;
 use super::Workload;
@@ -80,9 +83,41 @@ pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
         .collect()
 }
 
-/// Leading blocks of `hashes` present in `held`.
-fn overlap(hashes: &[u64], held: &HashSet<u64>) -> u64 {
-    hashes.iter().take_while(|h| held.contains(h)).count() as u64
+/// One worker's cached blocks, least recently used evicted first beyond a capacity.
+#[derive(Debug, Default)]
+struct LruBlocks {
+    /// Block -> stamp of its last use.
+    last_use: HashMap<u64, u64>,
+    /// Stamp -> block, oldest first.
+    by_age: BTreeMap<u64, u64>,
+    clock: u64,
+}
+
+impl LruBlocks {
+    /// Leading blocks of `hashes` held.
+    fn overlap(&self, hashes: &[u64]) -> u64 {
+        hashes
+            .iter()
+            .take_while(|h| self.last_use.contains_key(h))
+            .count() as u64
+    }
+
+    /// A request's prompt blocks used now: touched leaf first, so a prefix outlives its tails.
+    fn touch(&mut self, hashes: &[u64], capacity: usize) {
+        for h in hashes.iter().rev() {
+            self.clock += 1;
+            if let Some(old) = self.last_use.insert(*h, self.clock) {
+                self.by_age.remove(&old);
+            }
+            self.by_age.insert(self.clock, *h);
+        }
+        while self.last_use.len() > capacity {
+            let Some((_, h)) = self.by_age.pop_first() else {
+                break;
+            };
+            self.last_use.remove(&h);
+        }
+    }
 }
 
 /// Replays `results` of `workload` (matched by request index) in send order; see the module docs.
@@ -90,13 +125,15 @@ pub fn affinity_replay(
     workload: &Workload,
     results: &[RequestResult],
     block_size: u32,
+    capacity_blocks: Option<usize>,
 ) -> Affinity {
+    let capacity = capacity_blocks.unwrap_or(usize::MAX);
     let mut order: Vec<&RequestResult> = results
         .iter()
         .filter(|r| r.ok && r.worker_id.is_some())
         .collect();
     order.sort_by(|a, b| a.sent_at_ms.total_cmp(&b.sent_at_ms));
-    let mut held: HashMap<&str, HashSet<u64>> = HashMap::new();
+    let mut held: HashMap<&str, LruBlocks> = HashMap::new();
     let mut a = Affinity::default();
     for r in order {
         let (Some(spec), Some(worker)) = (workload.requests.get(r.index), r.worker_id.as_deref())
@@ -104,12 +141,8 @@ pub fn affinity_replay(
             continue;
         };
         let hashes = block_hashes(&spec.tokens, block_size as usize);
-        let best = held
-            .values()
-            .map(|h| overlap(&hashes, h))
-            .max()
-            .unwrap_or(0);
-        let mine = held.get(worker).map_or(0, |h| overlap(&hashes, h));
+        let best = held.values().map(|h| h.overlap(&hashes)).max().unwrap_or(0);
+        let mine = held.get(worker).map_or(0, |h| h.overlap(&hashes));
         a.requests += 1;
         if best > 0 {
             a.with_prefix += 1;
@@ -127,7 +160,7 @@ pub fn affinity_replay(
                 }
             }
         }
-        held.entry(worker).or_default().extend(hashes);
+        held.entry(worker).or_default().touch(&hashes, capacity);
     }
     a
 }
@@ -176,7 +209,7 @@ mod tests {
             result(0, 10.0, "w1"),
             result(1, 20.0, "w1"),
         ];
-        let r = affinity_replay(&w, &results, 4);
+        let r = affinity_replay(&w, &results, 4, None);
         assert_eq!(r.requests, 3);
         assert_eq!(r.with_prefix, 2);
         assert_eq!(r.to_max_overlap, 1);
@@ -188,18 +221,49 @@ mod tests {
         let mut told = results.clone();
         told[0].router_overlap_blocks = Some(0);
         told[0].router_max_overlap_blocks = Some(3);
-        assert_eq!(affinity_replay(&w, &told, 4).why.load_outweighed, 1);
+        assert_eq!(affinity_replay(&w, &told, 4, None).why.load_outweighed, 1);
         // The index knew only 1 block: it was behind.
         told[0].router_max_overlap_blocks = Some(1);
         told[0].router_overlap_blocks = Some(1);
-        assert_eq!(affinity_replay(&w, &told, 4).why.index_behind, 1);
+        assert_eq!(affinity_replay(&w, &told, 4, None).why.index_behind, 1);
         // Failed requests and requests without a worker are left out.
         let mut failed = results.clone();
         failed[0].ok = false;
         failed[2].worker_id = None;
-        let r = affinity_replay(&w, &failed, 4);
+        let r = affinity_replay(&w, &failed, 4, None);
         assert_eq!((r.requests, r.with_prefix), (1, 0));
         assert_eq!(r.share_to_max_overlap(), None);
+    }
+
+    #[test]
+    fn bounded_caches_forget_what_they_evicted() {
+        // 4-token blocks. A (3 blocks) then B (3 other blocks) on w1, then A again on w2.
+        let a: Vec<u32> = (0..12).collect();
+        let b: Vec<u32> = (100..112).collect();
+        let w = Workload {
+            name: "t".into(),
+            requests: vec![spec(a.clone()), spec(b), spec(a)],
+            arrival: Arrival::Timed,
+        };
+        let results = vec![
+            result(0, 10.0, "w1"),
+            result(1, 20.0, "w1"),
+            result(2, 30.0, "w2"),
+        ];
+        // Unbounded: w1 still holds A, so the third request gave up 3 blocks.
+        let r = affinity_replay(&w, &results, 4, None);
+        assert_eq!(
+            (r.with_prefix, r.to_max_overlap, r.given_up_blocks),
+            (1, 0, 3)
+        );
+        // 4 blocks per worker: B's 3 blocks evicted A's two tail blocks (leaf first), so w1
+        // kept only A's first block: 1 block given up.
+        let r = affinity_replay(&w, &results, 4, Some(4));
+        assert_eq!((r.with_prefix, r.to_max_overlap), (1, 0));
+        assert_eq!((r.available_blocks, r.given_up_blocks), (1, 1));
+        // 3 blocks: A is gone entirely; nobody held a prefix of the third request.
+        let r = affinity_replay(&w, &results, 4, Some(3));
+        assert_eq!((r.with_prefix, r.available_blocks), (0, 0));
     }
 
     #[test]

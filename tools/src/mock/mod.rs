@@ -87,6 +87,9 @@ fn positive_f64(s: &str) -> Result<f64, String> {
     }
 }
 
+/// `--kv-blocks` when not given (Dynamo's mocker default).
+pub const DEFAULT_KV_BLOCKS: usize = 16384;
+
 /// Command-line options of `mock-worker`.
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -110,7 +113,7 @@ pub struct Options {
     #[arg(long, default_value_t = 64, value_parser = positive)]
     pub block_size: usize,
     /// Device KV cache size in blocks (engine mode).
-    #[arg(long, default_value_t = 16384, value_parser = positive)]
+    #[arg(long, default_value_t = DEFAULT_KV_BLOCKS, value_parser = positive)]
     pub kv_blocks: usize,
     /// Host-tier KV cache size in blocks (engine mode; 0 = none).
     #[arg(long, default_value_t = 0)]
