@@ -1,5 +1,6 @@
-//! Load-gated prefix affinity through a real Envoy: a follow-up request goes back to the worker
-//! holding its history although that worker's decode load makes the Dynamo cost send it away.
+//! Load-gated prefix affinity and the predicted-TTFT policy through a real Envoy: a follow-up
+//! request goes back to the worker holding its history although that worker's decode load makes
+//! the Dynamo cost send it away.
 #![allow(clippy::expect_used, clippy::unwrap_used, clippy::indexing_slicing)] // test code: a failed expectation is the assertion
 
 mod common;
@@ -83,5 +84,18 @@ fn affinity_keeps_a_conversation_on_its_history_despite_decode_load() {
     // A margin of 0 extra requests: the busier holder is given up again.
     for (w, _, _, _) in follow_up(json!({"affinity": {"max_extra_requests": 0}})) {
         assert_eq!(w, 2);
+    }
+}
+
+#[test]
+fn predicted_ttft_keeps_the_conversation_on_its_history() {
+    // `ttft`: worker 1 computes the 4 new blocks (64 tokens: 16.5 + 0.0152 * 64 + 4.21e-7 * 64^2
+    // = 17.475 ms) plus one decode step of its streaming request (5.74 ms) = 23.215 ms; idle
+    // worker 2 computes all 1,088 tokens: 33.536 ms. The history wins, and the headers report
+    // the predictions in ms.
+    for (w, overlap, max_overlap, c) in follow_up(json!({"ttft": {}})) {
+        assert_eq!((w, overlap, max_overlap), (1, 64, 64), "predictions {c:?}");
+        assert_eq!(c.get(&1), Some(&23.215));
+        assert_eq!(c.get(&2), Some(&33.536));
     }
 }
