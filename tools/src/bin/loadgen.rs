@@ -30,6 +30,8 @@ CHAT: conversations=C,turns=T,system_prompts=S,system_chars=X,user_chars=U,reply
 Text arms (--modes): kv+text (approximate mode: text prefix hashes and predicted blocks), \
 kv+render (exact ids from a render service: an extra mock worker serving \
 /v1/chat/completions/render), kv+ids (the same chat prompts sent as token ids: the baseline).\n\
+Policy arms: kv+affinity[:R] (load-gated affinity), kv+ttft[+approx][+decay] (the predicted-TTFT \
+policy; +approx: predictions bridging the event lag; +decay: booked prefills decay).\n\
 --modes: start a fresh fleet of --fleet mock workers (engine mode, --worker-args; each with a \
 kv-event-bridge fed over ZMQ unless --events-via http) and a fresh Envoy with the filter for \
 each routing mode in turn, run the same workload through each, and \
