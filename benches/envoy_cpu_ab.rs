@@ -8,9 +8,11 @@
 //!
 //! Usage: `cargo bench --bench envoy_cpu_ab [-- --quick] [-- --baseline PATH]`
 //! (needs `make build`; the baseline defaults to target/envoy_kv_router.before.wasm, skipped
-//! when absent). Extra builds to compare: `-- --wasm NAME=PATH` (repeatable); a build named
+//! when absent). Extra builds to compare: `-- --wasm NAME=PATH[@MODE]` (repeatable; MODE is
+//! the routing mode, e.g. `round_robin` to leave out hashing and the index); a build named
 //! `floor` gets the floor filter's plain configuration (`benches/floor-filter` on the bench
-//! branch: buffer, copy and scan the body once, fixed destination).
+//! branch: buffer, copy and scan the body once, fixed destination). `--tokens 4096,65536` picks
+//! the prompt sizes, `--rounds-scale N` multiplies the batches.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 
@@ -66,15 +68,18 @@ fn main() {
     let baseline = arg("--baseline")
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace_root().join("target/envoy_kv_router.before.wasm"));
-    let mut builds: Vec<(String, Option<PathBuf>)> = vec![("none".into(), None)];
+    // (name, wasm, routing mode)
+    let mut builds: Vec<(String, Option<PathBuf>, String)> =
+        vec![("none".into(), None, "kv".into())];
     if baseline.exists() {
-        builds.push(("before".into(), Some(baseline)));
+        builds.push(("before".into(), Some(baseline), "kv".into()));
     }
-    builds.push(("after".into(), Some(wasm_path())));
+    builds.push(("after".into(), Some(wasm_path()), "kv".into()));
     for (i, a) in args.iter().enumerate() {
         if a == "--wasm" {
             if let Some((n, p)) = args.get(i + 1).and_then(|v| v.split_once('=')) {
-                builds.push((n.to_string(), Some(PathBuf::from(p))));
+                let (p, mode) = p.split_once('@').unwrap_or((p, "kv"));
+                builds.push((n.to_string(), Some(PathBuf::from(p)), mode.to_string()));
             }
         }
     }
@@ -84,11 +89,13 @@ fn main() {
         "workers": [{"id": 1, "address": worker.addr}]});
     let mut variants: Vec<Variant> = builds
         .into_iter()
-        .map(|(name, wasm)| {
+        .map(|(name, wasm, mode)| {
             let filter_config = if name == "floor" {
                 json!(format!("x-gateway-destination-endpoint {}", worker.addr))
             } else {
-                config.clone()
+                let mut c = config.clone();
+                c["mode"] = json!(mode);
+                c
             };
             let mut opts = EnvoyOptions::new(filter_config, vec![worker.addr.clone()]);
             opts.with_filter = wasm.is_some();
@@ -112,7 +119,14 @@ fn main() {
         print!(" {:>14}", format!("{}-none", v.name));
     }
     println!("  (us/request; utime+stime ticks in brackets)");
-    for tokens in [4096u32, 16_384, 65_536] {
+    let sizes: Vec<u32> = match arg("--tokens") {
+        Some(list) => list.split(',').filter_map(|t| t.parse().ok()).collect(),
+        None => vec![4096, 16_384, 65_536],
+    };
+    let scale = arg("--rounds-scale")
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(1);
+    for tokens in sizes {
         let prompt: Vec<u32> = (0..tokens)
             .map(|i| i.wrapping_mul(2_654_435_761) % 128_000)
             .collect();
@@ -128,7 +142,7 @@ fn main() {
         let rounds = if quick {
             3
         } else {
-            (4_000_000 / tokens as usize).clamp(8, 100)
+            (4_000_000 / tokens as usize).clamp(8, 100) * scale
         };
         let send = |envoy: &Envoy| {
             let resp = http::request(

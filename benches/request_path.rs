@@ -4,7 +4,8 @@
 //! One iteration is what `decide_and_steer` computes for a completions request with token ids:
 //! parse the body, hash the prompt lazily (every block is held by one worker, so all of it is
 //! hashed: the worst case), look up overlaps, read the load table from a shared store (one
-//! `get` + decode + view), decide, book (one CAS update) and release. Each stage is its own
+//! `get` + decode + view into a reused buffer), decide, book (one CAS set on that read) and
+//! release. Each stage is its own
 //! `#[inline(never)]` function, so `callgrind_annotate --inclusive=yes` shows its share.
 //!
 //! Usage:
@@ -105,8 +106,15 @@ fn stage_lookup(index: &KvIndex, hashes: &[SequenceHash], out: &mut Vec<Overlap>
 }
 
 #[inline(never)]
-fn stage_load(store: &Store, slots: usize, now: u64) -> Vec<SlotLoad> {
-    load_store::read(store, slots).view(now)
+fn stage_load(
+    store: &Store,
+    slots: usize,
+    now: u64,
+    out: &mut Vec<SlotLoad>,
+) -> load_store::Snapshot {
+    let snapshot = load_store::read_snapshot(store, slots);
+    snapshot.table.view_into(now, out);
+    snapshot
 }
 
 #[inline(never)]
@@ -132,11 +140,12 @@ fn stage_decide(
 fn stage_book(
     store: &Store,
     slots: usize,
+    snapshot: load_store::Snapshot,
     key: u64,
     d: &envoy_kv_router::router::Decision,
     now: u64,
 ) {
-    let ticket = load_store::update(store, slots, |t| {
+    let ticket = load_store::update_from(store, slots, Some(snapshot), |t| {
         t.admit(key, d.slot, d.prefill_tokens, d.prompt_blocks, None, now)
     })
     .unwrap();
@@ -171,6 +180,7 @@ fn main() {
     load_store::init(&store, config.slots.len(), 900_000);
     let mut selector = SelectorState::new(7);
     let mut overlaps = Vec::new();
+    let mut load = Vec::new();
     let mut chosen = [0usize; WORKERS];
     let start = Instant::now();
     for i in 0..iters {
@@ -178,9 +188,9 @@ fn main() {
         let req = stage_parse(black_box(body.as_bytes()));
         let hashes = stage_hash(&req, &index);
         stage_lookup(&index, &hashes, &mut overlaps);
-        let load = stage_load(&store, config.slots.len(), now);
+        let snapshot = stage_load(&store, config.slots.len(), now, &mut load);
         let d = stage_decide(&config, &req, &overlaps, &load, &mut selector);
-        stage_book(&store, config.slots.len(), i as u64, &d, now);
+        stage_book(&store, config.slots.len(), snapshot, i as u64, &d, now);
         chosen[usize::from(d.slot)] += 1;
         black_box(&d);
     }
