@@ -9,7 +9,7 @@
 //! Usage: `cargo bench --bench envoy_cpu_ab [-- --quick] [-- --baseline PATH]`
 //! (needs `make build`; the baseline defaults to target/envoy_kv_router.before.wasm, skipped
 //! when absent). Extra builds to compare: `-- --wasm NAME=PATH[@MODE]` (repeatable; MODE is
-//! the routing mode, e.g. `round_robin` to leave out hashing and the index); a build named
+//! the routing mode, e.g. `round-robin` to leave out hashing and the index); a build named
 //! `floor` gets the floor filter's plain configuration (`benches/floor-filter` on the bench
 //! branch: buffer, copy and scan the body once, fixed destination). `--tokens 4096,65536` picks
 //! the prompt sizes, `--rounds-scale N` multiplies the batches.
