@@ -41,3 +41,5 @@ else
   fi
 fi
 export CARGO WASM_BUILD_FLAGS
+# Wasm SIMD (128-bit): V8 in Envoy runs it; XXH3 (block hashing) and auto-vectorized loops use it.
+export CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS="${CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS:--C target-feature=+simd128}"

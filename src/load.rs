@@ -679,35 +679,40 @@ impl LoadTable {
     /// Per-slot load at `now_ms` (buckets too old to count are left out even before
     /// [`LoadTable::expire`] drops them).
     pub fn view(&self, now_ms: u64) -> Vec<SlotLoad> {
+        let mut out = Vec::with_capacity(self.slots.len());
+        self.view_into(now_ms, &mut out);
+        out
+    }
+
+    /// [`LoadTable::view`] into `out` (cleared first): the request path reuses one buffer.
+    pub fn view_into(&self, now_ms: u64, out: &mut Vec<SlotLoad>) {
+        out.clear();
         let now_epoch = self.epoch_of(now_ms);
         let live = self.ring.map(|e| LoadTable::alive(e, now_epoch));
-        self.slots
-            .iter()
-            .map(|s| {
-                let mut total = Counters::default();
-                for (c, _) in s.buckets.iter().zip(&live).filter(|(_, l)| **l) {
-                    total.prefill_tokens = total.prefill_tokens.saturating_add(c.prefill_tokens);
-                    total.decode_milli = total.decode_milli.saturating_add(c.decode_milli);
-                    total.active = total.active.saturating_add(c.active);
-                }
-                let anchor = s
-                    .queue
-                    .iter()
-                    .find(|q| LoadTable::alive(q.epoch, now_epoch));
-                let prefill = match anchor {
-                    Some(a) => total
-                        .prefill_tokens
-                        .saturating_sub(u64::from(a.prefill_tokens))
-                        .saturating_add(decayed(a, s.anchor_since_ms, now_ms)),
-                    None => total.prefill_tokens,
-                };
-                SlotLoad {
-                    prefill_tokens: prefill as f64,
-                    decode_blocks: total.decode_milli as f64 / 1000.0,
-                    active_requests: total.active,
-                }
-            })
-            .collect()
+        out.extend(self.slots.iter().map(|s| {
+            let mut total = Counters::default();
+            for (c, _) in s.buckets.iter().zip(&live).filter(|(_, l)| **l) {
+                total.prefill_tokens = total.prefill_tokens.saturating_add(c.prefill_tokens);
+                total.decode_milli = total.decode_milli.saturating_add(c.decode_milli);
+                total.active = total.active.saturating_add(c.active);
+            }
+            let anchor = s
+                .queue
+                .iter()
+                .find(|q| LoadTable::alive(q.epoch, now_epoch));
+            let prefill = match anchor {
+                Some(a) => total
+                    .prefill_tokens
+                    .saturating_sub(u64::from(a.prefill_tokens))
+                    .saturating_add(decayed(a, s.anchor_since_ms, now_ms)),
+                None => total.prefill_tokens,
+            };
+            SlotLoad {
+                prefill_tokens: prefill as f64,
+                decode_blocks: total.decode_milli as f64 / 1000.0,
+                active_requests: total.active,
+            }
+        }));
     }
 
     /// Requests counted at `now_ms`, over all slots.

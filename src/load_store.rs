@@ -40,8 +40,21 @@ pub fn init(store: &dyn SharedStore, num_slots: usize, timeout_ms: u64) {
 }
 
 pub fn read(store: &dyn SharedStore, num_slots: usize) -> LoadTable {
-    let (bytes, _) = store.get(LOAD_KEY);
-    LoadTable::decode_or_fresh(bytes.as_deref().unwrap_or_default(), num_slots).0
+    read_snapshot(store, num_slots).table
+}
+
+/// The table as read, with the version it was read at: the request path reads it once for its
+/// decision and hands it to [`update_from`] for the booking, whose first CAS attempt then needs
+/// no second get and decode.
+pub struct Snapshot {
+    pub table: LoadTable,
+    cas: Option<u32>,
+}
+
+pub fn read_snapshot(store: &dyn SharedStore, num_slots: usize) -> Snapshot {
+    let (bytes, cas) = store.get(LOAD_KEY);
+    let table = LoadTable::decode_or_fresh(bytes.as_deref().unwrap_or_default(), num_slots).0;
+    Snapshot { table, cas }
 }
 
 /// Applies `edit` atomically, on a fresh read for every attempt. An edit that returns `None`
@@ -49,12 +62,24 @@ pub fn read(store: &dyn SharedStore, num_slots: usize) -> LoadTable {
 pub fn update<R>(
     store: &dyn SharedStore,
     num_slots: usize,
+    edit: impl FnMut(&mut LoadTable) -> Option<R>,
+) -> Result<R, UpdateFailure> {
+    update_from(store, num_slots, None, edit)
+}
+
+/// [`update`] whose first attempt edits `first` (a [`read_snapshot`] of this table: if the key
+/// was written since, that attempt's CAS fails and the next one reads afresh, as always).
+pub fn update_from<R>(
+    store: &dyn SharedStore,
+    num_slots: usize,
+    mut first: Option<Snapshot>,
     mut edit: impl FnMut(&mut LoadTable) -> Option<R>,
 ) -> Result<R, UpdateFailure> {
     for _ in 0..CAS_ATTEMPTS {
-        let (bytes, cas) = store.get(LOAD_KEY);
-        let mut table =
-            LoadTable::decode_or_fresh(bytes.as_deref().unwrap_or_default(), num_slots).0;
+        let Snapshot { mut table, cas } = match first.take() {
+            Some(snapshot) if snapshot.table.num_slots() == num_slots => snapshot,
+            _ => read_snapshot(store, num_slots),
+        };
         let result = edit(&mut table).ok_or(UpdateFailure::Declined)?;
         match store.set(LOAD_KEY, &table.encode(), cas) {
             Ok(()) => return Ok(result),
@@ -250,6 +275,36 @@ mod tests {
         assert_eq!(others.get(), 10);
         let view = read(&store, SLOTS).view(60);
         assert_eq!((view[0].active_requests, view[1].active_requests), (0, 10));
+    }
+
+    #[test]
+    fn a_booking_from_a_snapshot_reads_once_and_never_loses_a_newer_write() {
+        let store = MemStore::new();
+        init(&store, SLOTS, 900_000);
+        // Fresh snapshot: the booking is one set, no second get.
+        let snapshot = read_snapshot(&store, SLOTS);
+        let ops = store.ops.get();
+        update_from(&store, SLOTS, Some(snapshot), |t| {
+            t.admit(1, 0, 100, 4, None, 0)
+        })
+        .unwrap();
+        assert_eq!(store.ops.get(), ops + 1);
+        // Another VM booked after the snapshot: its booking survives ours.
+        let stale = read_snapshot(&store, SLOTS);
+        admit(&store, 2, 1);
+        update_from(&store, SLOTS, Some(stale), |t| {
+            t.admit(3, 0, 100, 4, None, 0)
+        })
+        .unwrap();
+        let view = read(&store, SLOTS).view(60);
+        assert_eq!((view[0].active_requests, view[1].active_requests), (2, 1));
+        // A snapshot of another slot count is never written back.
+        let other = read_snapshot(&store, SLOTS + 1);
+        update_from(&store, SLOTS, Some(other), |t| {
+            t.admit(4, 1, 100, 4, None, 0)
+        })
+        .unwrap();
+        assert_eq!(read(&store, SLOTS).view(60)[1].active_requests, 2);
     }
 
     #[test]

@@ -978,6 +978,73 @@ mod tests {
         }
     }
 
+    /// The scanner before its one-load-per-id fast path (the reference for the test below).
+    fn reference_scan(text: &[u8]) -> Option<(Vec<u32>, usize)> {
+        let ws = |b: u8| matches!(b, b' ' | b'\t' | b'\n' | b'\r');
+        let skip = |mut i: usize| {
+            while text.get(i).copied().is_some_and(ws) {
+                i += 1;
+            }
+            i
+        };
+        if text.first() != Some(&b'[') {
+            return None;
+        }
+        let mut ids = Vec::new();
+        let mut i = skip(1);
+        if text.get(i) == Some(&b']') {
+            return Some((ids, i + 1));
+        }
+        loop {
+            let (id, len) = parse_token_id(text.get(i..)?)?;
+            ids.push(id);
+            i = skip(i + len);
+            match text.get(i)? {
+                b',' => i = skip(i + 1),
+                b']' => return Some((ids, i + 1)),
+                _ => return None,
+            }
+        }
+    }
+
+    /// Random arrays (ids of every length, odd elements, whitespace, cut short, damaged, with
+    /// the rest of a body after them): the scanner's answer is the reference scanner's.
+    #[test]
+    fn scan_agrees_with_the_reference_scanner() {
+        let mut g = BodyGen(crate::rng::Rng::new(0x5ca9));
+        let mut accepted = 0;
+        for round in 0..50_000 {
+            let mut text = g.token_array();
+            match round % 5 {
+                0 => text.truncate(g.pick(text.len() + 1)),
+                1 => {
+                    let at = g.pick(text.len());
+                    let by = ["[", "]", ",", " ", "0", "5", "-", ".", "e", "\\"][g.pick(10)];
+                    text.replace_range(at..at + 1, by);
+                }
+                2 => text.push_str([", \"max_tokens\": 1}", "]}", "", "1234567"][g.pick(4)]),
+                _ => {}
+            }
+            let got = scan_token_ids(text.as_bytes());
+            assert_eq!(got, reference_scan(text.as_bytes()), "{text:?}");
+            accepted += usize::from(got.is_some());
+        }
+        assert!(accepted > 20_000, "{accepted}");
+        // Long arrays in the formats clients send.
+        for sep in [",", ", ", " , ", ",\n  "] {
+            let ids: Vec<u32> = (0..3000u32)
+                .map(|i| i.wrapping_mul(2_654_435_761))
+                .collect();
+            let text = format!(
+                "[{}]",
+                ids.iter().map(u32::to_string).collect::<Vec<_>>().join(sep)
+            );
+            let got = scan_token_ids(text.as_bytes());
+            assert_eq!(got, Some((ids, text.len())));
+            assert_eq!(got, reference_scan(text.as_bytes()));
+        }
+    }
+
     #[test]
     fn fast_path_differential() {
         let mut g = BodyGen(crate::rng::Rng::new(0xfa57));

@@ -575,6 +575,34 @@ fn request_token_ids_and_pins_keep_full_width() {
     assert_eq!((chat.token_ids, chat.text_chars), (None, 9));
 }
 
+// The token-id scan (8-byte loads, u64 arithmetic) reads ids of every length the same on
+// wasm32 as natively, in compact and spaced arrays, and refuses what serde refuses.
+fn token_id_scan_agrees_with_serde() {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let ids: Vec<u32> = (0..5000)
+        .map(|i| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Every digit count from 1 to 10.
+            (x % 10u64.pow(1 + i % 10)).min(u64::from(u32::MAX)) as u32
+        })
+        .collect();
+    for sep in [",", ", ", " ,\n"] {
+        let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+        let body = format!(r#"{{"model": "m", "prompt": [{}], "stream": false}}"#, list.join(sep));
+        let request = parse_request(body.as_bytes(), Endpoint::Completions).unwrap();
+        assert_eq!(request.token_ids.as_deref(), Some(&ids[..]), "{sep:?}");
+    }
+    for bad in ["[1,01]", "[1,2,]", "[1,-2]", "[1,2.0]", "[4294967296]", "[1 2]", "[1,2"] {
+        let body = format!(r#"{{"prompt": {bad}}}"#);
+        assert!(
+            parse_request(body.as_bytes(), Endpoint::Completions).is_err(),
+            "{bad}"
+        );
+    }
+}
+
 
 // ---------------------------------------------------------------------------------------------
 // Routing: the cost worked example, end to end

@@ -422,7 +422,10 @@ impl RequestContext {
         if vm.predicted.is_some() && !hashes.is_empty() {
             merge_predictions(vm, config, hashes, from_text, now, &mut overlaps);
         }
-        let mut load = load_store::read(&HostStore, config.slots.len()).view(now);
+        // One get and decode serve both the decision and the booking's first CAS attempt.
+        let snapshot = load_store::read_snapshot(&HostStore, config.slots.len());
+        let mut load = std::mem::take(&mut vm.load_view);
+        snapshot.table.view_into(now, &mut load);
         if config.load.reported_load {
             vm.merge_reported_load(&mut load);
         }
@@ -437,9 +440,10 @@ impl RequestContext {
         };
         let decided = decide(config, &input, &mut vm.selector);
         vm.overlaps = overlaps;
+        vm.load_view = load;
         match decided {
             Ok(decision) => {
-                self.steer(vm, config, &decision, now, &request, note);
+                self.steer(vm, config, &decision, now, &request, note, snapshot);
                 // A record needs the leading blocks even past the first miss: hashed only now.
                 let record_hashes = |max_blocks: usize| match (text_hashes, hasher) {
                     (Some(t), _) => t,
@@ -471,6 +475,8 @@ impl RequestContext {
         }
     }
 
+    // The load snapshot rides along from the decision to the booking (one get, one decode).
+    #[allow(clippy::too_many_arguments)]
     fn steer(
         &mut self,
         vm: &mut VmState,
@@ -479,6 +485,7 @@ impl RequestContext {
         now: u64,
         request: &LlmRequest,
         note: Option<&str>,
+        load: load_store::Snapshot,
     ) {
         let Some(slot) = config.slots.get(usize::from(decision.slot)) else {
             self.fallback(vm, config, "no_decision");
@@ -527,7 +534,7 @@ impl RequestContext {
             )),
             PrefillLoadModel::None => None,
         };
-        let booked = load_store::update(&HostStore, config.slots.len(), |table| {
+        let booked = load_store::update_from(&HostStore, config.slots.len(), Some(load), |table| {
             table.admit(
                 key,
                 decision.slot,

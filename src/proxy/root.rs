@@ -501,6 +501,7 @@ impl RootContext for RouterRoot {
             poller: Poller::new(workers),
             next_request_key: 0,
             overlaps: Vec::with_capacity(config.slots.len()),
+            load_view: Vec::with_capacity(config.slots.len()),
             block_size_warned: vec![false; workers],
             stale_slots: vec![false; config.slots.len()],
             fingerprint,

@@ -35,6 +35,8 @@ pub struct VmState {
     pub(super) next_request_key: u64,
     /// Reused per request so that overlap lookup allocates nothing.
     pub overlaps: Vec<Overlap>,
+    /// Reused per request: the load table's per-slot view.
+    pub load_view: Vec<SlotLoad>,
     pub(super) block_size_warned: Vec<bool>,
     /// Stale flags per slot, from the poller's last published head (refreshed on each sync).
     pub stale_slots: Vec<bool>,

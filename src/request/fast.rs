@@ -62,19 +62,42 @@ fn is_json_ws(b: u8) -> bool {
 /// sign, fraction, exponent or leading zero and at most `u32::MAX`, with any JSON whitespace
 /// inside. Returns the ids and the length of the array text (through its `]`). `None` for
 /// anything else (that value is left to serde, which yields the value or the error it always did).
+///
+/// The common case (ids of up to 7 digits, each followed by `,` or `]`) takes one 8-byte load
+/// per id: the digits, their value and the byte after them all come from that load. Anything
+/// else goes through [`parse_token_id`] and the general separator rules (the same answer;
+/// `scan_agrees_with_the_reference_scanner` checks it). This shape measured fastest in V8
+/// (benches/envoy_cpu_ab.rs); a variant batching ids through a stack array was slower there.
 pub(super) fn scan_token_ids(text: &[u8]) -> Option<(Vec<u32>, usize)> {
     if text.first() != Some(&b'[') {
         return None;
     }
-    let mut ids = Vec::new();
+    // About one id per 6 bytes (5-6 digit ids and a comma): one allocation for most arrays.
+    let mut ids = Vec::with_capacity(text.len() / 6);
     let mut i = skip_ws(text, 1);
     if text.get(i) == Some(&b']') {
         return Some((ids, i + 1));
     }
     loop {
-        let (id, len) = parse_token_id(text.get(i..)?)?;
-        ids.push(id);
-        i += len;
+        if let Some((id, digits, after)) = short_token_id(text, i) {
+            ids.push(id);
+            i += digits;
+            match after {
+                b',' => {
+                    i += 1;
+                    if !text.get(i).is_some_and(u8::is_ascii_digit) {
+                        i = skip_ws(text, i);
+                    }
+                    continue;
+                }
+                b']' => return Some((ids, i + 1)),
+                _ => {}
+            }
+        } else {
+            let (id, len) = parse_token_id(text.get(i..)?)?;
+            ids.push(id);
+            i += len;
+        }
         if text.get(i).copied().is_some_and(is_json_ws) {
             i = skip_ws(text, i);
         }
@@ -84,6 +107,26 @@ pub(super) fn scan_token_ids(text: &[u8]) -> Option<(Vec<u32>, usize)> {
             _ => return None, // `.`, `e`, `E`, or anything else
         }
     }
+}
+
+/// The id at `text[i..]` when 8 bytes can be read there and it has 1 to 7 digits (no leading
+/// zero): its value, its digit count and the byte after it. `None`: ask [`parse_token_id`].
+#[inline(always)]
+fn short_token_id(text: &[u8], i: usize) -> Option<(u32, usize, u8)> {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    let chunk: [u8; 8] = text.get(i..i.checked_add(8)?)?.try_into().ok()?;
+    let x = u64::from_le_bytes(chunk);
+    // As in `parse_token_id`: a byte's bits are zero iff it is a digit (exact up to the first
+    // non-digit).
+    let high = (x & (0xF0 * ONES)) ^ (0x30 * ONES);
+    let low = (x.wrapping_add(0x06 * ONES) & (0xF0 * ONES)) ^ (0x30 * ONES);
+    let digits = ((high | low).trailing_zeros() / 8) as usize;
+    if digits == 0 || digits >= 8 || (digits > 1 && chunk[0] == b'0') {
+        return None;
+    }
+    let v = (x & (0x0F * ONES)) << (8 * (8 - digits));
+    let after = (x >> (8 * digits)) as u8;
+    Some((eight_digits(v)?, digits, after))
 }
 
 /// The index of the first non-whitespace byte at or after `i`.

@@ -1,0 +1,203 @@
+//! The filter's per-request compute path in kv mode, natively, for instruction counts under
+//! callgrind (`benches/README` style: prints figures, asserts nothing timing-based).
+//!
+//! One iteration is what `decide_and_steer` computes for a completions request with token ids:
+//! parse the body, hash the prompt lazily (every block is held by one worker, so all of it is
+//! hashed: the worst case), look up overlaps, read the load table from a shared store (one
+//! `get` + decode + view into a reused buffer), decide, book (one CAS set on that read) and
+//! release. Each stage is its own
+//! `#[inline(never)]` function, so `callgrind_annotate --inclusive=yes` shows its share.
+//!
+//! Usage:
+//!   cargo bench --bench request_path --no-run   # builds target/release/deps/request_path-*
+//!   valgrind --tool=callgrind --callgrind-out-file=cg.out <binary> <tokens> <iters>
+//! Instructions per request = (Ir at iters N) - (Ir at iters 0), divided by N (the binary does
+//! its setup either way). Without valgrind it prints the wall time per request.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::time::Instant;
+
+use envoy_kv_router::config::Config;
+use envoy_kv_router::events::IndexEvent;
+use envoy_kv_router::hashing::{local_block_hashes, prompt_sequence_hashes, DYNAMO_HASH_SEED};
+use envoy_kv_router::index::KvIndex;
+use envoy_kv_router::lazy_hash::PromptHasher;
+use envoy_kv_router::load::SlotLoad;
+use envoy_kv_router::load_store;
+use envoy_kv_router::request::{parse_request_with, Endpoint, LlmRequest, ParseOptions, Pin};
+use envoy_kv_router::router::{decide, prompt_blocks, RouteInput, SelectorState};
+use envoy_kv_router::store::{SharedStore, StoreError};
+use envoy_kv_router::types::{ExternalBlockHash, Overlap, SequenceHash, StorageTier};
+
+const BLOCK_SIZE: u32 = 64;
+const WORKERS: usize = 8;
+
+/// Envoy's shared data, in memory.
+#[derive(Default)]
+struct Store(RefCell<HashMap<String, (Vec<u8>, u32)>>);
+
+impl SharedStore for Store {
+    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        match self.0.borrow().get(key) {
+            Some((v, cas)) => (Some(v.clone()), Some(*cas)),
+            None => (None, None),
+        }
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        let mut map = self.0.borrow_mut();
+        let current = map.get(key).map(|(_, c)| *c);
+        if cas.is_some_and(|c| c != 0) && current.is_some() && current != cas {
+            return Err(StoreError::CasMismatch);
+        }
+        let next = current.unwrap_or(0) + 1;
+        map.insert(key.to_string(), (value.to_vec(), next));
+        Ok(())
+    }
+}
+
+fn config() -> Config {
+    let workers: Vec<String> = (0..WORKERS)
+        .map(|i| format!(r#"{{"id": {}, "address": "10.0.0.{}:8000"}}"#, i + 1, i + 1))
+        .collect();
+    let json = format!(
+        r#"{{"mode": "kv", "block_size": {BLOCK_SIZE}, "workers": [{}]}}"#,
+        workers.join(",")
+    );
+    Config::from_json(json.as_bytes()).unwrap()
+}
+
+/// Token ids as a tokenizer with a 128k vocabulary emits them (mostly 5-6 digits).
+fn tokens(n: usize) -> Vec<u32> {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % 128_256) as u32
+        })
+        .collect()
+}
+
+#[inline(never)]
+fn stage_parse(body: &[u8]) -> LlmRequest {
+    let opts = ParseOptions {
+        read_hints: false,
+        ..ParseOptions::default()
+    };
+    parse_request_with(body, Endpoint::Completions, &opts).unwrap()
+}
+
+#[inline(never)]
+fn stage_hash(req: &LlmRequest, index: &KvIndex) -> Vec<SequenceHash> {
+    let ids = req.token_ids.as_deref().unwrap_or_default();
+    let mut h = PromptHasher::new(ids, BLOCK_SIZE, req.lora_name.as_deref());
+    h.hash_while_held(|s| index.holds_anywhere(s));
+    h.into_hashes()
+}
+
+#[inline(never)]
+fn stage_lookup(index: &KvIndex, hashes: &[SequenceHash], out: &mut Vec<Overlap>) {
+    index.find_overlaps(hashes, out);
+}
+
+#[inline(never)]
+fn stage_load(
+    store: &Store,
+    slots: usize,
+    now: u64,
+    out: &mut Vec<SlotLoad>,
+) -> load_store::Snapshot {
+    let snapshot = load_store::read_snapshot(store, slots);
+    snapshot.table.view_into(now, out);
+    snapshot
+}
+
+#[inline(never)]
+fn stage_decide(
+    config: &Config,
+    req: &LlmRequest,
+    overlaps: &[Overlap],
+    load: &[SlotLoad],
+    selector: &mut SelectorState,
+) -> envoy_kv_router::router::Decision {
+    let input = RouteInput {
+        request: req,
+        header_pin: Pin::default(),
+        prompt_blocks: prompt_blocks(config, req),
+        overlaps,
+        load,
+        stale_slots: &[],
+    };
+    decide(config, &input, selector).unwrap()
+}
+
+#[inline(never)]
+fn stage_book(
+    store: &Store,
+    slots: usize,
+    snapshot: load_store::Snapshot,
+    key: u64,
+    d: &envoy_kv_router::router::Decision,
+    now: u64,
+) {
+    let ticket = load_store::update_from(store, slots, Some(snapshot), |t| {
+        t.admit(key, d.slot, d.prefill_tokens, d.prompt_blocks, None, now)
+    })
+    .unwrap();
+    load_store::update(store, slots, |t| t.release_at(&ticket, now).then_some(())).unwrap();
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    // `cargo bench` passes `--bench`: take the numbers among the arguments.
+    let nums: Vec<usize> = args.iter().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let n_tokens = nums.first().copied().unwrap_or(4096);
+    let iters = nums.get(1).copied().unwrap_or(100);
+    let config = config();
+    let toks = tokens(n_tokens);
+    let body = serde_json::json!({"model": "m", "prompt": toks, "max_tokens": 1}).to_string();
+    // Every block held by slot 0: lazy hashing hashes the whole prompt.
+    let mut index = KvIndex::new(WORKERS, 1 << 20);
+    let locals = local_block_hashes(&toks, BLOCK_SIZE, DYNAMO_HASH_SEED);
+    let seqs = prompt_sequence_hashes(&toks, BLOCK_SIZE, None);
+    let stored = IndexEvent::Stored {
+        dp_rank: 0,
+        tier: StorageTier::Device,
+        parent: None,
+        blocks: seqs
+            .iter()
+            .zip(&locals)
+            .map(|(s, l)| (ExternalBlockHash(s.0 ^ 0x5555), *l))
+            .collect(),
+    };
+    index.apply(0, &stored).unwrap();
+    let store = Store::default();
+    load_store::init(&store, config.slots.len(), 900_000);
+    let mut selector = SelectorState::new(7);
+    let mut overlaps = Vec::new();
+    let mut load = Vec::new();
+    let mut chosen = [0usize; WORKERS];
+    let start = Instant::now();
+    for i in 0..iters {
+        let now = 1_000 + i as u64;
+        let req = stage_parse(black_box(body.as_bytes()));
+        let hashes = stage_hash(&req, &index);
+        stage_lookup(&index, &hashes, &mut overlaps);
+        let snapshot = stage_load(&store, config.slots.len(), now, &mut load);
+        let d = stage_decide(&config, &req, &overlaps, &load, &mut selector);
+        stage_book(&store, config.slots.len(), snapshot, i as u64, &d, now);
+        chosen[usize::from(d.slot)] += 1;
+        black_box(&d);
+    }
+    let per = start.elapsed().as_secs_f64() * 1e6 / iters.max(1) as f64;
+    println!(
+        "tokens {n_tokens} body {} B blocks {} iters {iters}: {per:.1} us/request (wall), chosen {chosen:?}",
+        body.len(),
+        seqs.len()
+    );
+}
