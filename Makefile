@@ -9,6 +9,7 @@ setup:
 wasm:
 	bash scripts/build-wasm.sh
 	bash scripts/build-wasm.sh --crash-trigger
+	bash scripts/build-wasm.sh --floor
 
 tools:
 	cargo build --release -p envoy-kv-router-tools -p kv-event-bridge

@@ -686,7 +686,7 @@ fn listener(opts: &EnvoyOptions, wasm: &Path, address: &str) -> Value {
             "vm_config": {"vm_id": "kv_router", "runtime": "envoy.wasm.runtime.v8",
                 "code": {"local": {"filename": wasm.to_string_lossy()}}},
             "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
-                "value": opts.filter_config.to_string()}}}});
+                "value": plugin_configuration(&opts.filter_config)}}}});
     let router = json!({"name": "envoy.filters.http.router", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}});
     let http_filters = if opts.with_filter {
@@ -715,6 +715,15 @@ fn listener(opts: &EnvoyOptions, wasm: &Path, address: &str) -> Value {
                         "http_filters": http_filters
                     }}]}]
     })
+}
+
+/// The filter's configuration string: a JSON string value as it is (the floor filter's plain
+/// `<header> <ip:port>`, `benches/floor-filter`), anything else as its JSON text.
+fn plugin_configuration(config: &Value) -> String {
+    match config {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
 }
 
 /// Writes the LDS file atomically (a rename into the watched directory, which Envoy reloads).
