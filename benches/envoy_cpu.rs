@@ -390,16 +390,43 @@ fn hold(envoy: &Envoy, held: &mut Vec<TcpStream>, n: usize) {
         "POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     );
-    while held.len() < n {
-        let mut s = TcpStream::connect(&envoy.listener).expect("connect (held)");
-        s.write_all(req.as_bytes()).expect("send (held)");
-        held.push(s);
-    }
     let key = "cluster.llm_workers.upstream_rq_active";
-    let ok = envoy.wait_for(Duration::from_secs(120), |e| {
-        e.stats().get(key).copied().unwrap_or(0) >= n as u64
-    });
-    assert!(ok, "Envoy does not hold {n} requests upstream");
+    let mut ok = true;
+    // In batches of 250, each held upstream before the next: a burst of thousands of upstream
+    // connects overflows the mocks' accept queues (connect timeouts, 503s).
+    while ok && held.len() < n {
+        let target = (held.len() + 250).min(n);
+        while held.len() < target {
+            let mut s = TcpStream::connect(&envoy.listener).expect("connect (held)");
+            s.write_all(req.as_bytes()).expect("send (held)");
+            held.push(s);
+        }
+        ok = envoy.wait_for(Duration::from_secs(30), |e| {
+            e.stats().get(key).copied().unwrap_or(0) >= target as u64
+        });
+    }
+    if !ok {
+        let stats = envoy.stats();
+        let mut related: Vec<String> = stats
+            .iter()
+            .filter(|(k, v)| {
+                **v > 0
+                    && (k.contains("_active")
+                        || k.contains("overflow")
+                        || k.contains("fail")
+                        || k.contains("reset")
+                        || k.contains("timeout")
+                        || k.contains("5xx"))
+            })
+            .map(|(k, v)| format!("{k}: {v}"))
+            .collect();
+        related.sort();
+        panic!(
+            "Envoy does not hold {n} requests upstream:\n{}\n{}",
+            related.join("\n"),
+            envoy.log_tail(20)
+        );
+    }
 }
 
 fn fleet_scale(quick: bool, max_held: usize) {
@@ -407,10 +434,11 @@ fn fleet_scale(quick: bool, max_held: usize) {
         .map(|id| Worker::spawn(id, &["--mode", "echo", "--block-size", "64"]).expect("mock"))
         .collect();
     let addrs: Vec<String> = mocks.iter().map(|m| m.addr.clone()).collect();
-    let fleet: &[usize] = if quick {
-        &[8, 1000]
-    } else {
-        &[8, 64, 256, 1000]
+    let fleet: Vec<usize> = match std::env::var("ENVOY_CPU_FLEET") {
+        // A subset, e.g. `ENVOY_CPU_FLEET=1000`.
+        Ok(v) => v.split(',').filter_map(|n| n.trim().parse().ok()).collect(),
+        Err(_) if quick => vec![8, 1000],
+        Err(_) => vec![8, 64, 256, 1000],
     };
     let levels: Vec<usize> = [100, 2000, 10_000]
         .into_iter()
@@ -440,7 +468,7 @@ fn fleet_scale(quick: bool, max_held: usize) {
     println!("| workers | in flight | CPU / request | vs 8 x 100 | p50 / p99 latency | idle CPU |");
     println!("|---|---|---|---|---|---|");
     let mut reference = None;
-    for &n in fleet {
+    for &n in &fleet {
         let workers: Vec<Value> = (0..n)
             .map(|i| json!({"id": i + 1, "address": addrs[i % addrs.len()]}))
             .collect();
@@ -637,7 +665,7 @@ fn events_per_second(quick: bool) {
 }
 
 /// Held requests need 2 descriptors each in Envoy (client + upstream, HTTP/1); leave room for
-/// the event polls of 1,000 entries and Envoy's own (2,000 descriptors).
+/// the event polls of 1,000 entries (up to ~1,200 connections seen) and Envoy's own.
 fn max_held() -> usize {
     let limit = std::fs::read_to_string("/proc/self/limits")
         .ok()
@@ -647,7 +675,7 @@ fn max_held() -> usize {
                 .and_then(|l| l.split_whitespace().nth(3)?.parse::<usize>().ok())
         })
         .unwrap_or(1024);
-    (limit.saturating_sub(2000) / 2).min(10_000)
+    (limit.saturating_sub(3000) / 2).min(10_000)
 }
 
 fn main() {
