@@ -21,7 +21,12 @@
 //! Usage: `cargo bench --bench envoy_cpu [-- --quick]` (needs `make build`: the Envoy in .venv,
 //! target/envoy_kv_router.wasm, target/floor_filter.wasm, the mock worker).
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 use envoy_kv_router::events::IndexEvent;
 use envoy_kv_router::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
