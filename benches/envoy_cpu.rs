@@ -308,6 +308,23 @@ fn cpu_by_prompt_size(quick: bool) {
         ),
     ];
     let kv = &envoys[2].1;
+    // The floor filter did steer: the echo mock shows the destination header it received.
+    let probe = completion_body(&prompt(64, 0));
+    let resp = envoy_kv_router_tools::client::request(
+        &envoys[1].1.listener,
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        &probe,
+        Duration::from_secs(30),
+    )
+    .expect("floor request");
+    let seen = resp.json().expect("echo body")["received_headers"][DEST_HEADER].clone();
+    assert_eq!(
+        seen,
+        json!(worker.addr),
+        "floor filter did not set {DEST_HEADER}"
+    );
     let rounds = if quick { 5 } else { 15 };
     println!("### 1. Envoy CPU per request by prompt size");
     println!();
