@@ -269,7 +269,18 @@ fn kv_config(workers: Value, events: Value) -> Value {
 }
 
 fn start_envoy(config: Value, addrs: Vec<String>, wasm: Option<&str>, filter: bool) -> Envoy {
+    start_envoy_with(config, addrs, wasm, filter, false)
+}
+
+fn start_envoy_with(
+    config: Value,
+    addrs: Vec<String>,
+    wasm: Option<&str>,
+    filter: bool,
+    upstream_http2: bool,
+) -> Envoy {
     let mut opts = EnvoyOptions::new(config, addrs);
+    opts.upstream_http2 = upstream_http2;
     opts.concurrency = 1;
     opts.with_filter = filter;
     opts.log_level = "warning";
@@ -451,7 +462,7 @@ fn hold(envoy: &Envoy, held: &mut Vec<TcpStream>, n: usize) {
     }
 }
 
-fn fleet_scale(quick: bool, max_held: usize) {
+fn fleet_scale(quick: bool, max_held: usize, http2: bool) {
     let mocks: Vec<Worker> = (1..=4)
         .map(|id| Worker::spawn(id, &["--mode", "echo", "--block-size", "64"]).expect("mock"))
         .collect();
@@ -481,10 +492,11 @@ fn fleet_scale(quick: bool, max_held: usize) {
     println!(
         "This filter (`kv`), Envoy `--concurrency 1`; N `workers` entries spread over 4 echo mock \
          processes (entries share addresses); H requests held open upstream (the mock holds them \
-         before answering) while {CLIENTS} keep-alive clients send 4,096-token requests \
+         before answering; Envoy speaks HTTP/{} to them) while {CLIENTS} keep-alive clients send 4,096-token requests \
          ({rounds} rounds of {per_round}); CPU = Envoy on-CPU time per request minus its idle rate \
          over a window just before (event polls every 10 s per entry, the tick), median over \
-         rounds; idle = that rate."
+         rounds; idle = that rate.",
+        if http2 { "2" } else { "1.1" }
     );
     println!();
     println!("| workers | in flight | CPU / request | vs 8 x 100 | p50 / p99 latency | idle CPU |");
@@ -495,7 +507,8 @@ fn fleet_scale(quick: bool, max_held: usize) {
             .map(|i| json!({"id": i + 1, "address": addrs[i % addrs.len()]}))
             .collect();
         let events = json!({"poll_interval_ms": 10_000, "stale_after_ms": 3_600_000});
-        let envoy = start_envoy(kv_config(json!(workers), events), addrs.clone(), None, true);
+        let config = kv_config(json!(workers), events);
+        let envoy = start_envoy_with(config, addrs.clone(), None, true, http2);
         let ok = envoy.wait_for(Duration::from_secs(60), |e| {
             e.router_stat("events.applied") > 0
         });
@@ -686,9 +699,10 @@ fn events_per_second(quick: bool) {
     println!();
 }
 
-/// Held requests need 2 descriptors each in Envoy (client + upstream, HTTP/1); leave room for
+/// Held requests need `per_request` descriptors each in Envoy (client + upstream with HTTP/1.1,
+/// client only with HTTP/2 upstream); leave room for
 /// the event polls of 1,000 entries (up to ~1,200 connections seen) and Envoy's own.
-fn max_held() -> usize {
+fn max_held(per_request: usize) -> usize {
     let limit = std::fs::read_to_string("/proc/self/limits")
         .ok()
         .and_then(|l| {
@@ -697,7 +711,7 @@ fn max_held() -> usize {
                 .and_then(|l| l.split_whitespace().nth(3)?.parse::<usize>().ok())
         })
         .unwrap_or(1024);
-    (limit.saturating_sub(3000) / 2).min(10_000)
+    (limit.saturating_sub(3000) / per_request).min(10_000)
 }
 
 fn main() {
@@ -721,14 +735,17 @@ fn main() {
         cpu_by_prompt_size(quick);
     }
     if only("fleet") {
-        let held = max_held();
+        // HTTP/2 upstream by default: with HTTP/1.1 each held request takes 2 descriptors.
+        let http2 = !args.iter().any(|a| a == "--fleet-http1");
+        let held = max_held(if http2 { 1 } else { 2 });
         if held < 10_000 {
             println!(
-                "(open-file limit: at most {held} requests held in flight, each needing 2 descriptors in Envoy)"
+                "(open-file limit: at most {held} requests held in flight, each needing {} descriptors in Envoy)",
+                if http2 { 1 } else { 2 }
             );
             println!();
         }
-        fleet_scale(quick, held);
+        fleet_scale(quick, held, http2);
     }
     if only("events") {
         events_per_second(quick);
