@@ -11,8 +11,9 @@
 //!    of `/proc/<pid>/stat` at a finer grain) over the round, per request; medians over rounds.
 //! 2. **Request-path CPU at fleet scale**: this filter with 8 / 64 / 256 / 1,000 `workers`
 //!    entries (spread over 4 echo mock processes; entries may share an address) and 100 / 2,000 /
-//!    up to 10,000 requests held in flight (streams the mocks hold open before answering), while
-//!    4 clients send 4k-token requests. Envoy's idle CPU (event polls of the 1,000 entries and
+//!    10,000 requests held in flight (streams the mocks hold open before answering; Envoy speaks
+//!    HTTP/2 to the mocks so that 10,000 fit its descriptor limit, `--fleet-http1` for the
+//!    shipped HTTP/1.1, capped by that limit), while 4 clients send 4k-token requests. Envoy's idle CPU (event polls of the 1,000 entries and
 //!    the tick), measured over an idle window just before, is subtracted.
 //! 3. **Events applied per second**: natively (`KvIndex::apply` of 1-block BlockStored /
 //!    BlockRemoved events) and inside Envoy (one event page burst published to a mock; time from
