@@ -1,0 +1,754 @@
+//! Envoy CPU per request, measured inside the real Envoy (V8) with the built .wasm files, and
+//! event application rates. Prints four markdown tables; asserts nothing.
+//!
+//! 1. **CPU per request by prompt size**: three Envoys side by side (plain, no Wasm filter; the
+//!    floor filter `benches/floor-filter`, which buffers the body, copies it into the VM once,
+//!    scans it once and sets a fixed destination; this filter in `kv` mode with the prompt's
+//!    blocks in its index), each with one worker thread (`--concurrency 1`) in front of the same
+//!    echo mock. Rounds interleave the Envoys (A, B, C, A, B, C, ...) so machine noise hits all
+//!    three; each round is a closed loop of 4 keep-alive clients. CPU = the Envoy process's
+//!    on-CPU time (sum of `/proc/<pid>/task/*/schedstat`, ns; the same quantity as utime+stime
+//!    of `/proc/<pid>/stat` at a finer grain) over the round, per request; medians over rounds.
+//! 2. **Request-path CPU at fleet scale**: this filter with 8 / 64 / 256 / 1,000 `workers`
+//!    entries (spread over 4 echo mock processes; entries may share an address) and 100 / 2,000 /
+//!    10,000 requests held in flight (streams the mocks hold open before answering; Envoy speaks
+//!    HTTP/2 to the mocks so that 10,000 fit its descriptor limit, `--fleet-http1` for the
+//!    shipped HTTP/1.1, capped by that limit), while 4 clients send 4k-token requests. Envoy's idle CPU (event polls of the 1,000 entries and
+//!    the tick), measured over an idle window just before, is subtracted.
+//! 3. **Events applied per second**: natively (`KvIndex::apply` of 1-block BlockStored /
+//!    BlockRemoved events) and inside Envoy (one event page burst published to a mock; time from
+//!    the publish until `events.applied` shows every replica applied them).
+//!
+//! Usage: `cargo bench --bench envoy_cpu [-- --quick]` (needs `make build`: the Envoy in .venv,
+//! target/envoy_kv_router.wasm, target/floor_filter.wasm, the mock worker).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
+use envoy_kv_router::events::IndexEvent;
+use envoy_kv_router::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
+use envoy_kv_router::index::KvIndex;
+use envoy_kv_router::types::{ExternalBlockHash, StorageTier};
+use envoy_kv_router_tools::harness::{workspace_root, Envoy, EnvoyOptions, Worker};
+use serde_json::{json, Value};
+use std::hint::black_box;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+const BLOCK_SIZE: u32 = 64;
+const CLIENTS: usize = 4;
+const DEST_HEADER: &str = "x-gateway-destination-endpoint";
+
+// ---------------------------------------------------------------------------------------------
+// Measuring
+// ---------------------------------------------------------------------------------------------
+
+/// On-CPU nanoseconds of every thread of `pid` so far.
+fn cpu_ns(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .filter_map(Result::ok)
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+fn median(v: &[f64]) -> f64 {
+    quantile(v, 0.5)
+}
+
+fn quantile(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+fn us(ns: f64) -> String {
+    if ns >= 10_000_000.0 {
+        format!("{:.1} ms", ns / 1e6)
+    } else if ns >= 1_000_000.0 {
+        format!("{:.2} ms", ns / 1e6)
+    } else {
+        format!("{:.0} µs", ns / 1e3)
+    }
+}
+
+fn thousands(n: usize) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// A keep-alive HTTP/1.1 client (the closed loop's; the shared test client opens a connection per
+// request, which would add connection set-up to every measured request)
+// ---------------------------------------------------------------------------------------------
+
+struct Conn {
+    addr: String,
+    stream: Option<BufReader<TcpStream>>,
+}
+
+/// What the closed loop needs of an answer.
+struct Answer {
+    status: u16,
+}
+
+impl Conn {
+    fn new(addr: &str) -> Conn {
+        Conn {
+            addr: addr.to_string(),
+            stream: None,
+        }
+    }
+
+    fn post(&mut self, body: &[u8]) -> std::io::Result<Answer> {
+        match self.try_post(body) {
+            Ok(a) => Ok(a),
+            // Envoy closed the idle connection: once more on a fresh one.
+            Err(_) => {
+                self.stream = None;
+                self.try_post(body)
+            }
+        }
+    }
+
+    fn try_post(&mut self, body: &[u8]) -> std::io::Result<Answer> {
+        if self.stream.is_none() {
+            let s = TcpStream::connect(&self.addr)?;
+            s.set_nodelay(true)?;
+            s.set_read_timeout(Some(Duration::from_secs(60)))?;
+            self.stream = Some(BufReader::with_capacity(64 * 1024, s));
+        }
+        let r = self.stream.as_mut().unwrap();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        let w = r.get_mut();
+        w.write_all(head.as_bytes())?;
+        w.write_all(body)?;
+        let mut line = String::new();
+        if r.read_line(&mut line)? == 0 {
+            return Err(std::io::Error::other("closed"));
+        }
+        let status = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let (mut length, mut chunked, mut close) = (0usize, false, false);
+        loop {
+            line.clear();
+            r.read_line(&mut line)?;
+            let l = line.trim_end();
+            if l.is_empty() {
+                break;
+            }
+            let Some((k, v)) = l.split_once(':') else {
+                continue;
+            };
+            let (k, v) = (k.to_ascii_lowercase(), v.trim());
+            match k.as_str() {
+                "content-length" => length = v.parse().unwrap_or(0),
+                "transfer-encoding" => chunked = v.eq_ignore_ascii_case("chunked"),
+                "connection" => close = v.eq_ignore_ascii_case("close"),
+                _ => {}
+            }
+        }
+        if chunked {
+            loop {
+                line.clear();
+                r.read_line(&mut line)?;
+                let size = usize::from_str_radix(line.trim(), 16).unwrap_or(0);
+                let mut chunk = vec![0; size + 2];
+                r.read_exact(&mut chunk)?;
+                if size == 0 {
+                    break;
+                }
+            }
+        } else {
+            let mut rest = vec![0; length];
+            r.read_exact(&mut rest)?;
+        }
+        if close {
+            self.stream = None;
+        }
+        Ok(Answer { status })
+    }
+}
+
+/// `requests` requests shared by `conns.len()` clients in a closed loop; returns each request's
+/// latency (µs) and the Envoy's on-CPU ns over the loop.
+fn closed_loop(conns: &mut [Conn], body: &[u8], requests: usize, pid: u32) -> (Vec<f64>, u64) {
+    let left = AtomicUsize::new(requests);
+    let cpu0 = cpu_ns(pid);
+    let latencies: Vec<f64> = std::thread::scope(|s| {
+        let handles: Vec<_> = conns
+            .iter_mut()
+            .map(|c| {
+                let left = &left;
+                s.spawn(move || {
+                    let mut lat = Vec::new();
+                    while left
+                        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                        .is_ok()
+                    {
+                        let t = Instant::now();
+                        let a = c.post(body).expect("request");
+                        assert_eq!(a.status, 200, "request failed");
+                        lat.push(t.elapsed().as_secs_f64() * 1e6);
+                    }
+                    lat
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect()
+    });
+    (latencies, cpu_ns(pid) - cpu0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Workloads
+// ---------------------------------------------------------------------------------------------
+
+fn prompt(tokens: u32, salt: u32) -> Vec<u32> {
+    (0..tokens)
+        .map(|i| (i ^ salt).wrapping_mul(2_654_435_761) % 50_000)
+        .collect()
+}
+
+fn completion_body(prompt: &[u32]) -> Vec<u8> {
+    json!({"model": "m", "prompt": prompt, "max_tokens": 1})
+        .to_string()
+        .into_bytes()
+}
+
+/// A vLLM-shaped BlockStored event of every block of `prompt` (engine hashes from `base`).
+fn stored_event(prompt: &[u32], base: u64) -> Value {
+    let blocks = prompt.len() as u64 / u64::from(BLOCK_SIZE);
+    let hashes: Vec<u64> = (0..blocks).map(|h| base + h).collect();
+    json!({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": null,
+        "token_ids": &prompt[..(blocks * u64::from(BLOCK_SIZE)) as usize],
+        "block_size": BLOCK_SIZE, "medium": "GPU"})
+}
+
+/// Publishes `events` to `worker` and waits until `envoy`'s replicas applied them all.
+fn feed(envoy: &Envoy, worker: &Worker, events: &Value) {
+    let before = envoy.router_stat("events.applied");
+    worker.admin("/admin/events", events).expect("publish");
+    let ok = envoy.wait_for(Duration::from_secs(60), |e| {
+        e.router_stat("events.applied") > before
+    });
+    assert!(ok, "the filter did not apply the published events");
+    // Every replica (the main thread's VM and the worker thread's) catches up on its tick.
+    std::thread::sleep(Duration::from_millis(300));
+}
+
+fn kv_config(workers: Value, events: Value) -> Value {
+    json!({"mode": "kv", "block_size": BLOCK_SIZE, "events": events, "workers": workers})
+}
+
+fn start_envoy(config: Value, addrs: Vec<String>, wasm: Option<&str>, filter: bool) -> Envoy {
+    start_envoy_with(config, addrs, wasm, filter, false)
+}
+
+fn start_envoy_with(
+    config: Value,
+    addrs: Vec<String>,
+    wasm: Option<&str>,
+    filter: bool,
+    upstream_http2: bool,
+) -> Envoy {
+    let mut opts = EnvoyOptions::new(config, addrs);
+    opts.upstream_http2 = upstream_http2;
+    opts.concurrency = 1;
+    opts.with_filter = filter;
+    opts.log_level = "warning";
+    // Held streams stay open until the bench closes them.
+    opts.route_timeout = Duration::ZERO;
+    opts.wasm = wasm.map(|w| workspace_root().join(w));
+    Envoy::start(&opts).expect("envoy")
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. CPU per request by prompt size
+// ---------------------------------------------------------------------------------------------
+
+fn cpu_by_prompt_size(quick: bool) {
+    let worker = Worker::spawn(1, &["--mode", "echo", "--block-size", "64"]).expect("echo worker");
+    let workers = json!([{"id": 1, "address": worker.addr}]);
+    let floor_config = Value::String(format!("{DEST_HEADER} {}", worker.addr));
+    let addrs = vec![worker.addr.clone()];
+    let envoys = [
+        (
+            "plain",
+            start_envoy(Value::Null, addrs.clone(), None, false),
+        ),
+        (
+            "floor",
+            start_envoy(
+                floor_config,
+                addrs.clone(),
+                Some("target/floor_filter.wasm"),
+                true,
+            ),
+        ),
+        (
+            "kv",
+            start_envoy(kv_config(workers, json!({})), addrs, None, true),
+        ),
+    ];
+    let kv = &envoys[2].1;
+    // The floor filter did steer: the echo mock shows the destination header it received.
+    let probe = completion_body(&prompt(64, 0));
+    let resp = envoy_kv_router_tools::client::request(
+        &envoys[1].1.listener,
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        &probe,
+        Duration::from_secs(30),
+    )
+    .expect("floor request");
+    let seen = resp.json().expect("echo body")["received_headers"][DEST_HEADER].clone();
+    assert_eq!(
+        seen,
+        json!(worker.addr),
+        "floor filter did not set {DEST_HEADER}"
+    );
+    let rounds = if quick { 5 } else { 15 };
+    println!("### 1. Envoy CPU per request by prompt size");
+    println!();
+    println!(
+        "Envoy `--concurrency 1`, echo mock, closed loop of {CLIENTS} keep-alive clients, {rounds} rounds \
+         interleaving the three Envoys; CPU = Envoy process on-CPU time per request, median over \
+         rounds; latency p50 / p99 over all rounds' requests. `kv`: this filter, the prompt's \
+         blocks held by the worker in its index."
+    );
+    println!();
+    println!("| prompt tokens | body | plain | floor filter | kv filter | kv / floor | kv − floor | p50 / p99 plain | p50 / p99 floor | p50 / p99 kv | kv overlap blocks |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for (i, tokens) in [1024u32, 4096, 16_384, 65_536, 131_072]
+        .into_iter()
+        .enumerate()
+    {
+        let prompt = prompt(tokens, i as u32 + 1);
+        let body = completion_body(&prompt);
+        feed(
+            kv,
+            &worker,
+            &json!([stored_event(&prompt, (i as u64 + 1) << 32)]),
+        );
+        // ~0.1-0.3 s of Envoy time per Envoy and round.
+        let per_round = ((if quick { 200_000 } else { 400_000 }) / tokens as usize).clamp(12, 400);
+        let mut conns: Vec<Vec<Conn>> = envoys
+            .iter()
+            .map(|(_, e)| (0..CLIENTS).map(|_| Conn::new(&e.listener)).collect())
+            .collect();
+        // The chosen worker's cached prefix as the filter counts it (its `overlap_blocks`).
+        let before = kv.router_stat("overlap_blocks");
+        conns[2][0].post(&body).expect("kv request");
+        let overlap = kv.router_stat("overlap_blocks") - before;
+        // Warm-up: connections, upstream pools, the VMs' buffers.
+        for (k, (_, e)) in envoys.iter().enumerate() {
+            closed_loop(&mut conns[k], &body, 2 * CLIENTS, e.pid());
+        }
+        let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); 3];
+        let mut lat: Vec<Vec<f64>> = vec![Vec::new(); 3];
+        for _ in 0..rounds {
+            for (k, (_, e)) in envoys.iter().enumerate() {
+                let (l, ns) = closed_loop(&mut conns[k], &body, per_round, e.pid());
+                cpu[k].push(ns as f64 / per_round as f64);
+                lat[k].extend(l);
+            }
+        }
+        let m: Vec<f64> = cpu.iter().map(|c| median(c)).collect();
+        let pl = |k: usize| {
+            format!(
+                "{} / {}",
+                us(quantile(&lat[k], 0.5) * 1e3),
+                us(quantile(&lat[k], 0.99) * 1e3)
+            )
+        };
+        println!(
+            "| {} | {} KB | {} | {} | {} | {:.2}x | {} | {} | {} | {} | {}/{} |",
+            thousands(tokens as usize),
+            body.len() / 1024,
+            us(m[0]),
+            us(m[1]),
+            us(m[2]),
+            m[2] / m[1],
+            us(m[2] - m[1]),
+            pl(0),
+            pl(1),
+            pl(2),
+            overlap,
+            tokens / BLOCK_SIZE
+        );
+    }
+    println!();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Request-path CPU at fleet scale
+// ---------------------------------------------------------------------------------------------
+
+/// Opens held requests through `envoy` until `held` has `n`: small prompts the echo mock holds
+/// for an hour before answering (the client closing the socket ends them).
+fn hold(envoy: &Envoy, held: &mut Vec<TcpStream>, n: usize) {
+    let body = json!({"model": "m", "prompt": prompt(64, 7), "max_tokens": 1,
+        "mock": {"delay_ms": 3_600_000}})
+    .to_string();
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let key = "cluster.llm_workers.upstream_rq_active";
+    let mut ok = true;
+    // In batches of 250, each held upstream before the next: a burst of thousands of upstream
+    // connects overflows the mocks' accept queues (connect timeouts, 503s).
+    while ok && held.len() < n {
+        let target = (held.len() + 250).min(n);
+        while held.len() < target {
+            let mut s = TcpStream::connect(&envoy.listener).expect("connect (held)");
+            s.write_all(req.as_bytes()).expect("send (held)");
+            held.push(s);
+        }
+        ok = envoy.wait_for(Duration::from_secs(30), |e| {
+            e.stats().get(key).copied().unwrap_or(0) >= target as u64
+        });
+    }
+    if !ok {
+        let stats = envoy.stats();
+        let mut related: Vec<String> = stats
+            .iter()
+            .filter(|(k, v)| {
+                **v > 0
+                    && (k.contains("_active")
+                        || k.contains("overflow")
+                        || k.contains("fail")
+                        || k.contains("reset")
+                        || k.contains("timeout")
+                        || k.contains("5xx"))
+            })
+            .map(|(k, v)| format!("{k}: {v}"))
+            .collect();
+        related.sort();
+        panic!(
+            "Envoy does not hold {n} requests upstream:\n{}\n{}",
+            related.join("\n"),
+            envoy.log_tail(20)
+        );
+    }
+}
+
+fn fleet_scale(quick: bool, max_held: usize, http2: bool) {
+    let mocks: Vec<Worker> = (1..=4)
+        .map(|id| Worker::spawn(id, &["--mode", "echo", "--block-size", "64"]).expect("mock"))
+        .collect();
+    let addrs: Vec<String> = mocks.iter().map(|m| m.addr.clone()).collect();
+    let fleet: Vec<usize> = match std::env::var("ENVOY_CPU_FLEET") {
+        // A subset, e.g. `ENVOY_CPU_FLEET=1000`.
+        Ok(v) => v.split(',').filter_map(|n| n.trim().parse().ok()).collect(),
+        Err(_) if quick => vec![8, 1000],
+        Err(_) => vec![8, 64, 256, 1000],
+    };
+    let levels: Vec<usize> = [100, 2000, 10_000]
+        .into_iter()
+        .map(|n| n.min(max_held))
+        .filter(|&n| !quick || n <= 2000)
+        .collect();
+    let rounds = if quick { 5 } else { 9 };
+    let per_round = 100;
+    let prompt = prompt(4096, 99);
+    let body = completion_body(&prompt);
+    // Every entry on mock 1 holds the 4k prompt's blocks (the mock's event page is shared by the
+    // entries pointing at it).
+    mocks[0]
+        .admin("/admin/events", &json!([stored_event(&prompt, 1 << 40)]))
+        .expect("publish");
+    println!("### 2. Request-path CPU per request at fleet scale");
+    println!();
+    println!(
+        "This filter (`kv`), Envoy `--concurrency 1`; N `workers` entries spread over 4 echo mock \
+         processes (entries share addresses); H requests held open upstream (the mock holds them \
+         before answering; Envoy speaks HTTP/{} to them) while {CLIENTS} keep-alive clients send 4,096-token requests \
+         ({rounds} rounds of {per_round}); CPU = Envoy on-CPU time per request minus its idle rate \
+         over a window just before (event polls every 10 s per entry, the tick), median over \
+         rounds; idle = that rate.",
+        if http2 { "2" } else { "1.1" }
+    );
+    println!();
+    println!("| workers | in flight | CPU / request | vs 8 x 100 | p50 / p99 latency | idle CPU |");
+    println!("|---|---|---|---|---|---|");
+    let mut reference = None;
+    for &n in &fleet {
+        let workers: Vec<Value> = (0..n)
+            .map(|i| json!({"id": i + 1, "address": addrs[i % addrs.len()]}))
+            .collect();
+        let events = json!({"poll_interval_ms": 10_000, "stale_after_ms": 3_600_000});
+        let config = kv_config(json!(workers), events);
+        let envoy = start_envoy_with(config, addrs.clone(), None, true, http2);
+        let ok = envoy.wait_for(Duration::from_secs(60), |e| {
+            e.router_stat("events.applied") > 0
+        });
+        assert!(ok, "the filter did not apply mock 1's events");
+        std::thread::sleep(Duration::from_millis(300));
+        let mut conns: Vec<Conn> = (0..CLIENTS).map(|_| Conn::new(&envoy.listener)).collect();
+        closed_loop(&mut conns, &body, 4 * CLIENTS, envoy.pid());
+        let mut held = Vec::new();
+        for &h in &levels {
+            hold(&envoy, &mut held, h);
+            let mut cpu = Vec::new();
+            let mut lat = Vec::new();
+            let mut idle_rates = Vec::new();
+            for _ in 0..rounds {
+                let (c0, t0) = (cpu_ns(envoy.pid()), Instant::now());
+                std::thread::sleep(Duration::from_millis(200));
+                let idle = (cpu_ns(envoy.pid()) - c0) as f64 / t0.elapsed().as_secs_f64();
+                let t = Instant::now();
+                let (l, ns) = closed_loop(&mut conns, &body, per_round, envoy.pid());
+                let net = ns as f64 - idle * t.elapsed().as_secs_f64();
+                cpu.push(net / per_round as f64);
+                idle_rates.push(idle);
+                lat.extend(l);
+            }
+            let m = median(&cpu);
+            let base = *reference.get_or_insert(m);
+            println!(
+                "| {} | {} | {} | {:.2}x | {} / {} | {:.1}% of a core |",
+                thousands(n),
+                thousands(h),
+                us(m),
+                m / base,
+                us(quantile(&lat, 0.5) * 1e3),
+                us(quantile(&lat, 0.99) * 1e3),
+                median(&idle_rates) / 1e7
+            );
+        }
+        drop(held);
+        drop(envoy);
+    }
+    println!();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Events applied per second
+// ---------------------------------------------------------------------------------------------
+
+/// `n` 1-block events: BlockStored of a fresh block, then (every other event) BlockRemoved of
+/// the block stored 500 stored events earlier; 64 small token ids per stored block.
+fn event_stream(n: usize) -> (Vec<IndexEvent>, Vec<Value>) {
+    let tokens: Vec<u32> = (0..BLOCK_SIZE).collect();
+    let local = local_block_hashes(&tokens, BLOCK_SIZE, DYNAMO_HASH_SEED)[0];
+    let (mut native, mut wire) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    let mut next = 1u64;
+    for i in 0..n {
+        if i % 2 == 1 && next > 500 {
+            let h = next - 500;
+            native.push(IndexEvent::Removed {
+                dp_rank: 0,
+                tier: StorageTier::Device,
+                blocks: vec![ExternalBlockHash(h)],
+            });
+            wire.push(json!({"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"}));
+        } else {
+            native.push(IndexEvent::Stored {
+                dp_rank: 0,
+                tier: StorageTier::Device,
+                parent: None,
+                blocks: vec![(ExternalBlockHash(next), local)],
+            });
+            wire.push(json!({"type": "BlockStored", "block_hashes": [next],
+                "parent_block_hash": null, "token_ids": tokens, "block_size": BLOCK_SIZE,
+                "medium": "GPU"}));
+            next += 1;
+        }
+    }
+    (native, wire)
+}
+
+fn events_per_second(quick: bool) {
+    println!("### 3. Events applied per second per index replica");
+    println!();
+    println!(
+        "1-block events, half BlockStored (64 token ids), half BlockRemoved. Native: \
+         `KvIndex::apply` (one worker, bound 200k entries), release build. Envoy: one burst \
+         published to an echo mock's event page (pages of at most 1,000 events, the filter \
+         re-polls at once after a full page; `poll_interval_ms` 10, `tick_ms` 10), time from \
+         the publish until `events.applied` shows every replica applied the burst \
+         (`--concurrency 1`: 2 replicas, the main thread's VM and the worker thread's)."
+    );
+    println!();
+    println!("| where | events | wall time | events / s per replica (wall) | CPU time | events per CPU-second |");
+    println!("|---|---|---|---|---|---|");
+    let n = if quick { 1_000_000 } else { 4_000_000 };
+    let (native, _) = event_stream(n);
+    let mut rates = Vec::new();
+    let mut last = Duration::ZERO;
+    for _ in 0..5 {
+        let mut index = KvIndex::new(1, 200_000);
+        let t = Instant::now();
+        for e in &native {
+            let _ = black_box(index.apply(0, e));
+        }
+        last = t.elapsed();
+        rates.push(n as f64 / last.as_secs_f64());
+        black_box(index.entries());
+    }
+    println!(
+        "| native, 1 thread | {} | {:.0} ms | {:.2} M (median of 5) | = wall | = wall |",
+        thousands(n),
+        last.as_secs_f64() * 1e3,
+        median(&rates) / 1e6
+    );
+    drop(native);
+
+    let n = if quick { 50_000 } else { 200_000 };
+    let (_, wire) = event_stream(n);
+    let worker = Worker::spawn(
+        1,
+        &[
+            "--mode",
+            "echo",
+            "--block-size",
+            "64",
+            "--event-capacity",
+            &(2 * n).to_string(),
+        ],
+    )
+    .expect("worker");
+    let mut config = kv_config(
+        json!([{"id": 1, "address": worker.addr}]),
+        json!({"poll_interval_ms": 10, "max_response_bytes": 64 << 20}),
+    );
+    config["tick_ms"] = json!(10);
+    let envoy = start_envoy(config, vec![worker.addr.clone()], None, true);
+    // Settle: the first polls and any start-up re-sync.
+    std::thread::sleep(Duration::from_millis(500));
+    let before = envoy.router_stat("events.applied");
+    let received_before = envoy.router_stat("events.received");
+    let body = Value::Array(wire);
+    let t = Instant::now();
+    worker.admin("/admin/events", &body).expect("publish");
+    // The mock makes the whole burst visible at once, when it has parsed the body.
+    let published = Instant::now();
+    let cpu0 = cpu_ns(envoy.pid());
+    let publish_ms = (published - t).as_secs_f64() * 1e3;
+    let (mut received_at, mut applied_at) = (None, None);
+    let deadline = published + Duration::from_secs(300);
+    let mut replicas = 0;
+    while applied_at.is_none() && Instant::now() < deadline {
+        let stats = envoy.stats();
+        let stat = |k: &str| {
+            stats
+                .get(&format!("wasmcustom.kv_router.{k}"))
+                .copied()
+                .unwrap_or(0)
+        };
+        if received_at.is_none() && stat("events.received") - received_before >= n as u64 {
+            received_at = Some(published.elapsed());
+        }
+        replicas = (stat("events.applied") - before) / n as u64;
+        if received_at.is_some() && replicas >= 2 {
+            applied_at = Some(published.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    match (received_at, applied_at) {
+        (Some(r), Some(a)) => {
+            // Polls, page parsing, log appends and both replicas' application, all threads.
+            let cpu = (cpu_ns(envoy.pid()) - cpu0) as f64;
+            println!(
+                "| Envoy (V8), 1 worker, 2 replicas | {} | {:.0} ms after the publish ({:.0} ms to take every page into the log) | {:.0} k | {:.0} ms | {:.0} k |",
+                thousands(n),
+                a.as_secs_f64() * 1e3,
+                r.as_secs_f64() * 1e3,
+                n as f64 / a.as_secs_f64() / 1e3,
+                cpu / 1e6,
+                n as f64 / (cpu / 1e9) / 1e3
+            )
+        }
+        _ => println!(
+            "| Envoy (V8), 1 worker | {} | not applied by 2 replicas in 300 s ({replicas} done) | - | - | - |",
+            thousands(n)
+        ),
+    }
+    println!();
+    println!("(publishing the burst to the mock took {publish_ms:.0} ms, not counted)");
+    println!();
+}
+
+/// Held requests need `per_request` descriptors each in Envoy (client + upstream with HTTP/1.1,
+/// client only with HTTP/2 upstream); leave room for
+/// the event polls of 1,000 entries (up to ~1,200 connections seen) and Envoy's own.
+fn max_held(per_request: usize) -> usize {
+    let limit = std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|l| {
+            l.lines()
+                .find(|l| l.starts_with("Max open files"))
+                .and_then(|l| l.split_whitespace().nth(3)?.parse::<usize>().ok())
+        })
+        .unwrap_or(1024);
+    (limit.saturating_sub(3000) / per_request).min(10_000)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let only = |name: &str| {
+        let picked: Vec<&String> = args
+            .iter()
+            .skip_while(|a| *a != "--only")
+            .skip(1)
+            .take(1)
+            .collect();
+        picked.is_empty() || picked.iter().any(|p| p.split(',').any(|x| x == name))
+    };
+    println!(
+        "## envoy_cpu ({}): Envoy CPU per request and event rates",
+        if quick { "--quick" } else { "full" }
+    );
+    println!();
+    if only("size") {
+        cpu_by_prompt_size(quick);
+    }
+    if only("fleet") {
+        // HTTP/2 upstream by default: with HTTP/1.1 each held request takes 2 descriptors.
+        let http2 = !args.iter().any(|a| a == "--fleet-http1");
+        let held = max_held(if http2 { 1 } else { 2 });
+        if held < 10_000 {
+            println!(
+                "(open-file limit: at most {held} requests held in flight, each needing {} descriptors in Envoy)",
+                if http2 { 1 } else { 2 }
+            );
+            println!();
+        }
+        fleet_scale(quick, held, http2);
+    }
+    if only("events") {
+        events_per_second(quick);
+    }
+}
