@@ -15,8 +15,8 @@ use crate::events::{encode_log_batch, parse_dump, parse_event_page, EventError, 
 use crate::load_store::{self, PendingReleases};
 use crate::polling::{disposition, is_gap, CallKind, Disposition, Next, ReplyOutcome};
 use crate::render::RenderCache;
-use crate::replication::lease::{hold_lease, holds_lease};
 use crate::replication::coalesce::{QueuedReply, ReplyKind};
+use crate::replication::lease::{hold_lease, holds_lease};
 use crate::replication::log::{self as replication, Replica};
 use crate::router::SelectorState;
 use crate::text::{excerpt, MAX_EXCERPT_BYTES};
@@ -211,8 +211,10 @@ impl VmState {
             .poller
             .queued
             .flush(&HostStore, self.fingerprint, workers, now);
-        self.metrics.add("log.replies_batched", flushed.applied as u64);
-        self.metrics.add("log.replies_dropped", flushed.dropped as u64);
+        self.metrics
+            .add("log.replies_batched", flushed.applied as u64);
+        self.metrics
+            .add("log.replies_dropped", flushed.dropped as u64);
         self.sync_replica();
     }
 

@@ -156,3 +156,315 @@ fn apply(head: &mut LogHead, reply: &QueuedReply) -> bool {
     }
     true
 }
+
+#[cfg(test)]
+#[allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::events::{IndexEvent, NumberedEvent};
+    use crate::replication::log::{append, init, read_head, Replica, LOG_SLOTS};
+    use crate::store::fake::{MemStore, Op};
+    use crate::types::{ExternalBlockHash, LocalBlockHash, StorageTier};
+    use std::cell::Cell;
+    use std::rc::Rc;
+
+    const FP: u64 = 42;
+
+    fn config(workers: usize) -> Config {
+        let list: Vec<String> = (0..workers)
+            .map(|i| {
+                format!(
+                    r#"{{"id": {}, "address": "10.0.{}.{}:8000"}}"#,
+                    i + 1,
+                    i / 250,
+                    i % 250 + 1
+                )
+            })
+            .collect();
+        Config::from_json(format!(r#"{{"workers": [{}]}}"#, list.join(",")).as_bytes()).unwrap()
+    }
+
+    /// Event `id` of `worker`: stores one block unique to (worker, id).
+    fn event(worker: u16, id: u64) -> NumberedEvent {
+        let hash = (u64::from(worker) << 32) | id;
+        NumberedEvent {
+            event_id: id,
+            event: IndexEvent::Stored {
+                dp_rank: 0,
+                tier: StorageTier::Device,
+                parent: None,
+                blocks: vec![(ExternalBlockHash(hash), LocalBlockHash(hash))],
+            },
+        }
+    }
+
+    fn load(running: u32) -> Option<ReportedLoad> {
+        Some(ReportedLoad {
+            num_waiting: 0,
+            num_running: running,
+            kv_usage: 0.5,
+        })
+    }
+
+    /// A page of `worker` carrying events `after+1..=cursor`.
+    fn page(worker: u16, after: u64, cursor: u64, at_ms: u64) -> QueuedReply {
+        let events: Vec<_> = (after + 1..=cursor).map(|id| event(worker, id)).collect();
+        QueuedReply {
+            worker,
+            generation: 0,
+            kind: ReplyKind::Page { after, cursor },
+            at_ms,
+            reported: load(u32::try_from(cursor).unwrap()),
+            described: None,
+            record: (!events.is_empty()).then_some(LogRecord::Events { worker, events }),
+        }
+    }
+
+    fn dump(worker: u16, last: u64, at_ms: u64) -> QueuedReply {
+        QueuedReply {
+            worker,
+            generation: 0,
+            kind: ReplyKind::Dump { last },
+            at_ms,
+            reported: load(0),
+            described: None,
+            record: Some(LogRecord::Resync {
+                worker,
+                last_event_id: last,
+                events: (1..=last).map(|id| event(worker, id)).collect(),
+            }),
+        }
+    }
+
+    /// 1,000 workers answer every tick (a dump, then pages of 2 events); the poller appends
+    /// each tick's replies as one batch. A replica that syncs once per tick applies every event
+    /// of every tick in order: the 64-slot ring never laps, no snapshot, no lost sync.
+    #[test]
+    fn a_thousand_workers_per_tick_take_one_slot_and_a_replica_never_falls_behind() {
+        const WORKERS: u16 = 1000;
+        const TICKS: u64 = 3 * LOG_SLOTS / 2; // past the ring's size: slots are reused
+        let config = config(usize::from(WORKERS));
+        let store = MemStore::new();
+        init(&store);
+        let mut replica = Replica::new(&config, FP);
+        let mut poller = Coalescer::default();
+        let mut cursors = vec![None::<u64>; usize::from(WORKERS)];
+        let mut expected_blocks = 0;
+        for tick in 0..TICKS {
+            let now = tick * 50;
+            for worker in 0..WORKERS {
+                let reply = match cursors[usize::from(worker)] {
+                    None => dump(worker, 1, now),
+                    Some(after) => page(worker, after, after + 2, now),
+                };
+                cursors[usize::from(worker)] = Some(match reply.kind {
+                    ReplyKind::Dump { last } => last,
+                    ReplyKind::Page { cursor, .. } => cursor,
+                });
+                assert!(
+                    !poller.push(reply, 300),
+                    "1,000 small replies fit one batch"
+                );
+            }
+            let flushed = poller.flush(&store, FP, usize::from(WORKERS), now);
+            assert_eq!(
+                flushed,
+                Flushed {
+                    applied: 1000,
+                    dropped: 0
+                },
+                "tick {tick}"
+            );
+            expected_blocks += if tick == 0 { 1000 } else { 2000 };
+
+            let report = replica.sync(&store, &config, now + 10);
+            assert_eq!(
+                (report.batches, report.snapshot_loaded, report.lost_sync),
+                (1, false, false),
+                "tick {tick}: one batch, applied from the ring"
+            );
+            assert_eq!(report.events_applied, if tick == 0 { 1000 } else { 2000 });
+            assert_eq!(replica.index.entries(), expected_blocks, "tick {tick}");
+        }
+        let (head, _) = read_head(&store).unwrap();
+        assert_eq!(head.seq, TICKS, "one ring slot per tick");
+        assert!(head
+            .workers
+            .iter()
+            .zip(&cursors)
+            .all(|(w, c)| w.cursor == *c && !w.stale));
+        assert!(
+            store.key_count() <= 3 + LOG_SLOTS as usize,
+            "the key set stays fixed"
+        );
+    }
+
+    /// The same tick appended reply by reply (the old poller) laps the ring: a replica syncing
+    /// once per tick falls back, and without a snapshot reports lost sync. The fallback stays.
+    #[test]
+    fn a_tick_appended_reply_by_reply_laps_the_ring_and_the_fallback_still_works() {
+        let config = config(1000);
+        let store = MemStore::new();
+        init(&store);
+        let mut replica = Replica::new(&config, FP);
+        for worker in 0..1000u16 {
+            let reply = dump(worker, 1, 0);
+            let mut one = Coalescer::default();
+            one.push(reply, 300);
+            assert_eq!(one.flush(&store, FP, 1000, 0).applied, 1);
+        }
+        let report = replica.sync(&store, &config, 10);
+        assert!(report.lost_sync && !report.snapshot_loaded);
+        assert_eq!(report.batches, LOG_SLOTS - 1, "what the ring still holds");
+        assert_eq!(replica.applied_seq, 1000);
+    }
+
+    /// Replies whose cursor or occupant another poller changed meanwhile are left out; the
+    /// others of the tick still go in, in one batch.
+    #[test]
+    fn a_stale_reply_is_left_out_and_the_rest_of_the_tick_goes_in() {
+        let config = config(3);
+        let store = MemStore::new();
+        init(&store);
+        let mut q = Coalescer::default();
+        for w in 0..3 {
+            q.push(dump(w, 1, 0), 10);
+        }
+        assert_eq!(q.flush(&store, FP, 3, 0).applied, 3);
+        // Another poller already moved worker 1 to 5.
+        assert!(append(&store, FP, 3, 0, &[], |head| {
+            head.workers[1].cursor = Some(5);
+            true
+        }));
+        q.push(page(0, 1, 3, 100), 10);
+        q.push(page(1, 1, 3, 100), 10); // continues from 1: stale
+        q.push(page(2, 1, 2, 100), 10);
+        assert_eq!(
+            q.flush(&store, FP, 3, 100),
+            Flushed {
+                applied: 2,
+                dropped: 1
+            }
+        );
+        let (head, _) = read_head(&store).unwrap();
+        let cursors: Vec<_> = head.workers.iter().map(|w| w.cursor).collect();
+        assert_eq!(cursors, vec![Some(3), Some(5), Some(2)]);
+        let mut replica = Replica::new(&config, FP);
+        replica.sync(&store, &config, 200);
+        assert_eq!(
+            replica.index.entries(),
+            3 + 2 + 1,
+            "dumps, then worker 0's 2 and 2's 1"
+        );
+    }
+
+    /// A long poll re-issued from a queued cursor: the dump and the pages after it, all queued in
+    /// one tick, apply in order in one batch.
+    #[test]
+    fn pages_chained_on_a_queued_cursor_apply_in_order() {
+        let store = MemStore::new();
+        init(&store);
+        let mut q = Coalescer::default();
+        q.push(dump(0, 4, 0), 10);
+        assert_eq!(q.cursor(0), Some(4));
+        q.push(page(0, 4, 6, 1), 10);
+        assert_eq!(q.cursor(0), Some(6));
+        q.push(page(0, 6, 9, 2), 10);
+        assert_eq!(q.cursor(1), None);
+        assert_eq!(q.flush(&store, FP, 2, 3).applied, 3);
+        let (head, _) = read_head(&store).unwrap();
+        assert_eq!((head.seq, head.workers[0].cursor), (1, Some(9)));
+        assert!(q.is_empty());
+    }
+
+    /// Replies that change only poll state (empty pages, same reported load) move neither the
+    /// log nor the head's version: requests have nothing to re-read.
+    #[test]
+    fn empty_pages_with_unchanged_load_leave_the_request_path_alone() {
+        let config = config(4);
+        let store = MemStore::new();
+        init(&store);
+        let mut q = Coalescer::default();
+        for w in 0..4 {
+            q.push(dump(w, 2, 0), 10);
+        }
+        q.flush(&store, FP, 4, 0);
+        let mut replica = Replica::new(&config, FP);
+        replica.sync(&store, &config, 0);
+        assert!(!replica.is_behind(&store));
+        for tick in 1..5 {
+            for w in 0..4 {
+                let mut reply = page(w, 2, 2, tick * 50);
+                reply.reported = load(0);
+                q.push(reply, 10);
+            }
+            assert_eq!(q.flush(&store, FP, 4, tick * 50).applied, 4);
+            assert!(
+                !replica.is_behind(&store),
+                "tick {tick}: nothing to re-read"
+            );
+        }
+        let (head, _) = read_head(&store).unwrap();
+        assert_eq!(head.workers[3].last_ok_ms, 200, "the poll state did move");
+        // A load change is routing state: the version moves.
+        q.push(page(1, 2, 2, 300), 10);
+        q.flush(&store, FP, 4, 300);
+        assert!(replica.is_behind(&store));
+    }
+
+    /// A lease hand-over: the old poller flushes its tick while the new one flushes the same
+    /// workers' replies, interleaved at every store operation. Each page lands exactly once.
+    #[test]
+    fn two_pollers_flushing_the_same_tick_append_each_page_once() {
+        let config = config(2);
+        let probe = MemStore::new();
+        init(&probe);
+        let before = probe.ops.get();
+        let mut q = Coalescer::default();
+        q.push(dump(0, 1, 0), 10);
+        q.flush(&probe, FP, 2, 0);
+        let steps = probe.ops.get() - before;
+        for at in 1..=steps + 1 {
+            let store = MemStore::new();
+            init(&store);
+            let seen = Rc::new(Cell::new(0usize));
+            let new_result = Rc::new(Cell::new(None));
+            let (seen_h, new_h) = (Rc::clone(&seen), Rc::clone(&new_result));
+            let new_poller_flush = |s: &MemStore| {
+                let mut new_poller = Coalescer::default();
+                new_poller.push(page(0, 0, 2, 5), 10);
+                new_poller.push(dump(1, 3, 5), 10);
+                new_poller.flush(s, FP, 2, 5)
+            };
+            store.set_hook(move |s: &MemStore, _op: &Op| {
+                seen_h.set(seen_h.get() + 1);
+                if seen_h.get() == at {
+                    new_h.set(Some(new_poller_flush(s)));
+                }
+            });
+            let mut old_poller = Coalescer::default();
+            old_poller.push(dump(0, 0, 1), 10);
+            old_poller.push(page(0, 0, 2, 1), 10);
+            let old = old_poller.flush(&store, FP, 2, 1);
+            store.clear_hook();
+            let new = new_result.get().unwrap_or_else(|| new_poller_flush(&store));
+            let mut replica = Replica::new(&config, FP);
+            replica.sync(&store, &config, 10);
+            let (head, _) = read_head(&store).unwrap();
+            assert_eq!(head.workers[0].cursor, Some(2), "op {at}");
+            assert_eq!(head.workers[1].cursor, Some(3), "op {at}");
+            // Worker 0's events 1..=2 once, worker 1's dump once.
+            assert_eq!(
+                replica.index.entries(),
+                2 + 3,
+                "op {at}: old {old:?}, new {new:?}"
+            );
+        }
+    }
+}

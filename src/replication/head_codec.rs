@@ -33,7 +33,8 @@ const ROUTE_REPORTED: u8 = 1 << 1;
 const ROUTE_MEMBER: u8 = 1 << 2;
 const ROUTE_HEALTHY: u8 = 1 << 3;
 const ROUTE_DESCRIBED: u8 = 1 << 4;
-const ROUTE_KNOWN: u8 = ROUTE_STALE | ROUTE_REPORTED | ROUTE_MEMBER | ROUTE_HEALTHY | ROUTE_DESCRIBED;
+const ROUTE_KNOWN: u8 =
+    ROUTE_STALE | ROUTE_REPORTED | ROUTE_MEMBER | ROUTE_HEALTHY | ROUTE_DESCRIBED;
 
 /// The fixed header alone: what a replica needs when the routing part did not change.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -198,7 +199,8 @@ fn decode_routing(c: &mut Cursor<'_>, w: &mut WorkerPollState) -> Option<()> {
 /// to fit their length prefix rather than corrupting the layout.
 pub fn encode_head(head: &LogHead) -> Vec<u8> {
     let routing = encode_routing(head);
-    let mut out = Vec::with_capacity(HEADER_BYTES + head.workers.len() * POLL_BYTES + routing.len());
+    let mut out =
+        Vec::with_capacity(HEADER_BYTES + head.workers.len() * POLL_BYTES + routing.len());
     out.extend_from_slice(&MAGIC.to_le_bytes());
     out.extend_from_slice(&FORMAT.to_le_bytes());
     out.extend_from_slice(&u16::from(head.members_seen).to_le_bytes());
@@ -373,7 +375,12 @@ mod tests {
             assert_eq!(decode_head(&bytes), Some(head.clone()), "{n} workers");
             let header = decode_header(&bytes).unwrap();
             assert_eq!(
-                (header.seq, header.version, header.workers, header.members_seen),
+                (
+                    header.seq,
+                    header.version,
+                    header.workers,
+                    header.members_seen
+                ),
                 (99, 12, head.workers.len(), true)
             );
         }
@@ -385,11 +392,17 @@ mod tests {
             workers: vec![WorkerPollState::default(); 1000],
             ..LogHead::default()
         };
-        assert_eq!(encode_head(&head).len(), HEADER_BYTES + 1000 * (POLL_BYTES + 1));
+        assert_eq!(
+            encode_head(&head).len(),
+            HEADER_BYTES + 1000 * (POLL_BYTES + 1)
+        );
         for w in &mut head.workers {
             w.reported = Some(ReportedLoad::default());
         }
-        assert_eq!(encode_head(&head).len(), HEADER_BYTES + 1000 * (POLL_BYTES + 17));
+        assert_eq!(
+            encode_head(&head).len(),
+            HEADER_BYTES + 1000 * (POLL_BYTES + 17)
+        );
     }
 
     #[test]
@@ -401,7 +414,11 @@ mod tests {
         let mut longer = bytes.clone();
         longer.push(0);
         assert_eq!(decode_head(&longer), None);
-        assert_eq!(decode_head(b"{\"seq\": 1}"), None, "a JSON head of an older build");
+        assert_eq!(
+            decode_head(b"{\"seq\": 1}"),
+            None,
+            "a JSON head of an older build"
+        );
     }
 
     #[test]
@@ -426,6 +443,9 @@ mod tests {
         assert!(routing_changed(&before, &member));
         let mut nan = before.clone();
         nan.workers[0].reported.as_mut().unwrap().kv_usage = f64::NAN;
-        assert!(!routing_changed(&nan, &nan.clone()), "NaN equals itself here");
+        assert!(
+            !routing_changed(&nan, &nan.clone()),
+            "NaN equals itself here"
+        );
     }
 }

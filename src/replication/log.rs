@@ -887,4 +887,146 @@ mod tests {
             "never written backwards"
         );
     }
+
+    /// A new configuration (another fingerprint) starts a new epoch after the old log: its
+    /// replicas start from an empty index there, the version keeps growing, and a replica of the
+    /// old configuration applies nothing of the new epoch.
+    #[test]
+    fn a_configuration_change_starts_a_new_epoch() {
+        let config = config(2);
+        let store = MemStore::new();
+        init(&store);
+        assert!(poller_append(&store, 0, None, 1, 100));
+        assert!(poller_append(&store, 1, None, 5, 500));
+        let mut old = Replica::new(&config, FP);
+        old.sync(&store, &config, 0);
+        assert_eq!(old.index.entries(), 2);
+        let (before, _) = read_head(&store).unwrap();
+
+        const NEW_FP: u64 = 43;
+        assert!(append(&store, NEW_FP, 2, 0, &[stored(1, 9, 900)], |head| {
+            assert!(
+                head.workers.iter().all(|w| w.cursor.is_none()),
+                "fresh cursors"
+            );
+            head.workers[1].cursor = Some(9);
+            true
+        }));
+        let (head, _) = read_head(&store).unwrap();
+        assert_eq!(
+            (head.fingerprint, head.epoch_start, head.seq),
+            (NEW_FP, 3, 4)
+        );
+        assert!(
+            head.version > before.version,
+            "replicas notice the new head"
+        );
+        let mut new = Replica::new(&config, NEW_FP);
+        new.sync(&store, &config, 0);
+        assert_eq!((new.applied_seq, new.index.entries()), (4, 1));
+        // A replica that applied the old epoch moves to the new one too when reconfigured.
+        old.fingerprint = NEW_FP;
+        old.sync(&store, &config, 0);
+        assert_eq!(
+            (old.applied_seq, old.index.entries()),
+            (4, 1),
+            "old blocks dropped"
+        );
+        let mut stale = Replica::new(&config, FP);
+        assert_eq!(stale.sync(&store, &config, 0), SyncReport::default());
+        assert_eq!(
+            stale.index.entries(),
+            0,
+            "the old configuration applies nothing"
+        );
+    }
+
+    /// A replica further behind than the ring restarts from the snapshot and then applies the
+    /// batches after it: it ends with the same index as one that applied everything.
+    #[test]
+    fn a_replica_beyond_the_ring_loads_the_snapshot() {
+        let config = config(2);
+        let store = MemStore::new();
+        init(&store);
+        let mut poller = Replica::new(&config, FP);
+        poller.full_head = true;
+        let batches = 2 * LOG_SLOTS + 5;
+        for id in 1..=batches {
+            assert!(poller_append(&store, 0, (id > 1).then(|| id - 1), id, id));
+            poller.sync(&store, &config, 0);
+            poller.maybe_write_snapshot(&store);
+        }
+        let (head, _) = read_head(&store).unwrap();
+        assert_eq!(head.snapshot_seq, 2 * LOG_SLOTS);
+        let mut late = Replica::new(&config, FP);
+        let report = late.sync(&store, &config, 0);
+        assert!(report.snapshot_loaded && !report.lost_sync);
+        assert_eq!(
+            report.batches,
+            batches - 2 * LOG_SLOTS,
+            "only what follows the snapshot"
+        );
+        assert_eq!(late.applied_seq, batches);
+        assert_eq!(late.index.entries(), poller.index.entries());
+        assert_eq!(late.index.entries(), usize::try_from(batches).unwrap());
+    }
+
+    /// Beyond the ring without a usable snapshot: the replica says it lost sync, restarts from
+    /// an empty index at the oldest batch the ring still holds, and carries on from there.
+    #[test]
+    fn a_replica_beyond_the_ring_without_a_snapshot_loses_sync_and_recovers() {
+        let config = config(2);
+        let store = MemStore::new();
+        init(&store);
+        let batches = LOG_SLOTS + 10;
+        for id in 1..=batches {
+            assert!(poller_append(&store, 0, (id > 1).then(|| id - 1), id, id));
+        }
+        let mut replica = Replica::new(&config, FP);
+        let report = replica.sync(&store, &config, 0);
+        assert!(report.lost_sync && !report.snapshot_loaded);
+        assert_eq!(report.batches, LOG_SLOTS - 1);
+        assert_eq!(replica.applied_seq, batches);
+        assert_eq!(
+            replica.index.entries(),
+            usize::try_from(LOG_SLOTS - 1).unwrap()
+        );
+        assert!(poller_append(&store, 0, Some(batches), batches + 1, 0xfeed));
+        let report = replica.sync(&store, &config, 0);
+        assert_eq!(
+            (report.batches, report.lost_sync),
+            (1, false),
+            "back in step"
+        );
+    }
+
+    /// A sync for new batches alone reads the head's header: the per-worker parts decoded at the
+    /// last version change stay, and the request check is clean afterwards.
+    #[test]
+    fn a_sync_without_a_version_change_keeps_the_decoded_workers() {
+        let config = config(2);
+        let store = MemStore::new();
+        init(&store);
+        assert!(poller_append(&store, 0, None, 1, 100));
+        let mut replica = Replica::new(&config, FP);
+        replica.sync(&store, &config, 0);
+        let version = replica.head.version;
+        assert!(poller_append(&store, 0, Some(1), 2, 200));
+        assert!(replica.is_behind(&store), "a new batch");
+        replica.sync(&store, &config, 0);
+        assert_eq!((replica.head.version, replica.head.seq), (version, 2));
+        assert_eq!(
+            replica.head.workers[0].cursor,
+            Some(1),
+            "cursors not re-decoded"
+        );
+        assert!(!replica.is_behind(&store));
+        replica.full_head = true;
+        replica.sync(&store, &config, 0);
+        assert_eq!(
+            replica.head.workers[0].cursor,
+            Some(2),
+            "the poller's full decode"
+        );
+    }
 }
