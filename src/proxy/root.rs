@@ -190,8 +190,8 @@ impl VmState {
                 (reply, outcome)
             }
         };
-        // Appended with the tick's other replies (one batch per tick, see
-        // `replication::coalesce`), or at once when the queue is full.
+        // At once for the tick's first replies, else with the tick's other replies in one batch
+        // (see `replication::coalesce`), or when the queue is full.
         if self.poller.queued.push(queued, body.len()) {
             self.flush_replies(now);
         }
@@ -334,6 +334,7 @@ impl VmState {
         // Replies queued since the last tick, as one batch (also after losing the lease: their
         // preconditions keep a late append from undoing the new poller's work).
         self.flush_replies(now);
+        self.poller.queued.new_tick();
         self.sync_replica();
         self.sync_predictions(now);
         if !leader {

@@ -20,6 +20,12 @@ use crate::store::SharedStore;
 /// received, an upper bound of their encoded size), so a batch's value stays bounded.
 pub const MAX_BATCH_BYTES: usize = 1 << 20;
 
+/// Batches appended at once from the reply callback per tick, before replies wait for the tick:
+/// with a few workers every reply is routable the moment it arrives, with many the tick's replies
+/// share one more batch. At most `1 + EARLY_FLUSHES_PER_TICK` ring slots per tick (plus any
+/// byte-budget flushes), whatever the number of workers.
+pub const EARLY_FLUSHES_PER_TICK: u32 = 2;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReplyKind {
     /// A dump: the worker continues from `last`, whatever its cursor was.
@@ -55,14 +61,22 @@ pub struct Flushed {
 pub struct Coalescer {
     queued: Vec<QueuedReply>,
     bytes: usize,
+    /// Flushes since the last [`Coalescer::new_tick`].
+    flushes_this_tick: u32,
 }
 
 impl Coalescer {
-    /// Queues a reply of `bytes`; true when the queue reached [`MAX_BATCH_BYTES`] (flush now).
+    /// Queues a reply of `bytes`; true when the caller should flush now: the queue reached
+    /// [`MAX_BATCH_BYTES`], or this tick has not used its [`EARLY_FLUSHES_PER_TICK`] yet.
     pub fn push(&mut self, reply: QueuedReply, bytes: usize) -> bool {
         self.queued.push(reply);
         self.bytes = self.bytes.saturating_add(bytes);
-        self.bytes >= MAX_BATCH_BYTES
+        self.bytes >= MAX_BATCH_BYTES || self.flushes_this_tick < EARLY_FLUSHES_PER_TICK
+    }
+
+    /// The tick's own flush is done: the next replies may be flushed early again.
+    pub fn new_tick(&mut self) {
+        self.flushes_this_tick = 0;
     }
 
     pub fn len(&self) -> usize {
@@ -104,6 +118,7 @@ impl Coalescer {
         if queued.is_empty() {
             return Flushed::default();
         }
+        self.flushes_this_tick = self.flushes_this_tick.saturating_add(1);
         let mut applied = 0;
         let appended = append_with(store, fingerprint, workers, now_ms, |head| {
             let mut records: Vec<&LogRecord> = Vec::new();
@@ -267,33 +282,43 @@ mod tests {
                     ReplyKind::Dump { last } => last,
                     ReplyKind::Page { cursor, .. } => cursor,
                 });
-                assert!(
-                    !poller.push(reply, 300),
-                    "1,000 small replies fit one batch"
-                );
+                // As the filter does: the first replies of a tick go at once, the rest wait.
+                if poller.push(reply, 300) {
+                    let early = poller.flush(&store, FP, usize::from(WORKERS), now);
+                    assert_eq!(
+                        early,
+                        Flushed {
+                            applied: 1,
+                            dropped: 0
+                        }
+                    );
+                }
             }
             let flushed = poller.flush(&store, FP, usize::from(WORKERS), now);
+            poller.new_tick();
+            let early = u64::from(EARLY_FLUSHES_PER_TICK);
             assert_eq!(
-                flushed,
-                Flushed {
-                    applied: 1000,
-                    dropped: 0
-                },
-                "tick {tick}"
+                flushed.applied as u64,
+                1000 - early,
+                "tick {tick}: the rest in one batch"
             );
             expected_blocks += if tick == 0 { 1000 } else { 2000 };
 
             let report = replica.sync(&store, &config, now + 10);
             assert_eq!(
                 (report.batches, report.snapshot_loaded, report.lost_sync),
-                (1, false, false),
-                "tick {tick}: one batch, applied from the ring"
+                (early + 1, false, false),
+                "tick {tick}: three batches, applied from the ring"
             );
             assert_eq!(report.events_applied, if tick == 0 { 1000 } else { 2000 });
             assert_eq!(replica.index.entries(), expected_blocks, "tick {tick}");
         }
         let (head, _) = read_head(&store).unwrap();
-        assert_eq!(head.seq, TICKS, "one ring slot per tick");
+        assert_eq!(
+            head.seq,
+            TICKS * (1 + u64::from(EARLY_FLUSHES_PER_TICK)),
+            "three ring slots per tick"
+        );
         assert!(head
             .workers
             .iter()
