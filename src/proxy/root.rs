@@ -125,7 +125,6 @@ impl VmState {
             CallKind::Dump => {
                 let last = page.last_event_id;
                 let events_count = page.events.len() as u64;
-                self.metrics.inc("events.resyncs");
                 info!(
                     "kv-router: re-syncing worker {} from its dump ({} blocks events, cursor {})",
                     worker_id(&config, worker),
@@ -172,7 +171,6 @@ impl VmState {
                 let cursor = events.last().map_or(after, |e| e.event_id);
                 let more = page.last_event_id > cursor;
                 let count = events.len() as u64;
-                self.metrics.add("events.received", count);
                 self.metrics.add_event_kinds(EventKinds::of(&events));
                 let reply = QueuedReply {
                     worker,
@@ -192,7 +190,10 @@ impl VmState {
         };
         // At once for the tick's first replies, else with the tick's other replies in one batch
         // (see `replication::coalesce`), or when the queue is full.
-        if self.poller.queued.push(queued, body.len()) {
+        // A new description is flushed at once: the membership it changes (which models the
+        // worker serves) is what `membership.described` announces.
+        let describes = queued.described.is_some();
+        if self.poller.queued.push(queued, body.len()) || describes {
             self.flush_replies(now);
         }
         if let Some(flag) = self.block_size_warned.get_mut(usize::from(worker)) {
@@ -211,6 +212,9 @@ impl VmState {
             .poller
             .queued
             .flush(&HostStore, self.fingerprint, workers, now);
+        // Counted once in the log, so a counter never runs ahead of what requests can see.
+        self.metrics.add("events.resyncs", flushed.resyncs as u64);
+        self.metrics.add("events.received", flushed.events as u64);
         self.metrics
             .add("log.replies_batched", flushed.applied as u64);
         self.metrics

@@ -55,6 +55,10 @@ pub struct Flushed {
     pub applied: usize,
     /// Replies left out: their precondition failed, or the append did not happen.
     pub dropped: usize,
+    /// Dumps among the applied replies.
+    pub resyncs: usize,
+    /// Events of the applied pages (dumps not included).
+    pub events: usize,
 }
 
 #[derive(Debug, Default)]
@@ -119,28 +123,31 @@ impl Coalescer {
             return Flushed::default();
         }
         self.flushes_this_tick = self.flushes_this_tick.saturating_add(1);
-        let mut applied = 0;
+        let mut done = Flushed::default();
         let appended = append_with(store, fingerprint, workers, now_ms, |head| {
             let mut records: Vec<&LogRecord> = Vec::new();
-            applied = 0;
+            done = Flushed::default();
             for reply in &queued {
                 if apply(head, reply) {
-                    applied += 1;
+                    done.applied += 1;
+                    match (&reply.kind, &reply.record) {
+                        (ReplyKind::Dump { .. }, _) => done.resyncs += 1,
+                        (_, Some(LogRecord::Events { events, .. })) => done.events += events.len(),
+                        _ => {}
+                    }
                     records.extend(reply.record.as_ref());
                 }
             }
-            if applied == 0 {
+            if done.applied == 0 {
                 return None;
             }
             Some((!records.is_empty()).then(|| encode_log_batch_refs(&records)))
         });
         if !appended {
-            applied = 0;
+            done = Flushed::default();
         }
-        Flushed {
-            applied,
-            dropped: queued.len() - applied,
-        }
+        done.dropped = queued.len() - done.applied;
+        done
     }
 }
 
@@ -285,13 +292,7 @@ mod tests {
                 // As the filter does: the first replies of a tick go at once, the rest wait.
                 if poller.push(reply, 300) {
                     let early = poller.flush(&store, FP, usize::from(WORKERS), now);
-                    assert_eq!(
-                        early,
-                        Flushed {
-                            applied: 1,
-                            dropped: 0
-                        }
-                    );
+                    assert_eq!((early.applied, early.dropped), (1, 0));
                 }
             }
             let flushed = poller.flush(&store, FP, usize::from(WORKERS), now);
@@ -370,12 +371,10 @@ mod tests {
         q.push(page(0, 1, 3, 100), 10);
         q.push(page(1, 1, 3, 100), 10); // continues from 1: stale
         q.push(page(2, 1, 2, 100), 10);
+        let flushed = q.flush(&store, FP, 3, 100);
         assert_eq!(
-            q.flush(&store, FP, 3, 100),
-            Flushed {
-                applied: 2,
-                dropped: 1
-            }
+            (flushed.applied, flushed.dropped, flushed.events),
+            (2, 1, 3)
         );
         let (head, _) = read_head(&store).unwrap();
         let cursors: Vec<_> = head.workers.iter().map(|w| w.cursor).collect();
