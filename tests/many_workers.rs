@@ -4,6 +4,7 @@
 //!
 //! The entries share 4 mock workers (entry `k` is mock `k % 4 + 1`): each entry is polled on its
 //! own, so the filter sees 400 workers' worth of poll replies (about 200 per 50 ms tick).
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::indexing_slicing)] // test code: a failed expectation is the assertion
 
 mod common;
 
