@@ -7,7 +7,9 @@
 //! appending the replies, side by side in one run:
 //! * `per-reply`: one `append` (one ring slot, one head edit) per reply, as the poller did before
 //!   replies were coalesced;
-//! * `per-tick`: one `append` with every reply of the tick (what `replication::coalesce` does).
+//! * `per-tick`: one `append` with every reply of the tick;
+//! * `2+tick`: what `replication::coalesce` does: the tick's first 2 replies at once, then one
+//!   `append` with the rest.
 //!
 //! Only public APIs that predate the binary head are used, so the same file measures an older
 //! build too (see the report in docs/DESIGN.md, "Replication at scale"). Prints figures; asserts
@@ -80,7 +82,12 @@ fn config(workers: usize) -> Config {
 enum Mode {
     PerReply,
     PerTick,
+    /// What the filter does: the tick's first 2 replies at once, the rest in the tick's batch.
+    Filter,
 }
+
+/// `replication::coalesce::EARLY_FLUSHES_PER_TICK` (not imported: older builds lack it).
+const EARLY: usize = 2;
 
 struct Reply {
     worker: u16,
@@ -181,7 +188,7 @@ fn run(workers: usize, mode: Mode, ticks: u64) -> Figures {
         let every = (replies.len() / REQUESTS_PER_TICK).max(1);
         let mut done = 0;
         for (i, r) in replies.iter().enumerate() {
-            if mode == Mode::PerReply {
+            if mode == Mode::PerReply || (mode == Mode::Filter && i < EARLY) {
                 let t = Instant::now();
                 let ok = append(
                     &store,
@@ -209,16 +216,21 @@ fn run(workers: usize, mode: Mode, ticks: u64) -> Figures {
                 done += 1;
             }
         }
-        if mode == Mode::PerTick {
+        let rest = match mode {
+            Mode::PerReply => &replies[replies.len()..],
+            Mode::PerTick => &replies[..],
+            Mode::Filter => &replies[EARLY.min(replies.len())..],
+        };
+        if !rest.is_empty() {
             let t = Instant::now();
-            let records: Vec<LogRecord> = replies.iter().map(|r| r.record.clone()).collect();
+            let records: Vec<LogRecord> = rest.iter().map(|r| r.record.clone()).collect();
             assert!(append(
                 &store,
                 FP,
                 workers,
                 now,
                 &records,
-                edit_for(&replies, now)
+                edit_for(rest, now)
             ));
             let report = poller.sync(&store, &config, now);
             log_time += t.elapsed();
@@ -274,11 +286,15 @@ fn main() {
         "events/s (log)"
     );
     for workers in [8usize, 1000] {
-        let mut figures: Vec<(Mode, Vec<Figures>)> =
-            vec![(Mode::PerReply, Vec::new()), (Mode::PerTick, Vec::new())];
+        let mut figures: Vec<(Mode, Vec<Figures>)> = vec![
+            (Mode::PerReply, Vec::new()),
+            (Mode::PerTick, Vec::new()),
+            (Mode::Filter, Vec::new()),
+        ];
         let name = |mode: Mode| match mode {
             Mode::PerReply => "per-reply",
             Mode::PerTick => "per-tick",
+            Mode::Filter => "2+tick",
         };
         figures.retain(|(mode, _)| {
             only.as_ref()
