@@ -15,7 +15,7 @@ mod page;
 
 pub use binary::CodecError;
 pub(crate) use binary::{tier_code, Reader, Writer};
-pub use log_codec::{decode_log_batch, encode_log_batch, LogRecord};
+pub use log_codec::{decode_log_batch, encode_log_batch, encode_log_batch_refs, LogRecord};
 pub use page::{parse_dump, parse_event_page};
 
 /// Largest event id (and cursor) accepted: 2^63 - 1. Ids are counters from 0 or 1; anything

@@ -17,6 +17,7 @@ use envoy_kv_router::events::{
 };
 use envoy_kv_router::index::KvIndex;
 use envoy_kv_router::load::{LoadDecodeError, LoadTable};
+use envoy_kv_router::replication::head_codec::{decode_head, encode_head};
 use envoy_kv_router::replication::log::LogHead;
 use envoy_kv_router::request::{parse_request, Endpoint};
 use std::path::Path;
@@ -179,6 +180,9 @@ fn log_heads_round_trip() {
         let head: LogHead = serde_json::from_slice(&data).unwrap();
         let back: LogHead = serde_json::from_slice(&serde_json::to_vec(&head).unwrap()).unwrap();
         assert_eq!(back, head, "{name}");
+        // The binary layout in shared data keeps every float bit for bit.
+        let binary = decode_head(&encode_head(&head));
+        assert_eq!(binary.as_ref(), Some(&head), "{name}: binary");
     }
 }
 

@@ -169,10 +169,20 @@ fn decode_events(r: &mut Reader<'_>) -> Result<Vec<NumberedEvent>, CodecError> {
 
 /// Encodes one batch of the shared log: `"EKL"`, version, record count, records; little-endian.
 pub fn encode_log_batch(records: &[LogRecord]) -> Vec<u8> {
+    encode_log_batch_of(records.len(), records.iter())
+}
+
+/// [`encode_log_batch`] over borrowed records (a batch assembled from several replies without
+/// copying their events).
+pub fn encode_log_batch_refs(records: &[&LogRecord]) -> Vec<u8> {
+    encode_log_batch_of(records.len(), records.iter().copied())
+}
+
+fn encode_log_batch_of<'a>(count: usize, records: impl Iterator<Item = &'a LogRecord>) -> Vec<u8> {
     let mut w = Writer::new();
     w.bytes.extend_from_slice(&LOG_MAGIC);
     w.u8(LOG_VERSION);
-    w.len_prefix(records.len());
+    w.len_prefix(count);
     for record in records {
         match record {
             LogRecord::Events { worker, events } => {

@@ -4,6 +4,7 @@
 use super::host;
 use crate::config::Config;
 use crate::polling::{call_path, call_timeout_ms, CallKind, Next, PollSchedule, ReplyOutcome};
+use crate::replication::coalesce::Coalescer;
 use crate::replication::log::LogHead;
 use hashbrown::HashMap;
 use std::time::Duration;
@@ -25,6 +26,8 @@ pub struct Poller {
     /// The membership generation each worker entry was last polled for (all 0 without
     /// membership): when it moves, the entry has a new occupant and its poll state starts over.
     generations: Vec<u64>,
+    /// Applied replies waiting for this tick's batch.
+    pub queued: Coalescer,
 }
 
 impl Poller {
@@ -33,6 +36,7 @@ impl Poller {
             pending: HashMap::new(),
             schedule: PollSchedule::new(workers),
             generations: vec![0; workers],
+            queued: Coalescer::default(),
         }
     }
 
@@ -47,6 +51,7 @@ impl Poller {
                 *seen = now_gen;
                 self.schedule.reset(worker);
                 self.pending.retain(|_, call| call.worker != worker);
+                self.queued.forget(worker);
             }
         }
         for (worker, state) in head.workers.iter().enumerate() {
@@ -70,8 +75,8 @@ impl Poller {
         failed
     }
 
-    /// The call the worker needs now: its events after the cursor, or its dump if it has no
-    /// cursor or showed a gap.
+    /// The call the worker needs now: its events after the cursor (a queued reply's, else the
+    /// head's), or its dump if it has no cursor or showed a gap.
     pub fn dispatch_next(
         &mut self,
         config: &Config,
@@ -79,10 +84,10 @@ impl Poller {
         worker: u16,
         now: u64,
     ) -> bool {
-        let cursor = head
-            .workers
-            .get(usize::from(worker))
-            .and_then(|w| w.cursor)
+        let cursor = self
+            .queued
+            .cursor(worker)
+            .or_else(|| head.workers.get(usize::from(worker)).and_then(|w| w.cursor))
             .filter(|_| !self.schedule.wants_dump(worker));
         let kind = cursor.map_or(CallKind::Dump, |after| CallKind::Events { after });
         let generation = head.member_generation(worker);

@@ -11,10 +11,11 @@ use super::poller::{PendingCall, Poller};
 use super::vm::{worker_id, VmState};
 use crate::approx::{self, PredictedStore};
 use crate::config::Config;
-use crate::events::{parse_dump, parse_event_page, EventError, LogRecord};
+use crate::events::{encode_log_batch, parse_dump, parse_event_page, EventError, LogRecord};
 use crate::load_store::{self, PendingReleases};
 use crate::polling::{disposition, is_gap, CallKind, Disposition, Next, ReplyOutcome};
 use crate::render::RenderCache;
+use crate::replication::coalesce::{QueuedReply, ReplyKind};
 use crate::replication::lease::{hold_lease, holds_lease};
 use crate::replication::log::{self as replication, Replica};
 use crate::router::SelectorState;
@@ -120,52 +121,35 @@ impl VmState {
         };
         let reported = page.load;
         let described = self.vet_description(worker, &page);
-        let describe = |head: &mut replication::LogHead| {
-            if let Some(d) = &described {
-                crate::membership::set_description(head, worker, d);
-            }
-        };
-        let workers = config.workers.len();
-        let fingerprint = self.fingerprint;
-        let outcome = match call.kind {
+        let (queued, outcome) = match call.kind {
             CallKind::Dump => {
                 let last = page.last_event_id;
                 let events_count = page.events.len() as u64;
+                info!(
+                    "kv-router: re-syncing worker {} from its dump ({} blocks events, cursor {})",
+                    worker_id(&config, worker),
+                    events_count,
+                    last
+                );
                 let record = LogRecord::Resync {
                     worker,
                     last_event_id: last,
                     events: page.events,
                 };
-                let appended =
-                    replication::append(&HostStore, fingerprint, workers, now, &[record], |head| {
-                        if head.member_generation(worker) != call.generation {
-                            return false; // the entry has another occupant now
-                        }
-                        let Some(w) = head.workers.get_mut(usize::from(worker)) else {
-                            return false;
-                        };
-                        w.cursor = Some(last);
-                        w.last_ok_ms = now;
-                        w.stale = false;
-                        w.reported = reported;
-                        describe(head);
-                        true
-                    });
-                if appended {
-                    self.metrics.inc("events.resyncs");
-                    info!(
-                        "kv-router: re-synced worker {} from its dump ({} blocks events, cursor {})",
-                        worker_id(&config, worker),
-                        events_count,
-                        last
-                    );
-                    ReplyOutcome::Applied {
-                        new_events: events_count > 0,
-                        more: false,
-                    }
-                } else {
-                    ReplyOutcome::Failed
-                }
+                let reply = QueuedReply {
+                    worker,
+                    generation: call.generation,
+                    kind: ReplyKind::Dump { last },
+                    at_ms: now,
+                    reported,
+                    described,
+                    record: Some(record),
+                };
+                let outcome = ReplyOutcome::Applied {
+                    new_events: events_count > 0,
+                    more: false,
+                };
+                (reply, outcome)
             }
             CallKind::Events { after } => {
                 if is_gap(&page, after) {
@@ -187,55 +171,55 @@ impl VmState {
                 let cursor = events.last().map_or(after, |e| e.event_id);
                 let more = page.last_event_id > cursor;
                 let count = events.len() as u64;
-                let kinds = EventKinds::of(&events);
-                let edit = |head: &mut replication::LogHead| {
-                    if head.member_generation(worker) != call.generation {
-                        return false; // the entry has another occupant now
-                    }
-                    let Some(w) = head.workers.get_mut(usize::from(worker)) else {
-                        return false;
-                    };
-                    if w.cursor != Some(after) {
-                        return false; // another poller moved it: this page is stale
-                    }
-                    w.cursor = Some(cursor);
-                    w.last_ok_ms = now;
-                    w.stale = false;
-                    w.reported = reported;
-                    w.rejections = 0;
-                    w.retry_after_ms = 0;
-                    describe(head);
-                    true
+                self.metrics.add_event_kinds(EventKinds::of(&events));
+                let reply = QueuedReply {
+                    worker,
+                    generation: call.generation,
+                    kind: ReplyKind::Page { after, cursor },
+                    at_ms: now,
+                    reported,
+                    described,
+                    record: (!events.is_empty()).then_some(LogRecord::Events { worker, events }),
                 };
-                let applied = if events.is_empty() {
-                    replication::update_head(&HostStore, fingerprint, workers, now, edit)
-                } else {
-                    replication::append(
-                        &HostStore,
-                        fingerprint,
-                        workers,
-                        now,
-                        &[LogRecord::Events { worker, events }],
-                        edit,
-                    )
+                let outcome = ReplyOutcome::Applied {
+                    new_events: count > 0,
+                    more,
                 };
-                if !applied {
-                    ReplyOutcome::Failed
-                } else {
-                    self.metrics.add("events.received", count);
-                    self.metrics.add_event_kinds(kinds);
-                    ReplyOutcome::Applied {
-                        new_events: count > 0,
-                        more,
-                    }
-                }
+                (reply, outcome)
             }
         };
+        // At once for the tick's first replies, else with the tick's other replies in one batch
+        // (see `replication::coalesce`), or when the queue is full.
+        // A new description is flushed at once: the membership it changes (which models the
+        // worker serves) is what `membership.described` announces.
+        let describes = queued.described.is_some();
+        if self.poller.queued.push(queued, body.len()) || describes {
+            self.flush_replies(now);
+        }
         if let Some(flag) = self.block_size_warned.get_mut(usize::from(worker)) {
             *flag = false;
         }
-        self.sync_replica();
         outcome
+    }
+
+    /// Appends the queued poll replies as one batch and applies it.
+    fn flush_replies(&mut self, now: u64) {
+        if self.poller.queued.is_empty() {
+            return;
+        }
+        let workers = self.config.workers.len();
+        let flushed = self
+            .poller
+            .queued
+            .flush(&HostStore, self.fingerprint, workers, now);
+        // Counted once in the log, so a counter never runs ahead of what requests can see.
+        self.metrics.add("events.resyncs", flushed.resyncs as u64);
+        self.metrics.add("events.received", flushed.events as u64);
+        self.metrics
+            .add("log.replies_batched", flushed.applied as u64);
+        self.metrics
+            .add("log.replies_dropped", flushed.dropped as u64);
+        self.sync_replica();
     }
 
     /// Schedules the worker's next call; sends it at once when it is due now and this VM is
@@ -349,6 +333,12 @@ impl VmState {
             .max(config.tick_ms * 10)
             .max(1000);
         let leader = hold_lease(&HostStore, self.nonce, now, lease_ms);
+        // The poller reads cursors from its replica's head: it decodes the whole head.
+        self.replica.full_head = leader;
+        // Replies queued since the last tick, as one batch (also after losing the lease: their
+        // preconditions keep a late append from undoing the new poller's work).
+        self.flush_replies(now);
+        self.poller.queued.new_tick();
         self.sync_replica();
         self.sync_predictions(now);
         if !leader {
@@ -401,27 +391,42 @@ impl VmState {
             })
             .filter_map(|(i, _)| u16::try_from(i).ok())
             .collect();
-        for worker in lost {
-            let appended = replication::append(
-                &HostStore,
-                self.fingerprint,
-                config.workers.len(),
-                now,
-                &[LogRecord::WorkerLost { worker }],
-                |head| {
+        if lost.is_empty() {
+            return;
+        }
+        // One batch for every worker that went silent (a network split can silence them all).
+        let mut marked: Vec<u16> = Vec::new();
+        let appended = replication::append_with(
+            &HostStore,
+            self.fingerprint,
+            config.workers.len(),
+            now,
+            |head| {
+                marked.clear();
+                for &worker in &lost {
                     let Some(w) = head.workers.get_mut(usize::from(worker)) else {
-                        return false;
+                        continue;
                     };
                     if w.stale || now.saturating_sub(w.last_ok_ms) <= stale_after {
-                        return false;
+                        continue;
                     }
                     w.stale = true;
                     w.cursor = None;
                     w.reported = None;
-                    true
-                },
-            );
-            if appended {
+                    marked.push(worker);
+                }
+                if marked.is_empty() {
+                    return None;
+                }
+                let records: Vec<LogRecord> = marked
+                    .iter()
+                    .map(|&worker| LogRecord::WorkerLost { worker })
+                    .collect();
+                Some(Some(encode_log_batch(&records)))
+            },
+        );
+        if appended {
+            for worker in marked {
                 self.metrics.inc("workers.marked_stale");
                 warn!(
                     "kv-router: no KV events from worker {} for {} ms: its cached blocks are dropped and it is routed on load alone until its events return",

@@ -1,9 +1,14 @@
 //! The replicated event log that keeps every VM's KV index identical.
 //!
 //! Shared-data keys (fixed set, never per block or request):
-//! * `ekr.log.head`  – [`LogHead`]: last batch number, per-worker poll cursors and health.
+//! * `ekr.log.head`  – [`LogHead`] in the binary layout of [`super::head_codec`]: last batch
+//!   number, per-worker poll state (cursors, backoff: the poller's alone) and per-worker routing
+//!   state (stale flag, reported load, membership). Its `version` moves only when the routing
+//!   state changes, not with every poll reply.
 //! * `ekr.log.seq`   – 16 bytes: the last batch number and head version published (only grows),
-//!   so the request path can tell with one small read whether its replica is behind.
+//!   so the request path can tell with one small read whether its replica is behind. Poll
+//!   replies are coalesced per tick ([`super::coalesce`]), so both move about once per tick
+//!   whatever the number of workers.
 //! * `ekr.log.<n>`   – batch `seq` lives in slot `seq % LOG_SLOTS`, prefixed by `seq` (LE u64) so a
 //!   reader can tell an older or newer batch from the one it wants.
 //! * `ekr.snapshot`  – the poller's index at some `seq` (LE u64 prefix), written every
@@ -34,6 +39,8 @@ use crate::index::KvIndex;
 use crate::store::{SharedStore, StoreError};
 use crate::types::SlotIdx;
 use serde::{Deserialize, Serialize};
+
+use super::head_codec::{decode_head, decode_header, encode_head, routing_changed};
 
 pub const LOG_SLOTS: u64 = 64;
 const SNAPSHOT_EVERY: u64 = LOG_SLOTS / 2;
@@ -92,7 +99,8 @@ pub struct LogHead {
     pub epoch_start: u64,
     /// The last claimed batch.
     pub seq: u64,
-    /// Bumped by every head update (cursors, stale flags, reported load).
+    /// Bumped by every head update that changes what requests route on (epoch, stale flags,
+    /// reported load, membership); cursor and backoff updates leave it alone.
     #[serde(default)]
     pub version: u64,
     pub snapshot_seq: u64,
@@ -139,7 +147,7 @@ impl LogHead {
 
 pub fn read_head(store: &dyn SharedStore) -> Option<(LogHead, Option<u32>)> {
     let (bytes, cas) = store.get(HEAD_KEY);
-    let head = serde_json::from_slice(&bytes?).ok()?;
+    let head = decode_head(&bytes?)?;
     Some((head, cas))
 }
 
@@ -177,8 +185,13 @@ pub struct Replica {
     pub index: KvIndex,
     pub applied_seq: u64,
     fingerprint: u64,
-    /// The latest head seen (poll cursors, stale flags, reported load).
+    /// The latest head seen (stale flags, reported load, membership; poll cursors only with
+    /// `full_head`).
     pub head: LogHead,
+    /// Decode the head's per-worker parts on every sync (the poller needs current cursors).
+    /// Otherwise they are decoded only when the head's `version` moved: a sync for new batches
+    /// alone reads the 64-byte header, whatever the number of workers.
+    pub full_head: bool,
     /// The claimed batch this replica waits for, and since when.
     pending: Option<(u64, u64)>,
 }
@@ -199,6 +212,7 @@ impl Replica {
             applied_seq: 0,
             fingerprint,
             head: LogHead::default(),
+            full_head: false,
             pending: None,
         }
     }
@@ -219,12 +233,30 @@ impl Replica {
     /// Applies every batch appended since the last sync, up to the first one still pending.
     pub fn sync(&mut self, store: &dyn SharedStore, config: &Config, now_ms: u64) -> SyncReport {
         let mut report = SyncReport::default();
-        let Some((head, _)) = read_head(store) else {
+        let (Some(bytes), _) = store.get(HEAD_KEY) else {
             return report;
         };
-        if head.fingerprint != self.fingerprint {
+        let Some(header) = decode_header(&bytes) else {
+            return report;
+        };
+        if header.fingerprint != self.fingerprint {
             return report; // written under another configuration; the poller will start a new epoch
         }
+        let routing_moved = header.version != self.head.version
+            || header.workers != self.head.workers.len()
+            || header.epoch_start != self.head.epoch_start;
+        let head = if self.full_head || routing_moved {
+            match decode_head(&bytes) {
+                Some(head) => head,
+                None => return report,
+            }
+        } else {
+            // Only batches or poll state moved: keep the decoded per-worker parts.
+            let mut head = std::mem::take(&mut self.head);
+            head.seq = header.seq;
+            head.snapshot_seq = header.snapshot_seq;
+            head
+        };
         if self.applied_seq < head.epoch_start || self.applied_seq > head.seq {
             self.index = new_index(config);
             self.applied_seq = head.epoch_start;
@@ -468,7 +500,9 @@ pub fn update_head(
     now_ms: u64,
     mut edit: impl FnMut(&mut LogHead) -> bool,
 ) -> bool {
-    append_inner(store, fingerprint, workers, now_ms, None, &mut edit)
+    append_inner(store, fingerprint, workers, now_ms, &mut |head| {
+        edit(head).then_some(None)
+    })
 }
 
 /// Appends one batch of `records` together with the head `edit` (both or neither). False when the
@@ -483,7 +517,23 @@ pub fn append(
     mut edit: impl FnMut(&mut LogHead) -> bool,
 ) -> bool {
     let batch = encode_log_batch(records);
-    append_inner(store, fingerprint, workers, now_ms, Some(&batch), &mut edit)
+    append_inner(store, fingerprint, workers, now_ms, &mut |head| {
+        edit(head).then(|| Some(batch.clone()))
+    })
+}
+
+/// The general form of [`append`]: `edit` edits the head and returns the encoded batch to append
+/// with it (`Some(None)`: a head update alone; `None`: abandon). It may run more than once
+/// (CAS retries), each time on the head as it is then, so what it appends can depend on which
+/// of its preconditions still hold. False as for [`append`].
+pub fn append_with(
+    store: &dyn SharedStore,
+    fingerprint: u64,
+    workers: usize,
+    now_ms: u64,
+    mut edit: impl FnMut(&mut LogHead) -> Option<Option<Vec<u8>>>,
+) -> bool {
+    append_inner(store, fingerprint, workers, now_ms, &mut edit)
 }
 
 /// Step 1 (claim, with the head edit) then steps 2 and 3 of the append protocol.
@@ -492,16 +542,15 @@ fn append_inner(
     fingerprint: u64,
     workers: usize,
     now_ms: u64,
-    batch: Option<&[u8]>,
-    edit: &mut dyn FnMut(&mut LogHead) -> bool,
+    edit: &mut dyn FnMut(&mut LogHead) -> Option<Option<Vec<u8>>>,
 ) -> bool {
     for _ in 0..APPEND_ATTEMPTS {
-        let Some(head) = claim(store, fingerprint, workers, now_ms, batch.is_some(), edit) else {
+        let Some(claimed) = claim(store, fingerprint, workers, now_ms, edit) else {
             return false;
         };
-        let Ok(head) = head else { continue };
+        let Ok((head, batch)) = claimed else { continue };
         let written = match batch {
-            Some(batch) => write_slot(store, head.seq, batch),
+            Some(batch) => write_slot(store, head.seq, &batch),
             None => true,
         };
         publish_seq(store, head.seq, head.version);
@@ -516,40 +565,46 @@ fn append_inner(
     false
 }
 
+/// The head and the batch a claim committed.
+type Claimed = (LogHead, Option<Vec<u8>>);
+
 /// One claim attempt: `None` = the edit declined; `Some(Err(()))` = the head changed (retry);
-/// `Some(Ok(head))` = the head as committed.
+/// `Some(Ok(..))` = the head as committed, with the batch to write into its slot.
 fn claim(
     store: &dyn SharedStore,
     fingerprint: u64,
     workers: usize,
     now_ms: u64,
-    with_batch: bool,
-    edit: &mut dyn FnMut(&mut LogHead) -> bool,
-) -> Option<Result<LogHead, ()>> {
+    edit: &mut dyn FnMut(&mut LogHead) -> Option<Option<Vec<u8>>>,
+) -> Option<Result<Claimed, ()>> {
     // One read for the head and its version: a second read for the version alone could see a
     // head written in between and let this claim overwrite it.
     let (bytes, cas) = store.get(HEAD_KEY);
-    let current: Option<LogHead> = bytes.and_then(|b| serde_json::from_slice(&b).ok());
-    let mut head = match current {
-        Some(head) if head.fingerprint == fingerprint => head,
-        Some(old) => LogHead {
-            // Versions only grow, so that replicas notice the new epoch's head.
-            version: old.version,
-            ..LogHead::fresh(fingerprint, old.seq + 1, workers, now_ms)
-        },
-        None => LogHead::fresh(fingerprint, 0, workers, now_ms),
+    let current: Option<LogHead> = bytes.as_deref().and_then(decode_head);
+    let (mut head, before) = match current {
+        Some(head) if head.fingerprint == fingerprint => (head.clone(), Some(head)),
+        Some(old) => (
+            LogHead {
+                // Versions only grow, so that replicas notice the new epoch's head.
+                version: old.version,
+                ..LogHead::fresh(fingerprint, old.seq + 1, workers, now_ms)
+            },
+            None,
+        ),
+        None => (LogHead::fresh(fingerprint, 0, workers, now_ms), None),
     };
-    if !edit(&mut head) {
-        return None;
-    }
-    if with_batch {
+    let batch = edit(&mut head)?;
+    if batch.is_some() {
         head.seq += 1;
     }
-    head.version += 1;
-    let encoded = serde_json::to_vec(&head).ok()?;
+    // Requests re-read the head only when `version` moves: poll state alone does not move it.
+    if before.is_none_or(|before| routing_changed(&before, &head)) {
+        head.version += 1;
+    }
+    let encoded = encode_head(&head);
     // `init` created the key, so there is always a version to check.
     match store.set(HEAD_KEY, &encoded, cas) {
-        Ok(()) => Some(Ok(head)),
+        Ok(()) => Some(Ok((head, batch))),
         Err(StoreError::CasMismatch) => Some(Err(())),
         Err(StoreError::Failed) => None,
     }
@@ -743,7 +798,7 @@ mod tests {
         init(&store);
         assert!(poller_append(&store, 0, None, 1, 100));
         // Claim batch 2 without writing it yet (a writer between steps 1 and 2).
-        let claimed = claim(&store, FP, 2, 0, true, &mut |_| true)
+        let (claimed, _) = claim(&store, FP, 2, 0, &mut |_| Some(Some(Vec::new())))
             .unwrap()
             .unwrap();
         assert_eq!(claimed.seq, 2);
@@ -773,9 +828,9 @@ mod tests {
         init(&store);
         assert!(poller_append(&store, 0, None, 1, 100));
         assert!(poller_append(&store, 1, None, 5, 500));
-        let orphan = claim(&store, FP, 2, 0, true, &mut |head| {
+        let (orphan, _) = claim(&store, FP, 2, 0, &mut |head| {
             head.workers[0].cursor = Some(2);
-            true
+            Some(Some(Vec::new()))
         })
         .unwrap()
         .unwrap();
@@ -830,6 +885,148 @@ mod tests {
         assert!(
             !write_slot(&store, 3, &encode_log_batch(&[])),
             "never written backwards"
+        );
+    }
+
+    /// A new configuration (another fingerprint) starts a new epoch after the old log: its
+    /// replicas start from an empty index there, the version keeps growing, and a replica of the
+    /// old configuration applies nothing of the new epoch.
+    #[test]
+    fn a_configuration_change_starts_a_new_epoch() {
+        let config = config(2);
+        let store = MemStore::new();
+        init(&store);
+        assert!(poller_append(&store, 0, None, 1, 100));
+        assert!(poller_append(&store, 1, None, 5, 500));
+        let mut old = Replica::new(&config, FP);
+        old.sync(&store, &config, 0);
+        assert_eq!(old.index.entries(), 2);
+        let (before, _) = read_head(&store).unwrap();
+
+        const NEW_FP: u64 = 43;
+        assert!(append(&store, NEW_FP, 2, 0, &[stored(1, 9, 900)], |head| {
+            assert!(
+                head.workers.iter().all(|w| w.cursor.is_none()),
+                "fresh cursors"
+            );
+            head.workers[1].cursor = Some(9);
+            true
+        }));
+        let (head, _) = read_head(&store).unwrap();
+        assert_eq!(
+            (head.fingerprint, head.epoch_start, head.seq),
+            (NEW_FP, 3, 4)
+        );
+        assert!(
+            head.version > before.version,
+            "replicas notice the new head"
+        );
+        let mut new = Replica::new(&config, NEW_FP);
+        new.sync(&store, &config, 0);
+        assert_eq!((new.applied_seq, new.index.entries()), (4, 1));
+        // A replica that applied the old epoch moves to the new one too when reconfigured.
+        old.fingerprint = NEW_FP;
+        old.sync(&store, &config, 0);
+        assert_eq!(
+            (old.applied_seq, old.index.entries()),
+            (4, 1),
+            "old blocks dropped"
+        );
+        let mut stale = Replica::new(&config, FP);
+        assert_eq!(stale.sync(&store, &config, 0), SyncReport::default());
+        assert_eq!(
+            stale.index.entries(),
+            0,
+            "the old configuration applies nothing"
+        );
+    }
+
+    /// A replica further behind than the ring restarts from the snapshot and then applies the
+    /// batches after it: it ends with the same index as one that applied everything.
+    #[test]
+    fn a_replica_beyond_the_ring_loads_the_snapshot() {
+        let config = config(2);
+        let store = MemStore::new();
+        init(&store);
+        let mut poller = Replica::new(&config, FP);
+        poller.full_head = true;
+        let batches = 2 * LOG_SLOTS + 5;
+        for id in 1..=batches {
+            assert!(poller_append(&store, 0, (id > 1).then(|| id - 1), id, id));
+            poller.sync(&store, &config, 0);
+            poller.maybe_write_snapshot(&store);
+        }
+        let (head, _) = read_head(&store).unwrap();
+        assert_eq!(head.snapshot_seq, 2 * LOG_SLOTS);
+        let mut late = Replica::new(&config, FP);
+        let report = late.sync(&store, &config, 0);
+        assert!(report.snapshot_loaded && !report.lost_sync);
+        assert_eq!(
+            report.batches,
+            batches - 2 * LOG_SLOTS,
+            "only what follows the snapshot"
+        );
+        assert_eq!(late.applied_seq, batches);
+        assert_eq!(late.index.entries(), poller.index.entries());
+        assert_eq!(late.index.entries(), usize::try_from(batches).unwrap());
+    }
+
+    /// Beyond the ring without a usable snapshot: the replica says it lost sync, restarts from
+    /// an empty index at the oldest batch the ring still holds, and carries on from there.
+    #[test]
+    fn a_replica_beyond_the_ring_without_a_snapshot_loses_sync_and_recovers() {
+        let config = config(2);
+        let store = MemStore::new();
+        init(&store);
+        let batches = LOG_SLOTS + 10;
+        for id in 1..=batches {
+            assert!(poller_append(&store, 0, (id > 1).then(|| id - 1), id, id));
+        }
+        let mut replica = Replica::new(&config, FP);
+        let report = replica.sync(&store, &config, 0);
+        assert!(report.lost_sync && !report.snapshot_loaded);
+        assert_eq!(report.batches, LOG_SLOTS - 1);
+        assert_eq!(replica.applied_seq, batches);
+        assert_eq!(
+            replica.index.entries(),
+            usize::try_from(LOG_SLOTS - 1).unwrap()
+        );
+        assert!(poller_append(&store, 0, Some(batches), batches + 1, 0xfeed));
+        let report = replica.sync(&store, &config, 0);
+        assert_eq!(
+            (report.batches, report.lost_sync),
+            (1, false),
+            "back in step"
+        );
+    }
+
+    /// A sync for new batches alone reads the head's header: the per-worker parts decoded at the
+    /// last version change stay, and the request check is clean afterwards.
+    #[test]
+    fn a_sync_without_a_version_change_keeps_the_decoded_workers() {
+        let config = config(2);
+        let store = MemStore::new();
+        init(&store);
+        assert!(poller_append(&store, 0, None, 1, 100));
+        let mut replica = Replica::new(&config, FP);
+        replica.sync(&store, &config, 0);
+        let version = replica.head.version;
+        assert!(poller_append(&store, 0, Some(1), 2, 200));
+        assert!(replica.is_behind(&store), "a new batch");
+        replica.sync(&store, &config, 0);
+        assert_eq!((replica.head.version, replica.head.seq), (version, 2));
+        assert_eq!(
+            replica.head.workers[0].cursor,
+            Some(1),
+            "cursors not re-decoded"
+        );
+        assert!(!replica.is_behind(&store));
+        replica.full_head = true;
+        replica.sync(&store, &config, 0);
+        assert_eq!(
+            replica.head.workers[0].cursor,
+            Some(2),
+            "the poller's full decode"
         );
     }
 }

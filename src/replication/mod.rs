@@ -6,5 +6,7 @@
 //! Both are pure logic over the store trait, so every race between VMs can be replayed
 //! deterministically in unit tests with the in-memory store.
 
+pub mod coalesce;
+pub mod head_codec;
 pub mod lease;
 pub mod log;

@@ -1,0 +1,57 @@
+//! A fleet of 400 worker entries behind one Envoy: the poller's replies are appended a tick at a
+//! time, so the 64-slot log ring never laps (no VM loses sync or needs the snapshot) and routing
+//! follows the events as with a few workers.
+//!
+//! The entries share 4 mock workers (entry `k` is mock `k % 4 + 1`): each entry is polled on its
+//! own, so the filter sees 400 workers' worth of poll replies (about 200 per 50 ms tick).
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::indexing_slicing)] // test code: a failed expectation is the assertion
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+const BLOCK: u32 = 16;
+const ENTRIES: usize = 400;
+
+#[test]
+fn four_hundred_workers_keep_every_replica_in_step() {
+    let mocks = echo_workers(4, BLOCK);
+    let entries: Vec<Value> = (0..ENTRIES)
+        .map(|k| json!({"id": k + 1, "address": mocks[k % 4].addr}))
+        .collect();
+    let config = json!({"mode": "kv", "block_size": BLOCK, "workers": entries,
+                        "response_headers": true});
+    let envoy = start_envoy(&mocks, config);
+    // At least 10 polls of every entry, all appended to the log.
+    assert!(
+        envoy.wait_for(Duration::from_secs(30), |e| e
+            .router_stat("log.replies_batched")
+            >= 10 * ENTRIES as u64),
+        "replies appended: {}",
+        envoy.router_stat("log.replies_batched")
+    );
+    let prompt = tokens(500_000, 4 * BLOCK);
+    let body = completion(&prompt);
+    publish(
+        &mocks[1],
+        vec![vllm_stored(&prompt, BLOCK, None, 77, "GPU")],
+    );
+    assert!(wait_for_overlap(&envoy, &body, 4, Duration::from_secs(10)));
+    for i in 0..20 {
+        let (served, overlap, _) = route(&envoy, &body);
+        assert_eq!(
+            (served, overlap),
+            (2, 4),
+            "request {i}: the mock holding the prefix"
+        );
+    }
+    assert_eq!(
+        envoy.router_stat("log.lost_sync"),
+        0,
+        "no VM fell a ring behind"
+    );
+    assert_eq!(envoy.router_stat("log.snapshot_loaded"), 0);
+    assert_eq!(envoy.router_stat("workers.marked_stale"), 0);
+}
