@@ -51,6 +51,7 @@ container-demo:
 bench: build
 	cargo bench --bench router
 	cargo bench --bench load_table
+	cargo bench --bench index
 	cargo bench --bench envoy_overhead
 
 # Event-to-routable latency with a real vLLM engine and its kv-event-bridge (installs vLLM).
