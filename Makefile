@@ -53,6 +53,7 @@ bench: build
 	cargo bench --bench load_table
 	cargo bench --bench index
 	cargo bench --bench envoy_overhead
+	cargo bench --bench envoy_memory
 
 # Event-to-routable latency with a real vLLM engine and its kv-event-bridge (installs vLLM).
 bench-real-vllm: build

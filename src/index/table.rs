@@ -5,26 +5,31 @@
 //! Keys live in the entries, not in the table: callers pass the key's hash and an equality test
 //! on ids, and a `hash_of(id)` to re-place ids when the table grows. A bucket is
 //! `displacement << 24 | (id + 1)` (0 = empty). Robin Hood ordering means a lookup compares keys
-//! (reads an entry) only for buckets whose home is its own (about one at 80% load) and stops as
+//! (reads an entry) only for buckets whose home is its own (about one at 86% load) and stops as
 //! soon as it meets a bucket nearer its home; insertion and deletion never read an entry.
 //!
-//! Growth: by 1.5x while below the capacity for the configured bound at 80% load; at that
-//! capacity the load may reach 15/16 (one event's blocks land before eviction trims them), and
-//! only beyond that (or if a displacement would pass 255) does it grow further.
+//! Capacity: the first insert allocates the capacity for the configured bound at 86% load (if at
+//! most `PRESIZE_MAX_BUCKETS`; else the table grows by 1.5x up to it). At that capacity the load
+//! may reach 15/16 (one event's blocks land before eviction trims them), and only beyond that
+//! (or if a displacement would pass 255) does it grow further.
 
 const ID_BITS: u32 = 24;
 const ID_MASK: u32 = (1 << ID_BITS) - 1;
 const MAX_DISPLACEMENT: u32 = 255;
+/// Bounds up to this many buckets (16 MiB, `max_blocks` up to ~3.3M) are allocated in full on
+/// the first insert; larger ones grow by 1.5x.
+const PRESIZE_MAX_BUCKETS: usize = 1 << 22;
 
+/// Buckets for `len` ids at ~86% load (Robin Hood keeps probes short there).
 fn capacity_for(len: usize) -> usize {
-    len.saturating_add(len / 4).saturating_add(8)
+    len.saturating_add(len / 6).saturating_add(8)
 }
 
 #[derive(Clone, Debug, Default)]
 pub(super) struct IdTable {
     buckets: Vec<u32>,
     len: usize,
-    /// Capacity that holds the configured bound at 80% load.
+    /// Capacity that holds the configured bound at 86% load.
     bound_capacity: usize,
 }
 
@@ -147,7 +152,7 @@ impl IdTable {
         let limit = if capacity >= self.bound_capacity {
             capacity - (capacity / 16).max(1)
         } else {
-            capacity - capacity / 5
+            capacity - capacity / 7
         };
         if capacity > 0 && self.len < limit {
             return;
@@ -155,6 +160,12 @@ impl IdTable {
         let mut grown = capacity.saturating_add(capacity / 2).max(64);
         if capacity < self.bound_capacity {
             grown = grown.min(self.bound_capacity);
+            if capacity == 0 && self.bound_capacity <= PRESIZE_MAX_BUCKETS {
+                // Straight to the bound: the smaller tables a 1.5x growth would leave behind stay
+                // resident in wasm linear memory (~2x the final table); untouched buckets of a
+                // fresh zeroed allocation are not.
+                grown = self.bound_capacity;
+            }
         }
         self.rehash(grown, hash_of);
     }
