@@ -154,6 +154,12 @@ impl Pool {
         }
     }
 
+    /// Forgets every entry; the chunks stay allocated and are handed out again.
+    pub fn reset(&mut self) {
+        self.high = 0;
+        self.free = None;
+    }
+
     /// Bytes held (for benchmarks and the module note's arithmetic).
     pub fn allocated_bytes(&self) -> usize {
         self.chunks.len() * CHUNK_LEN * core::mem::size_of::<Entry>()

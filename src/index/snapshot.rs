@@ -19,12 +19,23 @@ impl KvIndex {
     /// block count and blocks in eviction order), so a decoded replica evicts exactly like one
     /// that replayed the log.
     pub fn encode_snapshot(&self) -> Vec<u8> {
-        let mut w = Writer::new();
+        let mut out = Vec::new();
+        self.encode_snapshot_into(&mut out);
+        out
+    }
+
+    /// [`KvIndex::encode_snapshot`] appended to `out`, reserved once (no doubling copies).
+    pub fn encode_snapshot_into(&self, out: &mut Vec<u8>) {
+        let mut w = Writer {
+            bytes: core::mem::take(out),
+        };
+        let slots = self.fifos.len();
+        w.bytes.reserve(
+            4 + 4 * (slots + 1) + self.entries.saturating_mul(SNAPSHOT_ENTRY_BYTES),
+        );
         w.bytes.extend_from_slice(&SNAPSHOT_MAGIC);
         w.u8(SNAPSHOT_VERSION);
-        w.len_prefix(self.fifos.len());
-        w.bytes
-            .reserve(self.entries.saturating_mul(SNAPSHOT_ENTRY_BYTES));
+        w.len_prefix(slots);
         for (slot, fifo) in self.fifos.iter().enumerate() {
             w.len_prefix(self.fullest.count(slot));
             let mut cur = fifo.head;
@@ -35,7 +46,29 @@ impl KvIndex {
                 cur = e.next();
             }
         }
-        w.bytes
+        *out = w.bytes;
+    }
+
+    /// Replaces this index's contents with a snapshot's, reusing its memory (decoding into a
+    /// fresh index while this one is alive would double the replica's peak, and wasm memory
+    /// keeps peaks). On `Err` the index is left empty. A different slot count or bound decodes
+    /// a fresh index instead.
+    pub fn reload_snapshot(
+        &mut self,
+        bytes: &[u8],
+        num_slots: usize,
+        max_blocks: usize,
+    ) -> Result<(), CodecError> {
+        if num_slots != self.num_slots() || max_blocks.min(super::MAX_BOUND) != self.max_blocks {
+            *self = KvIndex::new(num_slots, max_blocks);
+        } else {
+            self.reset();
+        }
+        let decoded = self.decode_into(bytes);
+        if decoded.is_err() {
+            self.reset();
+        }
+        decoded
     }
 
     /// Rebuilds an index from [`KvIndex::encode_snapshot`]. The slot count must match; if the
@@ -55,6 +88,23 @@ impl KvIndex {
             });
         }
         let mut index = KvIndex::new(num_slots, max_blocks);
+        index.decode_into(bytes)?;
+        Ok(index)
+    }
+
+    /// Decodes a snapshot into this (empty) index, its slot count checked against the header.
+    fn decode_into(&mut self, bytes: &[u8]) -> Result<(), CodecError> {
+        let num_slots = self.num_slots();
+        let mut r = Reader::new(bytes);
+        r.header(SNAPSHOT_MAGIC, SNAPSHOT_VERSION)?;
+        let got = usize::try_from(r.u32()?).unwrap_or(usize::MAX);
+        if got != num_slots || got > MAX_SLOTS {
+            return Err(CodecError::SlotCountMismatch {
+                expected: num_slots,
+                got,
+            });
+        }
+        let index = self;
         for idx in 0..num_slots {
             let slot = SlotIdx::try_from(idx).map_err(|_| CodecError::SlotCountMismatch {
                 expected: num_slots,
@@ -86,6 +136,6 @@ impl KvIndex {
         }
         r.finish()?;
         index.enforce_bound(&mut ApplyStats::default());
-        Ok(index)
+        Ok(())
     }
 }

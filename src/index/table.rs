@@ -220,6 +220,12 @@ impl IdTable {
         }
     }
 
+    /// Drops every id, keeping the allocation.
+    pub fn reset(&mut self) {
+        self.buckets.fill(0);
+        self.len = 0;
+    }
+
     /// Every stored id (any order).
     #[cfg(test)]
     pub fn ids(&self) -> impl Iterator<Item = u32> + '_ {
