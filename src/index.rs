@@ -31,9 +31,9 @@
 //! at the first missing block, so orphans only waste space until they are evicted in turn, and a
 //! later "stored" that names an evicted parent is reported as `UnknownParent`.
 //!
-//! Memory per entry: 28 B record + two table buckets of 4 B at up to 86% load. The tables are
-//! allocated for `max_blocks` on the first insert (bounds up to ~3.6M entries; larger ones grow
-//! by 1.5x), so at the bound an entry costs ~37 B, independent of the pointer width, and nothing
+//! Memory per entry: 28 B record + two table buckets of 4 B at up to 80% load. The tables are
+//! allocated for `max_blocks` on the first insert (bounds up to ~3.3M entries; larger ones grow
+//! by 1.5x), so at the bound an entry costs ~38 B, independent of the pointer width, and nothing
 //! is ever re-allocated (wasm linear memory would keep every outgrown table). Records come in
 //! 112 KiB chunks allocated as the index grows; an idle index holds none. At most
 //! `pool::MAX_ENTRIES` (2^24 - 1) entries: a larger `max_blocks` acts as [`MAX_BOUND`].
@@ -1264,7 +1264,7 @@ mod tests {
         let mut ids: Vec<u32> = table.ids().collect();
         ids.sort_unstable();
         assert_eq!(ids, reference.into_iter().collect::<Vec<_>>());
-        // Sized for its bound (2,000 at 86% load), it grew past it only for the 3,000.
+        // Sized for its bound (2,000 at 80% load), it grew past it only for the 3,000.
         assert!(table.allocated_bytes() <= 4 * 3_000 * 2, "{}", table.allocated_bytes());
     }
 

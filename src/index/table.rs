@@ -5,10 +5,10 @@
 //! Keys live in the entries, not in the table: callers pass the key's hash and an equality test
 //! on ids, and a `hash_of(id)` to re-place ids when the table grows. A bucket is
 //! `displacement << 24 | (id + 1)` (0 = empty). Robin Hood ordering means a lookup compares keys
-//! (reads an entry) only for buckets whose home is its own (about one at 86% load) and stops as
+//! (reads an entry) only for buckets whose home is its own (about one at 80% load) and stops as
 //! soon as it meets a bucket nearer its home; insertion and deletion never read an entry.
 //!
-//! Capacity: the first insert allocates the capacity for the configured bound at 86% load (if at
+//! Capacity: the first insert allocates the capacity for the configured bound at 80% load (if at
 //! most `PRESIZE_MAX_BUCKETS`; else the table grows by 1.5x up to it). At that capacity the load
 //! may reach 15/16 (one event's blocks land before eviction trims them), and only beyond that
 //! (or if a displacement would pass 255) does it grow further.
@@ -20,16 +20,17 @@ const MAX_DISPLACEMENT: u32 = 255;
 /// the first insert; larger ones grow by 1.5x.
 const PRESIZE_MAX_BUCKETS: usize = 1 << 22;
 
-/// Buckets for `len` ids at ~86% load (Robin Hood keeps probes short there).
+/// Buckets for `len` ids at ~80% load (insertion and deletion walk to the end of a cluster,
+/// which grows fast past that).
 fn capacity_for(len: usize) -> usize {
-    len.saturating_add(len / 6).saturating_add(8)
+    len.saturating_add(len / 4).saturating_add(8)
 }
 
 #[derive(Clone, Debug, Default)]
 pub(super) struct IdTable {
     buckets: Vec<u32>,
     len: usize,
-    /// Capacity that holds the configured bound at 86% load.
+    /// Capacity that holds the configured bound at 80% load.
     bound_capacity: usize,
 }
 
@@ -152,7 +153,7 @@ impl IdTable {
         let limit = if capacity >= self.bound_capacity {
             capacity - (capacity / 16).max(1)
         } else {
-            capacity - capacity / 7
+            capacity - capacity / 5
         };
         if capacity > 0 && self.len < limit {
             return;
