@@ -15,7 +15,7 @@
 
 use envoy_kv_router_tools::harness::{workspace_root, Envoy, EnvoyOptions, Worker};
 use serde_json::json;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 const BLOCK_SIZE: u64 = 16;
@@ -29,14 +29,18 @@ fn settled_rss(envoy: &Envoy) -> u64 {
     while stable < 3 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(300));
         let now = envoy.rss_kib().unwrap_or(0);
-        stable = if now.abs_diff(last) <= 256 { stable + 1 } else { 0 };
+        stable = if now.abs_diff(last) <= 256 {
+            stable + 1
+        } else {
+            0
+        };
         last = now;
     }
     last
 }
 
 /// (RSS before KiB, RSS after KiB, entries indexed, seconds to index).
-fn run(wasm: &PathBuf, threads: u32, entries: u64) -> (u64, u64, u64, f64) {
+fn run(wasm: &Path, threads: u32, entries: u64) -> (u64, u64, u64, f64) {
     let worker = Worker::spawn(1, &["--mode", "echo", "--block-size", "16"]).expect("worker");
     let config = json!({"mode": "kv", "block_size": BLOCK_SIZE,
         "index": {"max_blocks": entries},
@@ -44,7 +48,7 @@ fn run(wasm: &PathBuf, threads: u32, entries: u64) -> (u64, u64, u64, f64) {
     let mut opts = EnvoyOptions::new(config, vec![worker.addr.clone()]);
     opts.concurrency = threads;
     opts.log_level = "warning";
-    opts.wasm = Some(wasm.clone());
+    opts.wasm = Some(wasm.to_path_buf());
     let envoy = Envoy::start(&opts).expect("envoy");
     // Let every VM start and tick on an empty log first.
     std::thread::sleep(Duration::from_millis(500));
@@ -96,7 +100,14 @@ fn main() {
     );
     println!(
         "{:>8} {:>8} {:>10} {:>10} {:>9} {:>8} {:>12} {:>13}",
-        "build", "threads", "RSS before", "RSS after", "indexed", "index s", "B/entry", "B/entry/VM"
+        "build",
+        "threads",
+        "RSS before",
+        "RSS after",
+        "indexed",
+        "index s",
+        "B/entry",
+        "B/entry/VM"
     );
     for threads in [1u32, 4] {
         for (name, wasm) in &builds {

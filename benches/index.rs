@@ -226,7 +226,11 @@ fn memory<I: Index>(events: &[(SlotIdx, IndexEvent)], target: usize, bound: usiz
 }
 
 /// Events per second applying `events` to an index already at its bound.
-fn throughput<I: Index>(warm: &[(SlotIdx, IndexEvent)], events: &[(SlotIdx, IndexEvent)], bound: usize) -> f64 {
+fn throughput<I: Index>(
+    warm: &[(SlotIdx, IndexEvent)],
+    events: &[(SlotIdx, IndexEvent)],
+    bound: usize,
+) -> f64 {
     let mut index = I::new(usize::from(WORKERS), bound);
     for (slot, event) in warm {
         index.apply(*slot, event);
@@ -254,7 +258,9 @@ fn main() {
     };
     println!("bench index: {WORKERS} workers, {BATCH}-block batches, native build");
     println!();
-    println!("memory per entry (counting allocator, bytes; peak = most held at once while filling)");
+    println!(
+        "memory per entry (counting allocator, bytes; peak = most held at once while filling)"
+    );
     println!(
         "{:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
         "entries", "bound", "old net", "old peak", "new net", "new peak"
@@ -279,7 +285,11 @@ fn main() {
 
     // Throughput at the bound: the engines' removals and the index's own evictions both run.
     let bound = if quick { 50_000 } else { 200_000 };
-    let (warm_n, run_n) = if quick { (40_000, 40_000) } else { (100_000, 200_000) };
+    let (warm_n, run_n) = if quick {
+        (40_000, 40_000)
+    } else {
+        (100_000, 200_000)
+    };
     let all = workload(11, warm_n + run_n, bound / usize::from(WORKERS) + 2_000);
     let (warm, run) = all.split_at(warm_n);
     let blocks: usize = run

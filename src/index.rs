@@ -292,19 +292,28 @@ impl KvIndex {
         let pool = &self.pool;
         self.by_block
             .find(block_hash(slot, ext), |id| {
-                pool.get(id).is_some_and(|e| e.ext == ext && e.slot() == slot)
+                pool.get(id)
+                    .is_some_and(|e| e.ext == ext && e.slot() == slot)
             })
             .map(|(_, id)| id)
     }
 
     fn find_prefix(&self, seq: u64) -> Option<(usize, u32)> {
         let pool = &self.pool;
-        self.by_prefix
-            .find(prefix_hash(seq), |id| pool.get(id).is_some_and(|e| e.seq == seq))
+        self.by_prefix.find(prefix_hash(seq), |id| {
+            pool.get(id).is_some_and(|e| e.seq == seq)
+        })
     }
 
     /// Places `ext` (prefix `seq`) on the tiers in `tiers` for `slot`, refreshing its age.
-    fn insert_block(&mut self, slot: SlotIdx, ext: u64, seq: u64, tiers: u8, stats: &mut ApplyStats) {
+    fn insert_block(
+        &mut self,
+        slot: SlotIdx,
+        ext: u64,
+        seq: u64,
+        tiers: u8,
+        stats: &mut ApplyStats,
+    ) {
         if let Some(id) = self.find_block(slot, ext) {
             let Some(e) = self.pool.get(id).copied() else {
                 return;
@@ -1132,8 +1141,13 @@ mod tests {
         assert_eq!(copy.encode_snapshot(), bytes);
         copy.reload_snapshot(&later, 5, 400).unwrap();
         assert_eq!(copy.encode_snapshot(), later);
-        assert_eq!(all_overlaps(&copy, &prompts), all_overlaps(&index, &prompts));
-        assert!(copy.reload_snapshot(&later[..later.len() - 1], 5, 400).is_err());
+        assert_eq!(
+            all_overlaps(&copy, &prompts),
+            all_overlaps(&index, &prompts)
+        );
+        assert!(copy
+            .reload_snapshot(&later[..later.len() - 1], 5, 400)
+            .is_err());
         assert_eq!(copy.entries(), 0, "a failed reload leaves the index empty");
         check_invariants(&copy);
         // A smaller bound on load evicts down to it.
@@ -1265,7 +1279,11 @@ mod tests {
         ids.sort_unstable();
         assert_eq!(ids, reference.into_iter().collect::<Vec<_>>());
         // Sized for its bound (2,000 at 80% load), it grew past it only for the 3,000.
-        assert!(table.allocated_bytes() <= 4 * 3_000 * 2, "{}", table.allocated_bytes());
+        assert!(
+            table.allocated_bytes() <= 4 * 3_000 * 2,
+            "{}",
+            table.allocated_bytes()
+        );
     }
 
     #[test]

@@ -41,8 +41,8 @@ fn prompts() -> Vec<Prompt> {
     (0..150u32)
         .map(|i| {
             // 6 shared 5-block prefixes, then a private tail.
-            let mut t: Vec<u32> = (0..5 * BS).map(|j| (i % 6) * 7_919 ^ j).collect();
-            t.extend((0..(3 + i % 9) * BS).map(|j| (1_000 + i) * 104_729 ^ j));
+            let mut t: Vec<u32> = (0..5 * BS).map(|j| ((i % 6) * 7_919) ^ j).collect();
+            t.extend((0..(3 + i % 9) * BS).map(|j| ((1_000 + i) * 104_729) ^ j));
             Prompt {
                 locals: local_block_hashes(&t, BS, DYNAMO_HASH_SEED),
                 seqs: prompt_sequence_hashes(&t, BS, None),
@@ -112,7 +112,11 @@ fn run(seed: u64, slots: u16, max_blocks: usize, events: usize) {
         evicted += result.map_or(0, |s| s.evicted_blocks);
         assert_eq!(new.entries(), old.entries(), "step {step}");
         for s in 0..slots {
-            assert_eq!(new.slot_blocks(s), old.slot_blocks(s), "step {step} slot {s}");
+            assert_eq!(
+                new.slot_blocks(s),
+                old.slot_blocks(s),
+                "step {step} slot {s}"
+            );
         }
         if step % 50 == 0 {
             for p in &prompts {
@@ -128,7 +132,10 @@ fn run(seed: u64, slots: u16, max_blocks: usize, events: usize) {
         }
     }
     if max_blocks < 1_000 {
-        assert!(evicted > 1_000, "the stream should force evictions: {evicted}");
+        assert!(
+            evicted > 1_000,
+            "the stream should force evictions: {evicted}"
+        );
     }
     // A snapshot of the new index replays like the old index too.
     let mut copy =

@@ -13,7 +13,6 @@ use envoy_kv_router::events::IndexEvent;
 use envoy_kv_router::hashing::chain_sequence_hash;
 use envoy_kv_router::types::{ExternalBlockHash, Overlap, SequenceHash, SlotIdx, StorageTier};
 
-
 /// Keys are already hashes, so a multiply-and-fold is enough mixing (and spreads small test ids
 /// across hashbrown's control bits). Fixed, so iteration order is the same in every replica.
 #[derive(Default, Clone, Copy)]
@@ -497,4 +496,3 @@ impl KvIndex {
             .collect()
     }
 }
-

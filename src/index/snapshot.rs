@@ -30,9 +30,8 @@ impl KvIndex {
             bytes: core::mem::take(out),
         };
         let slots = self.fifos.len();
-        w.bytes.reserve(
-            4 + 4 * (slots + 1) + self.entries.saturating_mul(SNAPSHOT_ENTRY_BYTES),
-        );
+        w.bytes
+            .reserve(4 + 4 * (slots + 1) + self.entries.saturating_mul(SNAPSHOT_ENTRY_BYTES));
         w.bytes.extend_from_slice(&SNAPSHOT_MAGIC);
         w.u8(SNAPSHOT_VERSION);
         w.len_prefix(slots);

@@ -112,7 +112,9 @@ impl IdTable {
             let Some((hash, id)) = pending else {
                 break;
             };
-            pending = self.place(hash, id).map(|evicted| (hash_of(evicted), evicted));
+            pending = self
+                .place(hash, id)
+                .map(|evicted| (hash_of(evicted), evicted));
             if pending.is_some() {
                 let grown = self.buckets.len().saturating_add(self.buckets.len() / 2);
                 self.rehash(grown, &hash_of);
