@@ -26,8 +26,11 @@ use std::sync::atomic::{AtomicIsize, Ordering::Relaxed};
 use std::time::Instant;
 
 use envoy_kv_router::events::IndexEvent;
+use envoy_kv_router::hashing::chain_sequence_hash;
 use envoy_kv_router::index::KvIndex;
-use envoy_kv_router::types::{ExternalBlockHash, LocalBlockHash, SlotIdx, StorageTier};
+use envoy_kv_router::types::{
+    ExternalBlockHash, LocalBlockHash, Overlap, SequenceHash, SlotIdx, StorageTier,
+};
 
 /// `System`, tracking live bytes and their peak.
 struct Counting;
@@ -249,6 +252,87 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// A prefix every one of `slots` workers holds: (ns per lookup of the 64-block prompt, ns per
+/// stored+removed pair of one block), for an index type. Lookup and the chain walks are
+/// O(holders) in both indexes; this shows the constant.
+fn wide<I: Index + Lookup>(slots: u16, rounds: usize) -> (f64, f64) {
+    let mut rng = Rng(5);
+    let locals: Vec<u64> = (0..64).map(|_| rng.next()).collect();
+    let mut index = I::new(usize::from(slots), usize::MAX);
+    let stored = |slot: u16, range: std::ops::Range<usize>| IndexEvent::Stored {
+        dp_rank: 0,
+        tier: StorageTier::Device,
+        parent: range
+            .start
+            .checked_sub(1)
+            .map(|i| ExternalBlockHash(locals[i] ^ u64::from(slot))),
+        blocks: range
+            .map(|i| {
+                (
+                    ExternalBlockHash(locals[i] ^ u64::from(slot)),
+                    LocalBlockHash(locals[i]),
+                )
+            })
+            .collect(),
+    };
+    for slot in 0..slots {
+        index.apply(slot, &stored(slot, 0..64));
+    }
+    let mut prev = None;
+    let seqs: Vec<SequenceHash> = locals
+        .iter()
+        .map(|&l| {
+            let seq = chain_sequence_hash(prev, LocalBlockHash(l));
+            prev = Some(seq);
+            seq
+        })
+        .collect();
+    let mut out = Vec::new();
+    let start = Instant::now();
+    for _ in 0..rounds {
+        index.lookup(&seqs, &mut out);
+        black_box(&out);
+    }
+    let lookup = start.elapsed().as_secs_f64() * 1e9 / rounds as f64;
+    let last = IndexEvent::Removed {
+        dp_rank: 0,
+        tier: StorageTier::Device,
+        blocks: vec![ExternalBlockHash(locals[63])],
+    };
+    let start = Instant::now();
+    for i in 0..rounds {
+        let slot = (i % usize::from(slots)) as u16;
+        index.apply(
+            slot,
+            &IndexEvent::Removed {
+                dp_rank: 0,
+                tier: StorageTier::Device,
+                blocks: vec![ExternalBlockHash(locals[63] ^ u64::from(slot))],
+            },
+        );
+        index.apply(slot, &stored(slot, 63..64));
+    }
+    black_box(&last);
+    let churn = start.elapsed().as_secs_f64() * 1e9 / rounds as f64;
+    (lookup, churn)
+}
+
+trait Lookup {
+    fn lookup(&self, seqs: &[SequenceHash], out: &mut Vec<Overlap>);
+}
+
+impl Lookup for KvIndex {
+    fn lookup(&self, seqs: &[SequenceHash], out: &mut Vec<Overlap>) {
+        self.find_overlaps(seqs, out);
+    }
+}
+
+impl Lookup for legacy::KvIndex {
+    fn lookup(&self, seqs: &[SequenceHash], out: &mut Vec<Overlap>) {
+        self.find_overlaps(seqs, out);
+    }
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let sizes: &[usize] = if quick {
@@ -319,4 +403,27 @@ fn main() {
         );
     }
     println!("  new/old: {:.2}x", new / old);
+    println!();
+
+    println!("one 64-block prefix held by every worker (median of 5 alternating runs)");
+    println!(
+        "{:>8} {:>14} {:>14} {:>16} {:>16}",
+        "workers", "old lookup", "new lookup", "old remove+store", "new remove+store"
+    );
+    for slots in [8u16, 64, 512] {
+        let rounds = if quick { 200 } else { 2_000 };
+        let (mut o, mut n) = (Vec::new(), Vec::new());
+        for _ in 0..5 {
+            o.push(wide::<legacy::KvIndex>(slots, rounds));
+            n.push(wide::<KvIndex>(slots, rounds));
+        }
+        let med = |v: &[(f64, f64)], f: fn(&(f64, f64)) -> f64| median(v.iter().map(f).collect());
+        println!(
+            "{slots:>8} {:>11.1} us {:>11.1} us {:>13.0} ns {:>13.0} ns",
+            med(&o, |x| x.0) / 1e3,
+            med(&n, |x| x.0) / 1e3,
+            med(&o, |x| x.1),
+            med(&n, |x| x.1)
+        );
+    }
 }

@@ -85,6 +85,27 @@ fn prefix_hash(seq: u64) -> u64 {
     mix(seq)
 }
 
+/// Adds one block held on the tiers in `mask` to `slot`'s overlap if the slot still matches at
+/// `depth`; returns whether it did.
+fn count_block(out: &mut [Overlap], slot: SlotIdx, mask: u8, depth: u32) -> bool {
+    let Some(o) = out.get_mut(usize::from(slot)) else {
+        return false;
+    };
+    if o.total_blocks() != depth {
+        return false;
+    }
+    if mask & DEVICE_BIT != 0 && o.host_blocks == 0 && o.disk_blocks == 0 {
+        o.device_blocks += 1;
+    } else if mask & (tier_bit(StorageTier::Host) | DEVICE_BIT) != 0 {
+        // Past the device prefix, a device copy still needs the host/disk blocks before it
+        // loaded first: count it with the host tier (the cheaper slow tier).
+        o.host_blocks += 1;
+    } else {
+        o.disk_blocks += 1;
+    }
+    true
+}
+
 /// A slot's FIFO: oldest and newest entry (NIL when empty).
 #[derive(Clone, Copy, Debug)]
 struct Fifo {
@@ -604,26 +625,25 @@ impl KvIndex {
             let Some((_, head)) = self.find_prefix(seq.0) else {
                 return;
             };
+            // One pass over the chain (one read per holder), a slot's adjacent entries OR-ed.
             let mut any = false;
+            let mut group: Option<(SlotIdx, u8)> = None;
             let mut cur = head;
-            while let Some((slot, mask, next)) = self.group(cur) {
-                cur = next;
-                let Some(o) = out.get_mut(usize::from(slot)) else {
-                    continue;
+            loop {
+                let e = self.pool.get(cur);
+                let slot = e.map(Entry::slot);
+                if let Some((g_slot, mask)) = group.filter(|(g, _)| Some(*g) != slot) {
+                    any |= count_block(out, g_slot, mask, depth);
+                    group = None;
+                }
+                let Some(e) = e else {
+                    break;
                 };
-                if o.total_blocks() != depth {
-                    continue;
-                }
-                if mask & DEVICE_BIT != 0 && o.host_blocks == 0 && o.disk_blocks == 0 {
-                    o.device_blocks += 1;
-                } else if mask & (tier_bit(StorageTier::Host) | DEVICE_BIT) != 0 {
-                    // Past the device prefix, a device copy still needs the host/disk blocks
-                    // before it loaded first: count it with the host tier (the cheaper slow tier).
-                    o.host_blocks += 1;
-                } else {
-                    o.disk_blocks += 1;
-                }
-                any = true;
+                group = Some(match group {
+                    Some((g, mask)) => (g, mask | e.tiers()),
+                    None => (e.slot(), e.tiers()),
+                });
+                cur = e.seq_next();
             }
             if !any {
                 return;
