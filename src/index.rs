@@ -15,6 +15,10 @@
 //!   touches only the holders of matched blocks: O(sum of holders over matched blocks). Two
 //!   engine hashes of one slot naming one prefix are two adjacent chain members whose tier masks
 //!   are OR-ed, so no reference counts are needed.
+//! * `wide`: for prefixes whose chain is longer than `WIDE_CHAIN` (held by many workers, e.g. a
+//!   shared system prompt), the chain's slot groups also as a packed array (`slot << 8 | mask`),
+//!   flagged on the chain head, so a lookup reads one array instead of chasing the chain. It is
+//!   rebuilt on every change to such a chain: O(holders), as the old holder vectors were.
 //! * Per slot, an intrusive FIFO (`prev`/`next`), oldest first; a re-store moves the entry to the
 //!   back. Eviction takes the front of the fullest slot's FIFO, the fullest slot read from a
 //!   tournament tree (`fullest`): O(log slots) per eviction, no scan.
@@ -25,6 +29,8 @@
 //! * Every live entry is in its slot's FIFO, in `by_block`, and in exactly one prefix chain, the
 //!   one of its `seq`; `by_prefix` holds exactly the prefixes with a live entry; a chain's entries
 //!   of one slot are adjacent; a live entry's tier mask is never 0.
+//! * `wide` holds exactly the prefixes whose chain is longer than `WIDE_CHAIN`, each equal to its
+//!   chain's groups; exactly their chain heads carry the wide flag.
 //!
 //! Eviction is oldest-stored first (a re-store refreshes), from the slot holding the most blocks.
 //! Parents are usually older than children, so eviction may orphan a chain's tail; lookups stop
@@ -106,6 +112,31 @@ fn count_block(out: &mut [Overlap], slot: SlotIdx, mask: u8, depth: u32) -> bool
     true
 }
 
+/// Chains longer than this also keep their holders as an array (see `KvIndex::wide`).
+const WIDE_CHAIN: usize = 8;
+
+/// Fixed hasher for the wide map: keys are sequence hashes, mixed once.
+#[derive(Default, Clone, Copy)]
+struct SeqHasher(u64);
+
+impl core::hash::Hasher for SeqHasher {
+    fn finish(&self) -> u64 {
+        mix(self.0)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 ^= v;
+    }
+}
+
+type WideMap = hashbrown::HashMap<u64, Vec<u32>, core::hash::BuildHasherDefault<SeqHasher>>;
+
 /// A slot's FIFO: oldest and newest entry (NIL when empty).
 #[derive(Clone, Copy, Debug)]
 struct Fifo {
@@ -184,6 +215,9 @@ pub struct KvIndex {
     by_prefix: IdTable,
     fifos: Vec<Fifo>,
     fullest: Fullest,
+    /// Holders of the prefixes whose chain is longer than `WIDE_CHAIN`, as packed
+    /// `slot << 8 | tier mask` per slot, so lookups over widely held prefixes read an array.
+    wide: WideMap,
     /// (block, slot) pairs held.
     entries: usize,
     max_blocks: usize,
@@ -212,6 +246,7 @@ impl KvIndex {
             by_prefix: IdTable::new(max_blocks),
             fifos: vec![EMPTY_FIFO; num_slots],
             fullest: Fullest::new(num_slots),
+            wide: WideMap::default(),
             entries: 0,
             max_blocks,
         }
@@ -245,6 +280,7 @@ impl KvIndex {
         self.by_prefix.reset();
         self.fifos.fill(EMPTY_FIFO);
         self.fullest = Fullest::new(self.fifos.len());
+        self.wide.clear();
         self.entries = 0;
     }
 
@@ -343,6 +379,9 @@ impl KvIndex {
                 if let Some(e) = self.pool.get_mut(id) {
                     e.set_tiers(e.tiers() | tiers);
                 }
+                if e.tiers() | tiers != e.tiers() {
+                    self.retier_wide(seq);
+                }
             } else {
                 // The engine reused a block hash for a different prefix: the old placement is gone.
                 self.unlink_prefix(id);
@@ -392,8 +431,18 @@ impl KvIndex {
     /// Adds entry `id` to the chain of its prefix: after the last entry of its slot, else at the
     /// end (so one slot's entries stay adjacent).
     fn link_prefix(&mut self, id: u32) {
+        let len = self.link_prefix_raw(id);
+        if len > WIDE_CHAIN {
+            if let Some(seq) = self.pool.get(id).map(|e| e.seq) {
+                self.refresh_wide(seq);
+            }
+        }
+    }
+
+    /// Links `id` into its chain; returns the chain's length afterwards.
+    fn link_prefix_raw(&mut self, id: u32) -> usize {
         let Some(e) = self.pool.get(id).copied() else {
-            return;
+            return 0;
         };
         let Some((_, head)) = self.find_prefix(e.seq) else {
             if let Some(x) = self.pool.get_mut(id) {
@@ -403,23 +452,27 @@ impl KvIndex {
             self.by_prefix.insert(prefix_hash(e.seq), id, |i| {
                 pool.get(i).map_or(0, |x| prefix_hash(x.seq))
             });
-            return;
+            return 1;
         };
         let slot = e.slot();
         let mut after = head;
         let mut cur = head;
-        let mut in_group = false;
+        let (mut in_group, mut placed) = (false, false);
+        let mut len = 1usize;
         for _ in 0..=self.entries {
             let Some(c) = self.pool.get(cur) else {
                 break;
             };
-            if c.slot() == slot {
-                in_group = true;
-                after = cur;
-            } else if in_group {
-                break;
-            } else {
-                after = cur;
+            len += 1;
+            if !placed {
+                if c.slot() == slot {
+                    in_group = true;
+                    after = cur;
+                } else if in_group {
+                    placed = true;
+                } else {
+                    after = cur;
+                }
             }
             cur = c.seq_next();
             if cur == NIL {
@@ -433,37 +486,99 @@ impl KvIndex {
         if let Some(a) = self.pool.get_mut(after) {
             a.set_seq_next(id);
         }
+        len
     }
 
     /// Takes entry `id` out of its prefix chain (dropping the prefix when it was the last).
     fn unlink_prefix(&mut self, id: u32) {
+        let was_wide = self.unlink_prefix_raw(id);
+        if let Some(e) = self.pool.get_mut(id) {
+            e.set_wide(false);
+            let seq = e.seq;
+            if was_wide {
+                self.refresh_wide(seq);
+            }
+        }
+    }
+
+    /// After a tier change of an entry of prefix `seq`: its holder array, if it has one.
+    fn retier_wide(&mut self, seq: u64) {
+        let wide = self
+            .find_prefix(seq)
+            .and_then(|(_, head)| self.pool.get(head))
+            .is_some_and(Entry::wide);
+        if wide {
+            self.refresh_wide(seq);
+        }
+    }
+
+    /// Unlinks `id` from its chain; returns whether the chain had a holder array.
+    fn unlink_prefix_raw(&mut self, id: u32) -> bool {
         let Some(e) = self.pool.get(id).copied() else {
-            return;
+            return false;
         };
         let Some((pos, head)) = self.find_prefix(e.seq) else {
-            return;
+            return false;
         };
+        let was_wide = self.pool.get(head).is_some_and(Entry::wide);
         if head == id {
             if e.seq_next() == NIL {
                 self.by_prefix.remove_at(pos);
             } else {
                 self.by_prefix.set_id(pos, e.seq_next());
             }
-            return;
+            return was_wide;
         }
         let mut cur = head;
         for _ in 0..=self.entries {
             let Some(c) = self.pool.get(cur).copied() else {
-                return;
+                break;
             };
             if c.seq_next() == id {
                 if let Some(p) = self.pool.get_mut(cur) {
                     p.set_seq_next(e.seq_next());
                 }
-                return;
+                break;
             }
             cur = c.seq_next();
         }
+        was_wide
+    }
+
+    /// Re-derives prefix `seq`'s holder array after its chain changed: kept (and the head
+    /// flagged) while the chain is longer than `WIDE_CHAIN`, dropped otherwise.
+    fn refresh_wide(&mut self, seq: u64) {
+        let Some((_, head)) = self.find_prefix(seq) else {
+            self.wide.remove(&seq);
+            return;
+        };
+        let mut len = 0usize;
+        let mut cur = head;
+        while let Some(e) = self.pool.get(cur) {
+            len += 1;
+            if len > WIDE_CHAIN {
+                break;
+            }
+            cur = e.seq_next();
+        }
+        let wide = len > WIDE_CHAIN;
+        if let Some(h) = self.pool.get_mut(head) {
+            h.set_wide(wide);
+        }
+        if !wide {
+            if !self.wide.is_empty() {
+                self.wide.remove(&seq);
+            }
+            return;
+        }
+        let mut holders = self.wide.remove(&seq).unwrap_or_default();
+        holders.clear();
+        let mut cur = head;
+        while let Some((slot, mask, next)) = self.group(cur) {
+            holders.push((u32::from(slot) << 8) | u32::from(mask));
+            cur = next;
+        }
+        self.wide.insert(seq, holders);
     }
 
     fn push_fifo(&mut self, id: u32) {
@@ -545,6 +660,9 @@ impl KvIndex {
         e.set_tiers(e.tiers() & !dropped);
         if e.tiers() == 0 {
             self.remove_entry(id);
+        } else {
+            let seq = e.seq;
+            self.retier_wide(seq);
         }
         true
     }
@@ -627,6 +745,18 @@ impl KvIndex {
             };
             // One pass over the chain (one read per holder), a slot's adjacent entries OR-ed.
             let mut any = false;
+            if self.pool.get(head).is_some_and(Entry::wide) {
+                if let Some(holders) = self.wide.get(&seq.0) {
+                    for &h in holders {
+                        let slot = SlotIdx::try_from(h >> 8).unwrap_or(SlotIdx::MAX);
+                        any |= count_block(out, slot, h as u8, depth);
+                    }
+                    if !any {
+                        return;
+                    }
+                    continue;
+                }
+            }
             let mut group: Option<(SlotIdx, u8)> = None;
             let mut cur = head;
             loop {
@@ -814,6 +944,35 @@ mod tests {
             }
         }
         assert_eq!(chained, entries, "every entry in exactly one chain");
+        // Chains longer than WIDE_CHAIN: head flagged, holder array = the chain's groups.
+        let mut wide = 0;
+        for head in index.by_prefix.ids() {
+            let seq = index.pool.get(head).unwrap().seq;
+            let (mut len, mut cur, mut groups) = (0, head, Vec::new());
+            while let Some(e) = index.pool.get(cur) {
+                len += 1;
+                cur = e.seq_next();
+            }
+            let mut cur = head;
+            while let Some((slot, mask, next)) = index.group(cur) {
+                groups.push((u32::from(slot) << 8) | u32::from(mask));
+                cur = next;
+            }
+            let flagged = index.pool.get(head).unwrap().wide();
+            assert_eq!(flagged, len > WIDE_CHAIN, "wide flag of {seq}");
+            if len > WIDE_CHAIN {
+                assert_eq!(index.wide.get(&seq), Some(&groups), "holders of {seq}");
+                wide += 1;
+            }
+        }
+        assert_eq!(index.wide.len(), wide, "stale holder arrays");
+        for id in 0..index.pool.high() {
+            if let Some(e) = index.pool.get(id) {
+                if e.wide() {
+                    assert_eq!(index.find_prefix(e.seq).map(|(_, h)| h), Some(id));
+                }
+            }
+        }
         assert_eq!(actual, expected);
         for ((seq, slot), mask) in &expected {
             let tiers = index.tiers_held(*slot, SequenceHash(*seq));
@@ -1304,6 +1463,41 @@ mod tests {
             "{}",
             table.allocated_bytes()
         );
+    }
+
+    #[test]
+    fn widely_held_prefixes_keep_exact_holder_arrays() {
+        let (prompts, events) = stream(61, 8_000, 24);
+        let mut index = KvIndex::new(24, 1_500);
+        for (i, (slot, event)) in events.iter().enumerate() {
+            let _ = index.apply(*slot, event);
+            if i % 400 == 0 {
+                check_invariants(&index);
+            }
+        }
+        check_invariants(&index);
+        assert!(
+            !index.wide.is_empty(),
+            "the stream should build wide prefixes"
+        );
+        // The array path and the chain path agree: drop the arrays and compare.
+        let mut chains_only = index.clone();
+        chains_only.wide.clear();
+        for id in 0..chains_only.pool.high() {
+            if let Some(e) = chains_only.pool.get_mut(id) {
+                e.set_wide(false);
+            }
+        }
+        assert_eq!(
+            all_overlaps(&index, &prompts),
+            all_overlaps(&chains_only, &prompts)
+        );
+        // Clearing slots shrinks chains below the threshold: arrays go with them.
+        for slot in 0..24 {
+            index.clear_slot(slot);
+            check_invariants(&index);
+        }
+        assert!(index.wide.is_empty());
     }
 
     #[test]

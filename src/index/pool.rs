@@ -11,6 +11,9 @@ const ID_MASK: u32 = 0x00FF_FFFF;
 /// Ids are 0..NIL, so this many entries at most.
 pub(super) const MAX_ENTRIES: usize = NIL as usize;
 
+const TIER_BITS: u8 = 0b111;
+const WIDE_FLAG: u32 = 0x8000_0000;
+
 const CHUNK_BITS: u32 = 12;
 const CHUNK_LEN: usize = 1 << CHUNK_BITS;
 const CHUNK_MASK: u32 = (1 << CHUNK_BITS) - 1;
@@ -28,7 +31,7 @@ pub(super) struct Entry {
     prev: u32,
     /// Newer neighbour in the slot's FIFO, or the next free entry | slot high byte << 24.
     next: u32,
-    /// Next entry of the same prefix | tier mask << 24 (0 = free).
+    /// Next entry of the same prefix | tier mask << 24 (0 = free) | wide flag << 31.
     seq_next: u32,
 }
 
@@ -65,11 +68,26 @@ impl Entry {
 
     pub fn tiers(&self) -> u8 {
         let w = self.seq_next;
-        (w >> 24) as u8
+        (w >> 24) as u8 & TIER_BITS
     }
 
+    /// Sets the tier mask, keeping the wide flag.
     pub fn set_tiers(&mut self, tiers: u8) {
-        self.seq_next = (self.seq_next & ID_MASK) | (u32::from(tiers) << 24);
+        let keep = self.seq_next & (ID_MASK | WIDE_FLAG);
+        self.seq_next = keep | (u32::from(tiers & TIER_BITS) << 24);
+    }
+
+    /// Set on the head of a prefix chain whose holders are also kept as an array (`wide`).
+    pub fn wide(&self) -> bool {
+        self.seq_next & WIDE_FLAG != 0
+    }
+
+    pub fn set_wide(&mut self, wide: bool) {
+        if wide {
+            self.seq_next |= WIDE_FLAG;
+        } else {
+            self.seq_next &= !WIDE_FLAG;
+        }
     }
 
     pub fn prev(&self) -> u32 {
@@ -152,6 +170,12 @@ impl Pool {
             e.set_next(next);
             self.free = Some(id);
         }
+    }
+
+    /// Ids handed out so far (live or free), for invariant checks.
+    #[cfg(test)]
+    pub fn high(&self) -> u32 {
+        self.high
     }
 
     /// Forgets every entry; the chunks stay allocated and are handed out again.
