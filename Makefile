@@ -56,7 +56,9 @@ BENCH_ARGS := $(if $(QUICK),--quick,)
 bench: build
 	cargo bench --bench router -- $(BENCH_ARGS)
 	cargo bench --bench load_table -- $(BENCH_ARGS)
+	cargo bench --bench index -- $(BENCH_ARGS)
 	cargo bench --bench envoy_overhead -- $(BENCH_ARGS)
+	cargo bench --bench envoy_memory -- $(BENCH_ARGS)
 	cargo bench --bench envoy_cpu -- $(BENCH_ARGS)
 
 # Event-to-routable latency with a real vLLM engine and its kv-event-bridge (installs vLLM).

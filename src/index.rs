@@ -3,75 +3,68 @@
 //! # Design note
 //!
 //! Every Envoy thread holds one replica, rebuilt from the shared event log, so application must be
-//! deterministic: hash maps use a fixed hasher, nothing depends on map iteration order, and
-//! eviction picks victims by (most blocks, lowest slot index) and per-slot insertion order.
+//! deterministic: fixed hashing, nothing depends on table iteration order, and eviction picks
+//! victims by (most blocks, lowest slot index) and per-slot insertion order.
 //!
-//! Two structures, kept in step by every mutation:
-//! * per slot, `blocks`: engine block hash -> (sequence hash, tier mask, stamp). Events name
-//!   blocks by the engine's hash, so "removed", "cleared", eviction and worker loss are exact.
-//! * global, `holders`: sequence hash -> the slots holding it, with per-tier reference counts
-//!   (two engine hashes of one slot may name the same prefix). Lookup walks the prompt once and
-//!   touches only the holders of matched blocks: O(sum of holders over matched blocks).
+//! One record per (block, slot) entry, 28 bytes (`pool`): engine block hash, sequence hash, slot,
+//! tier mask, and three 24-bit links. Two id tables (4 bytes a bucket, `table`) find entries:
+//! * `by_block`: (slot, engine block hash) -> entry. Events name blocks by the engine's hash, so
+//!   "removed", "cleared", eviction and worker loss are exact.
+//! * `by_prefix`: sequence hash -> the first entry of its holder chain, which links every entry of
+//!   that prefix (`seq_next`), entries of one slot adjacent. Lookup walks the prompt once and
+//!   touches only the holders of matched blocks: O(sum of holders over matched blocks). Two
+//!   engine hashes of one slot naming one prefix are two adjacent chain members whose tier masks
+//!   are OR-ed, so no reference counts are needed.
+//! * `wide`: for prefixes whose chain is longer than `WIDE_CHAIN` (held by many workers, e.g. a
+//!   shared system prompt), the chain's slot groups also as a packed array (`slot << 8 | mask`),
+//!   flagged on the chain head, so a lookup reads one array instead of chasing the chain. It is
+//!   rebuilt on every change to such a chain: O(holders), as the old holder vectors were.
+//! * Per slot, an intrusive FIFO (`prev`/`next`), oldest first; a re-store moves the entry to the
+//!   back. Eviction takes the front of the fullest slot's FIFO, the fullest slot read from a
+//!   tournament tree (`fullest`): O(log slots) per eviction, no scan.
 //!
 //! Invariants:
-//! * `entries` == sum of `blocks.len()` over slots <= `max_blocks` after every public mutation.
-//! * A slot appears in `holders[seq]` with count c on tier t iff c of its `blocks` map to `seq`
-//!   with tier t set; a `holders` value is never empty.
-//! * Each live block has exactly one FIFO element carrying its current stamp (older elements for
-//!   the same block are stale and skipped); a slot's FIFO is compacted when it exceeds twice its
-//!   live blocks plus a slack, so it stays O(live blocks).
+//! * `entries` == live pool entries == `by_block.len()` == sum of FIFO lengths == sum of
+//!   `fullest` counts <= `max_blocks` after every public mutation.
+//! * Every live entry is in its slot's FIFO, in `by_block`, and in exactly one prefix chain, the
+//!   one of its `seq`; `by_prefix` holds exactly the prefixes with a live entry; a chain's entries
+//!   of one slot are adjacent; a live entry's tier mask is never 0.
+//! * `wide` holds exactly the prefixes whose chain is longer than `WIDE_CHAIN`, each equal to its
+//!   chain's groups; exactly their chain heads carry the wide flag.
 //!
 //! Eviction is oldest-stored first (a re-store refreshes), from the slot holding the most blocks.
 //! Parents are usually older than children, so eviction may orphan a chain's tail; lookups stop
 //! at the first missing block, so orphans only waste space until they are evicted in turn, and a
 //! later "stored" that names an evicted parent is reported as `UnknownParent`.
 //!
-//! Memory per (block, slot) entry on wasm32, roughly: slot map 24 B + control byte at 50-87%
-//! load (~30-55 B), FIFO 16-32 B, plus per distinct prefix ~32 B at 50-87% load in `holders`:
-//! about 80-130 B, so 1 Mi entries cost ~80-130 MB in every replica.
+//! Memory per entry: 28 B record + two table buckets of 4 B at up to 80% load. The tables are
+//! allocated for `max_blocks` on the first insert (bounds up to ~3.3M entries; larger ones grow
+//! by 1.5x), so at the bound an entry costs ~38 B, independent of the pointer width, and nothing
+//! is ever re-allocated (wasm linear memory would keep every outgrown table). Records come in
+//! 112 KiB chunks allocated as the index grows; an idle index holds none. At most
+//! `pool::MAX_ENTRIES` (2^24 - 1) entries: a larger `max_blocks` acts as [`MAX_BOUND`].
 
-use core::cmp::Reverse;
 use core::fmt;
-use core::hash::{BuildHasherDefault, Hasher};
-use std::collections::VecDeque;
 
 use crate::events::{tier_code, IndexEvent};
 use crate::hashing::chain_sequence_hash;
 use crate::types::{ExternalBlockHash, Overlap, SequenceHash, SlotIdx, StorageTier};
 
+mod fullest;
+mod pool;
 mod snapshot;
+mod table;
 
-/// Keys are already hashes, so a multiply-and-fold is enough mixing (and spreads small test ids
-/// across hashbrown's control bits). Fixed, so iteration order is the same in every replica.
-#[derive(Default, Clone, Copy)]
-struct KeyHasher(u64);
-
-const MIX: u64 = 0x9e37_79b9_7f4a_7c15;
-
-impl Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        let m = self.0.wrapping_mul(MIX);
-        m ^ (m >> 29)
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(MIX);
-        }
-    }
-
-    fn write_u64(&mut self, v: u64) {
-        self.0 = self.0.rotate_left(5) ^ v;
-    }
-}
-
-type FixedMap<K, V> = hashbrown::HashMap<K, V, BuildHasherDefault<KeyHasher>>;
-
-/// FIFO elements allowed beyond twice the live blocks before a slot's FIFO is compacted.
-const FIFO_SLACK: usize = 64;
+use fullest::Fullest;
+use pool::{Entry, Pool, MAX_ENTRIES, NIL};
+use table::IdTable;
 
 /// Slots are addressed by `SlotIdx` (u16).
 const MAX_SLOTS: usize = 1 << 16;
+
+/// The largest effective `max_blocks`: the id space less room for one event's blocks, which land
+/// before eviction trims back to the bound.
+pub const MAX_BOUND: usize = MAX_ENTRIES - (1 << 16);
 
 fn tier_bit(tier: StorageTier) -> u8 {
     1 << tier_code(tier)
@@ -81,146 +74,80 @@ const DEVICE_BIT: u8 = 1;
 const ALL_TIERS: u8 = 0b111;
 const TIERS: [StorageTier; 3] = [StorageTier::Device, StorageTier::Host, StorageTier::Disk];
 
-/// One block as one slot holds it.
+/// Murmur3's 64-bit finalizer: keys are hashes already, but tests and mock engines use small ids.
+fn mix(mut z: u64) -> u64 {
+    z ^= z >> 33;
+    z = z.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    z ^= z >> 33;
+    z = z.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    z ^ (z >> 33)
+}
+
+fn block_hash(slot: SlotIdx, ext: u64) -> u64 {
+    mix(ext ^ (u64::from(slot) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
+fn prefix_hash(seq: u64) -> u64 {
+    mix(seq)
+}
+
+/// Adds one block held on the tiers in `mask` to `slot`'s overlap if the slot still matches at
+/// `depth`; returns whether it did.
+fn count_block(out: &mut [Overlap], slot: SlotIdx, mask: u8, depth: u32) -> bool {
+    let Some(o) = out.get_mut(usize::from(slot)) else {
+        return false;
+    };
+    if o.total_blocks() != depth {
+        return false;
+    }
+    if mask & DEVICE_BIT != 0 && o.host_blocks == 0 && o.disk_blocks == 0 {
+        o.device_blocks += 1;
+    } else if mask & (tier_bit(StorageTier::Host) | DEVICE_BIT) != 0 {
+        // Past the device prefix, a device copy still needs the host/disk blocks before it
+        // loaded first: count it with the host tier (the cheaper slow tier).
+        o.host_blocks += 1;
+    } else {
+        o.disk_blocks += 1;
+    }
+    true
+}
+
+/// Chains longer than this also keep their holders as an array (see `KvIndex::wide`).
+const WIDE_CHAIN: usize = 8;
+
+/// Fixed hasher for the wide map: keys are sequence hashes, mixed once.
+#[derive(Default, Clone, Copy)]
+struct SeqHasher(u64);
+
+impl core::hash::Hasher for SeqHasher {
+    fn finish(&self) -> u64 {
+        mix(self.0)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 ^= v;
+    }
+}
+
+type WideMap = hashbrown::HashMap<u64, Vec<u32>, core::hash::BuildHasherDefault<SeqHasher>>;
+
+/// A slot's FIFO: oldest and newest entry (NIL when empty).
 #[derive(Clone, Copy, Debug)]
-struct SlotBlock {
-    seq: SequenceHash,
-    /// Insertion stamp; matches exactly one FIFO element (the live one).
-    stamp: u32,
-    /// Bit per tier (`tier_bit`); never 0 while the block is in the map.
-    tiers: u8,
+struct Fifo {
+    head: u32,
+    tail: u32,
 }
 
-#[derive(Default, Clone, Debug)]
-struct Slot {
-    blocks: FixedMap<ExternalBlockHash, SlotBlock>,
-    /// Insertion order for eviction, with lazy deletion: (block, stamp when pushed).
-    fifo: VecDeque<(ExternalBlockHash, u32)>,
-}
-
-impl Slot {
-    fn is_live(&self, ext: &ExternalBlockHash, stamp: u32) -> bool {
-        self.blocks.get(ext).is_some_and(|b| b.stamp == stamp)
-    }
-}
-
-/// One slot's hold on one sequence hash: how many of its engine blocks map to it, per tier.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Holder {
-    slot: SlotIdx,
-    counts: [u32; 3],
-}
-
-impl Holder {
-    fn mask(&self) -> u8 {
-        self.counts
-            .iter()
-            .enumerate()
-            .fold(0, |m, (i, &c)| if c > 0 { m | (1 << i) } else { m })
-    }
-}
-
-/// The slots holding one sequence hash. Most prefixes live on one slot, so that case is inline.
-#[derive(Clone, Debug)]
-enum Holders {
-    One(Holder),
-    Many(Vec<Holder>),
-}
-
-impl Holders {
-    fn as_slice(&self) -> &[Holder] {
-        match self {
-            Holders::One(h) => core::slice::from_ref(h),
-            Holders::Many(v) => v,
-        }
-    }
-
-    fn get_mut(&mut self, slot: SlotIdx) -> Option<&mut Holder> {
-        match self {
-            Holders::One(h) => Some(h).filter(|h| h.slot == slot),
-            Holders::Many(v) => v.iter_mut().find(|h| h.slot == slot),
-        }
-    }
-
-    fn push(&mut self, holder: Holder) {
-        match self {
-            Holders::One(first) => *self = Holders::Many(vec![*first, holder]),
-            Holders::Many(v) => v.push(holder),
-        }
-    }
-
-    /// Drops `slot`; returns true when no holder is left.
-    fn remove(&mut self, slot: SlotIdx) -> bool {
-        match self {
-            Holders::One(h) => h.slot == slot,
-            Holders::Many(v) => {
-                v.retain(|h| h.slot != slot);
-                match v.as_slice() {
-                    [] => true,
-                    [only] => {
-                        *self = Holders::One(*only);
-                        false
-                    }
-                    _ => false,
-                }
-            }
-        }
-    }
-}
-
-fn holder_add(
-    holders: &mut FixedMap<SequenceHash, Holders>,
-    seq: SequenceHash,
-    slot: SlotIdx,
-    tiers: u8,
-) {
-    let add = |h: &mut Holder| {
-        for (i, count) in h.counts.iter_mut().enumerate() {
-            if tiers & (1 << i) != 0 {
-                *count = count.saturating_add(1);
-            }
-        }
-    };
-    let mut fresh = Holder {
-        slot,
-        counts: [0; 3],
-    };
-    match holders.get_mut(&seq) {
-        Some(set) => match set.get_mut(slot) {
-            Some(h) => add(h),
-            None => {
-                add(&mut fresh);
-                set.push(fresh);
-            }
-        },
-        None => {
-            add(&mut fresh);
-            holders.insert(seq, Holders::One(fresh));
-        }
-    }
-}
-
-fn holder_sub(
-    holders: &mut FixedMap<SequenceHash, Holders>,
-    seq: SequenceHash,
-    slot: SlotIdx,
-    tiers: u8,
-) {
-    let Some(set) = holders.get_mut(&seq) else {
-        return;
-    };
-    let Some(h) = set.get_mut(slot) else {
-        return;
-    };
-    for (i, count) in h.counts.iter_mut().enumerate() {
-        if tiers & (1 << i) != 0 {
-            *count = count.saturating_sub(1);
-        }
-    }
-    if h.mask() == 0 && set.remove(slot) {
-        holders.remove(&seq);
-    }
-}
+const EMPTY_FIFO: Fifo = Fifo {
+    head: NIL,
+    tail: NIL,
+};
 
 /// What one `apply` did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -281,31 +208,52 @@ impl fmt::Display for IndexError {
 impl std::error::Error for IndexError {}
 
 /// The in-VM replica of every slot's cached prefixes. See the module note.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct KvIndex {
-    slots: Vec<Slot>,
-    holders: FixedMap<SequenceHash, Holders>,
+    pool: Pool,
+    by_block: IdTable,
+    by_prefix: IdTable,
+    fifos: Vec<Fifo>,
+    fullest: Fullest,
+    /// Holders of the prefixes whose chain is longer than `WIDE_CHAIN`, as packed
+    /// `slot << 8 | tier mask` per slot, so lookups over widely held prefixes read an array.
+    wide: WideMap,
     /// (block, slot) pairs held.
     entries: usize,
     max_blocks: usize,
-    next_stamp: u32,
+}
+
+impl fmt::Debug for KvIndex {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KvIndex")
+            .field("slots", &self.fifos.len())
+            .field("entries", &self.entries)
+            .field("prefixes", &self.by_prefix.len())
+            .field("max_blocks", &self.max_blocks)
+            .finish()
+    }
 }
 
 impl KvIndex {
     /// An empty index for `num_slots` slots (at most 65536) holding at most `max_blocks`
-    /// (block, slot) entries.
+    /// (block, slot) entries (at most [`MAX_BOUND`]). Allocates nothing per entry until used.
     pub fn new(num_slots: usize, max_blocks: usize) -> Self {
+        let num_slots = num_slots.min(MAX_SLOTS);
+        let max_blocks = max_blocks.min(MAX_BOUND);
         KvIndex {
-            slots: vec![Slot::default(); num_slots.min(MAX_SLOTS)],
-            holders: FixedMap::default(),
+            pool: Pool::default(),
+            by_block: IdTable::new(max_blocks),
+            by_prefix: IdTable::new(max_blocks),
+            fifos: vec![EMPTY_FIFO; num_slots],
+            fullest: Fullest::new(num_slots),
+            wide: WideMap::default(),
             entries: 0,
             max_blocks,
-            next_stamp: 0,
         }
     }
 
     pub fn num_slots(&self) -> usize {
-        self.slots.len()
+        self.fifos.len()
     }
 
     /// (block, slot) pairs held; a block on several tiers of one slot counts once.
@@ -315,19 +263,35 @@ impl KvIndex {
 
     /// Blocks held by one slot (0 for an unknown slot).
     pub fn slot_blocks(&self, slot: SlotIdx) -> usize {
-        self.slots
-            .get(usize::from(slot))
-            .map_or(0, |s| s.blocks.len())
+        self.fullest.count(usize::from(slot))
+    }
+
+    /// Heap bytes the index holds (entry chunks and both tables), for benchmarks.
+    pub fn allocated_bytes(&self) -> usize {
+        self.pool.allocated_bytes()
+            + self.by_block.allocated_bytes()
+            + self.by_prefix.allocated_bytes()
+    }
+
+    /// Drops every entry, keeping the allocations (entry chunks and tables) for reuse.
+    fn reset(&mut self) {
+        self.pool.reset();
+        self.by_block.reset();
+        self.by_prefix.reset();
+        self.fifos.fill(EMPTY_FIFO);
+        self.fullest = Fullest::new(self.fifos.len());
+        self.wide.clear();
+        self.entries = 0;
     }
 
     fn check_slot(&self, slot: SlotIdx) -> Result<usize, IndexError> {
         let idx = usize::from(slot);
-        if idx < self.slots.len() {
+        if idx < self.fifos.len() {
             Ok(idx)
         } else {
             Err(IndexError::SlotOutOfRange {
                 slot,
-                num_slots: self.slots.len(),
+                num_slots: self.fifos.len(),
             })
         }
     }
@@ -335,7 +299,7 @@ impl KvIndex {
     /// Applies one normalized event to one slot. `Cleared` clears just this slot (the caller maps
     /// a whole-worker clear to each of its slots). On `Err` nothing changed.
     pub fn apply(&mut self, slot: SlotIdx, event: &IndexEvent) -> Result<ApplyStats, IndexError> {
-        let idx = self.check_slot(slot)?;
+        self.check_slot(slot)?;
         let mut stats = ApplyStats::default();
         match event {
             IndexEvent::Stored {
@@ -346,33 +310,26 @@ impl KvIndex {
             } => {
                 let mut prev = match parent {
                     None => None,
-                    Some(parent) => {
-                        let seq = self
-                            .slots
-                            .get(idx)
-                            .and_then(|s| s.blocks.get(parent))
-                            .map(|b| b.seq);
-                        match seq {
-                            Some(seq) => Some(seq),
-                            None => {
-                                return Err(IndexError::UnknownParent {
-                                    slot,
-                                    parent: *parent,
-                                })
-                            }
+                    Some(parent) => match self.find_block(slot, parent.0) {
+                        Some(id) => self.pool.get(id).map(|e| SequenceHash(e.seq)),
+                        None => {
+                            return Err(IndexError::UnknownParent {
+                                slot,
+                                parent: *parent,
+                            })
                         }
-                    }
+                    },
                 };
                 for &(ext, local) in blocks {
                     let seq = chain_sequence_hash(prev, local);
-                    self.insert_block(slot, ext, seq, tier_bit(*tier));
+                    self.insert_block(slot, ext.0, seq.0, tier_bit(*tier), &mut stats);
                     stats.stored_blocks = stats.stored_blocks.saturating_add(1);
                     prev = Some(seq);
                 }
             }
             IndexEvent::Removed { tier, blocks, .. } => {
                 for ext in blocks {
-                    if self.remove_block_tiers(slot, *ext, tier_bit(*tier)) {
+                    if self.remove_block_tiers(slot, ext.0, tier_bit(*tier)) {
                         stats.removed_blocks = stats.removed_blocks.saturating_add(1);
                     } else {
                         stats.unknown_removed_blocks =
@@ -384,131 +341,391 @@ impl KvIndex {
                 stats.cleared_blocks = self.clear_slot(slot);
             }
         }
-        self.compact_fifo(idx);
         self.enforce_bound(&mut stats);
         Ok(stats)
+    }
+
+    fn find_block(&self, slot: SlotIdx, ext: u64) -> Option<u32> {
+        let pool = &self.pool;
+        self.by_block
+            .find(block_hash(slot, ext), |id| {
+                pool.get(id)
+                    .is_some_and(|e| e.ext == ext && e.slot() == slot)
+            })
+            .map(|(_, id)| id)
+    }
+
+    fn find_prefix(&self, seq: u64) -> Option<(usize, u32)> {
+        let pool = &self.pool;
+        self.by_prefix.find(prefix_hash(seq), |id| {
+            pool.get(id).is_some_and(|e| e.seq == seq)
+        })
     }
 
     /// Places `ext` (prefix `seq`) on the tiers in `tiers` for `slot`, refreshing its age.
     fn insert_block(
         &mut self,
         slot: SlotIdx,
-        ext: ExternalBlockHash,
-        seq: SequenceHash,
+        ext: u64,
+        seq: u64,
         tiers: u8,
+        stats: &mut ApplyStats,
     ) {
-        let stamp = self.next_stamp;
-        self.next_stamp = self.next_stamp.wrapping_add(1);
-        let Some(s) = self.slots.get_mut(usize::from(slot)) else {
+        if let Some(id) = self.find_block(slot, ext) {
+            let Some(e) = self.pool.get(id).copied() else {
+                return;
+            };
+            if e.seq == seq {
+                if let Some(e) = self.pool.get_mut(id) {
+                    e.set_tiers(e.tiers() | tiers);
+                }
+                if e.tiers() | tiers != e.tiers() {
+                    self.retier_wide(seq);
+                }
+            } else {
+                // The engine reused a block hash for a different prefix: the old placement is gone.
+                self.unlink_prefix(id);
+                if let Some(e) = self.pool.get_mut(id) {
+                    e.seq = seq;
+                    e.set_tiers(tiers);
+                }
+                self.link_prefix(id);
+            }
+            self.unlink_fifo(id);
+            self.push_fifo(id);
+            return;
+        }
+        let entry = Entry::new(ext, seq, slot, tiers);
+        let id = match self.pool.alloc(entry) {
+            Some(id) => id,
+            None => {
+                // Only past `MAX_BOUND` plus one event's blocks: make room first.
+                if !self.evict_one() {
+                    return;
+                }
+                stats.evicted_blocks = stats.evicted_blocks.saturating_add(1);
+                match self.pool.alloc(entry) {
+                    Some(id) => id,
+                    None => return,
+                }
+            }
+        };
+        self.add_entry(id);
+    }
+
+    /// Files a freshly allocated entry in the tables, its prefix chain and its slot's FIFO.
+    fn add_entry(&mut self, id: u32) {
+        let Some(e) = self.pool.get(id).copied() else {
             return;
         };
-        match s.blocks.get_mut(&ext) {
-            Some(block) if block.seq == seq => {
-                let added = tiers & !block.tiers;
-                if added != 0 {
-                    holder_add(&mut self.holders, seq, slot, added);
-                }
-                block.tiers |= tiers;
-                block.stamp = stamp;
-            }
-            Some(block) => {
-                // The engine reused a block hash for a different prefix: the old placement is gone.
-                holder_sub(&mut self.holders, block.seq, slot, block.tiers);
-                holder_add(&mut self.holders, seq, slot, tiers);
-                *block = SlotBlock { seq, stamp, tiers };
-            }
-            None => {
-                s.blocks.insert(ext, SlotBlock { seq, stamp, tiers });
-                holder_add(&mut self.holders, seq, slot, tiers);
-                self.entries = self.entries.saturating_add(1);
+        let pool = &self.pool;
+        self.by_block.insert(block_hash(e.slot(), e.ext), id, |i| {
+            pool.get(i).map_or(0, |x| block_hash(x.slot(), x.ext))
+        });
+        self.link_prefix(id);
+        self.push_fifo(id);
+        self.fullest.add(usize::from(e.slot()), 1);
+        self.entries = self.entries.saturating_add(1);
+    }
+
+    /// Adds entry `id` to the chain of its prefix: after the last entry of its slot, else at the
+    /// end (so one slot's entries stay adjacent).
+    fn link_prefix(&mut self, id: u32) {
+        let len = self.link_prefix_raw(id);
+        if len > WIDE_CHAIN {
+            if let Some(seq) = self.pool.get(id).map(|e| e.seq) {
+                self.refresh_wide(seq);
             }
         }
-        s.fifo.push_back((ext, stamp));
+    }
+
+    /// Links `id` into its chain; returns the chain's length afterwards.
+    fn link_prefix_raw(&mut self, id: u32) -> usize {
+        let Some(e) = self.pool.get(id).copied() else {
+            return 0;
+        };
+        let Some((_, head)) = self.find_prefix(e.seq) else {
+            if let Some(x) = self.pool.get_mut(id) {
+                x.set_seq_next(NIL);
+            }
+            let pool = &self.pool;
+            self.by_prefix.insert(prefix_hash(e.seq), id, |i| {
+                pool.get(i).map_or(0, |x| prefix_hash(x.seq))
+            });
+            return 1;
+        };
+        let slot = e.slot();
+        let mut after = head;
+        let mut cur = head;
+        let (mut in_group, mut placed) = (false, false);
+        let mut len = 1usize;
+        for _ in 0..=self.entries {
+            let Some(c) = self.pool.get(cur) else {
+                break;
+            };
+            len += 1;
+            if !placed {
+                if c.slot() == slot {
+                    in_group = true;
+                    after = cur;
+                } else if in_group {
+                    placed = true;
+                } else {
+                    after = cur;
+                }
+            }
+            cur = c.seq_next();
+            if cur == NIL {
+                break;
+            }
+        }
+        let next = self.pool.get(after).map_or(NIL, Entry::seq_next);
+        if let Some(x) = self.pool.get_mut(id) {
+            x.set_seq_next(next);
+        }
+        if let Some(a) = self.pool.get_mut(after) {
+            a.set_seq_next(id);
+        }
+        len
+    }
+
+    /// Takes entry `id` out of its prefix chain (dropping the prefix when it was the last).
+    fn unlink_prefix(&mut self, id: u32) {
+        let was_wide = self.unlink_prefix_raw(id);
+        if let Some(e) = self.pool.get_mut(id) {
+            e.set_wide(false);
+            let seq = e.seq;
+            if was_wide {
+                self.refresh_wide(seq);
+            }
+        }
+    }
+
+    /// After a tier change of an entry of prefix `seq`: its holder array, if it has one.
+    fn retier_wide(&mut self, seq: u64) {
+        let wide = self
+            .find_prefix(seq)
+            .and_then(|(_, head)| self.pool.get(head))
+            .is_some_and(Entry::wide);
+        if wide {
+            self.refresh_wide(seq);
+        }
+    }
+
+    /// Unlinks `id` from its chain; returns whether the chain had a holder array.
+    fn unlink_prefix_raw(&mut self, id: u32) -> bool {
+        let Some(e) = self.pool.get(id).copied() else {
+            return false;
+        };
+        let Some((pos, head)) = self.find_prefix(e.seq) else {
+            return false;
+        };
+        let was_wide = self.pool.get(head).is_some_and(Entry::wide);
+        if head == id {
+            if e.seq_next() == NIL {
+                self.by_prefix.remove_at(pos);
+            } else {
+                self.by_prefix.set_id(pos, e.seq_next());
+            }
+            return was_wide;
+        }
+        let mut cur = head;
+        for _ in 0..=self.entries {
+            let Some(c) = self.pool.get(cur).copied() else {
+                break;
+            };
+            if c.seq_next() == id {
+                if let Some(p) = self.pool.get_mut(cur) {
+                    p.set_seq_next(e.seq_next());
+                }
+                break;
+            }
+            cur = c.seq_next();
+        }
+        was_wide
+    }
+
+    /// Re-derives prefix `seq`'s holder array after its chain changed: kept (and the head
+    /// flagged) while the chain is longer than `WIDE_CHAIN`, dropped otherwise.
+    fn refresh_wide(&mut self, seq: u64) {
+        let Some((_, head)) = self.find_prefix(seq) else {
+            self.wide.remove(&seq);
+            return;
+        };
+        let mut len = 0usize;
+        let mut cur = head;
+        while let Some(e) = self.pool.get(cur) {
+            len += 1;
+            if len > WIDE_CHAIN {
+                break;
+            }
+            cur = e.seq_next();
+        }
+        let wide = len > WIDE_CHAIN;
+        if let Some(h) = self.pool.get_mut(head) {
+            h.set_wide(wide);
+        }
+        if !wide {
+            if !self.wide.is_empty() {
+                self.wide.remove(&seq);
+            }
+            return;
+        }
+        let mut holders = self.wide.remove(&seq).unwrap_or_default();
+        holders.clear();
+        let mut cur = head;
+        while let Some((slot, mask, next)) = self.group(cur) {
+            holders.push((u32::from(slot) << 8) | u32::from(mask));
+            cur = next;
+        }
+        self.wide.insert(seq, holders);
+    }
+
+    fn push_fifo(&mut self, id: u32) {
+        let Some(slot) = self.pool.get(id).map(|e| usize::from(e.slot())) else {
+            return;
+        };
+        let Some(fifo) = self.fifos.get_mut(slot) else {
+            return;
+        };
+        let tail = fifo.tail;
+        fifo.tail = id;
+        if tail == NIL {
+            fifo.head = id;
+        }
+        if let Some(t) = self.pool.get_mut(tail) {
+            t.set_next(id);
+        }
+        if let Some(e) = self.pool.get_mut(id) {
+            e.set_prev(tail);
+            e.set_next(NIL);
+        }
+    }
+
+    fn unlink_fifo(&mut self, id: u32) {
+        let Some(e) = self.pool.get(id).copied() else {
+            return;
+        };
+        let (prev, next) = (e.prev(), e.next());
+        match self.pool.get_mut(prev) {
+            Some(p) => p.set_next(next),
+            None => {
+                if let Some(f) = self.fifos.get_mut(usize::from(e.slot())) {
+                    f.head = next;
+                }
+            }
+        }
+        match self.pool.get_mut(next) {
+            Some(n) => n.set_prev(prev),
+            None => {
+                if let Some(f) = self.fifos.get_mut(usize::from(e.slot())) {
+                    f.tail = prev;
+                }
+            }
+        }
+    }
+
+    /// Drops entry `id` from every structure and frees it.
+    fn remove_entry(&mut self, id: u32) {
+        let Some(e) = self.pool.get(id).copied() else {
+            return;
+        };
+        self.unlink_fifo(id);
+        self.unlink_prefix(id);
+        self.forget_block(id, e.slot(), e.ext);
+        self.pool.release(id);
+        self.fullest.add(usize::from(e.slot()), -1);
+        self.entries = self.entries.saturating_sub(1);
+    }
+
+    fn forget_block(&mut self, id: u32, slot: SlotIdx, ext: u64) {
+        if let Some((pos, _)) = self.by_block.find(block_hash(slot, ext), |i| i == id) {
+            self.by_block.remove_at(pos);
+        }
     }
 
     /// Drops `ext` from the tiers in `tiers` of `slot`; the entry goes when no tier is left.
     /// Returns whether the slot held it on any of those tiers.
-    fn remove_block_tiers(&mut self, slot: SlotIdx, ext: ExternalBlockHash, tiers: u8) -> bool {
-        let Some(s) = self.slots.get_mut(usize::from(slot)) else {
+    fn remove_block_tiers(&mut self, slot: SlotIdx, ext: u64, tiers: u8) -> bool {
+        let Some(id) = self.find_block(slot, ext) else {
             return false;
         };
-        let Some(block) = s.blocks.get_mut(&ext) else {
+        let Some(e) = self.pool.get_mut(id) else {
             return false;
         };
-        let dropped = block.tiers & tiers;
+        let dropped = e.tiers() & tiers;
         if dropped == 0 {
             return false;
         }
-        holder_sub(&mut self.holders, block.seq, slot, dropped);
-        block.tiers &= !dropped;
-        if block.tiers == 0 {
-            s.blocks.remove(&ext);
-            self.entries = self.entries.saturating_sub(1);
+        e.set_tiers(e.tiers() & !dropped);
+        if e.tiers() == 0 {
+            self.remove_entry(id);
+        } else {
+            let seq = e.seq;
+            self.retier_wide(seq);
         }
         true
     }
 
     /// Drops every block of one slot; returns how many entries it held.
     pub fn clear_slot(&mut self, slot: SlotIdx) -> usize {
-        let Some(s) = self.slots.get_mut(usize::from(slot)) else {
+        let Some(fifo) = self.fifos.get(usize::from(slot)).copied() else {
             return 0;
         };
-        let blocks = core::mem::take(&mut s.blocks);
-        s.fifo = VecDeque::new();
-        for block in blocks.values() {
-            holder_sub(&mut self.holders, block.seq, slot, block.tiers);
+        let mut cleared = 0usize;
+        let mut cur = fifo.head;
+        while let Some(e) = self.pool.get(cur).copied() {
+            self.unlink_prefix(cur);
+            self.forget_block(cur, slot, e.ext);
+            self.pool.release(cur);
+            cleared = cleared.saturating_add(1);
+            cur = e.next();
         }
-        self.entries = self.entries.saturating_sub(blocks.len());
-        blocks.len()
+        if let Some(f) = self.fifos.get_mut(usize::from(slot)) {
+            *f = EMPTY_FIFO;
+        }
+        self.fullest.set(usize::from(slot), 0);
+        self.entries = self.entries.saturating_sub(cleared);
+        cleared
     }
 
-    /// Drops stale FIFO elements once they outnumber the live ones (amortized O(1) per push).
-    fn compact_fifo(&mut self, idx: usize) {
-        let Some(s) = self.slots.get_mut(idx) else {
-            return;
+    /// Evicts the oldest block of the slot holding the most (lowest slot index on ties).
+    fn evict_one(&mut self) -> bool {
+        let Some(slot) = self.fullest.victim() else {
+            return false;
         };
-        let limit = s.blocks.len().saturating_mul(2).saturating_add(FIFO_SLACK);
-        if s.fifo.len() > limit {
-            let blocks = &s.blocks;
-            s.fifo
-                .retain(|(ext, stamp)| blocks.get(ext).is_some_and(|b| b.stamp == *stamp));
+        let Some(head) = self.fifos.get(usize::from(slot)).map(|f| f.head) else {
+            return false;
+        };
+        if self.pool.get(head).is_none() {
+            return false;
         }
+        self.remove_entry(head);
+        true
     }
 
-    /// Evicts until `entries <= max_blocks`: the oldest block of the slot holding the most
-    /// (lowest slot index on ties).
+    /// Evicts until `entries <= max_blocks`.
     fn enforce_bound(&mut self, stats: &mut ApplyStats) {
         while self.entries > self.max_blocks {
-            let victim = self
-                .slots
-                .iter()
-                .enumerate()
-                .max_by_key(|(i, s)| (s.blocks.len(), Reverse(*i)))
-                .map(|(i, _)| i);
-            let Some(slot) = victim.and_then(|i| SlotIdx::try_from(i).ok()) else {
-                return;
-            };
-            if !self.evict_oldest(slot) {
-                // Unreachable while the FIFO invariant holds; never loop forever.
+            if !self.evict_one() {
+                // Unreachable while the invariants hold; never loop forever.
                 return;
             }
-            self.compact_fifo(usize::from(slot));
             stats.evicted_blocks = stats.evicted_blocks.saturating_add(1);
         }
     }
 
-    fn evict_oldest(&mut self, slot: SlotIdx) -> bool {
-        loop {
-            let Some(s) = self.slots.get_mut(usize::from(slot)) else {
-                return false;
-            };
-            let Some((ext, stamp)) = s.fifo.pop_front() else {
-                return false;
-            };
-            if s.is_live(&ext, stamp) {
-                return self.remove_block_tiers(slot, ext, ALL_TIERS);
-            }
+    /// The tier mask `slot`'s group starting at `id` holds, and the entry after the group.
+    fn group(&self, id: u32) -> Option<(SlotIdx, u8, u32)> {
+        let first = self.pool.get(id)?;
+        let slot = first.slot();
+        let mut mask = first.tiers();
+        let mut next = first.seq_next();
+        while let Some(e) = self.pool.get(next).filter(|e| e.slot() == slot) {
+            mask |= e.tiers();
+            next = e.seq_next();
         }
+        Some((slot, mask, next))
     }
 
     /// Per-slot overlap of `prompt` (its sequence hashes, in order). `out` is cleared and resized
@@ -518,33 +735,45 @@ impl KvIndex {
     /// matching set in `out` itself and stops at the first block no matching slot holds.
     pub fn find_overlaps(&self, prompt: &[SequenceHash], out: &mut Vec<Overlap>) {
         out.clear();
-        out.resize(self.slots.len(), Overlap::default());
+        out.resize(self.fifos.len(), Overlap::default());
         for (depth, seq) in prompt.iter().enumerate() {
             let Ok(depth) = u32::try_from(depth) else {
                 return;
             };
-            let Some(holders) = self.holders.get(seq) else {
+            let Some((_, head)) = self.find_prefix(seq.0) else {
                 return;
             };
+            // One pass over the chain (one read per holder), a slot's adjacent entries OR-ed.
             let mut any = false;
-            for holder in holders.as_slice() {
-                let Some(o) = out.get_mut(usize::from(holder.slot)) else {
+            if self.pool.get(head).is_some_and(Entry::wide) {
+                if let Some(holders) = self.wide.get(&seq.0) {
+                    for &h in holders {
+                        let slot = SlotIdx::try_from(h >> 8).unwrap_or(SlotIdx::MAX);
+                        any |= count_block(out, slot, h as u8, depth);
+                    }
+                    if !any {
+                        return;
+                    }
                     continue;
+                }
+            }
+            let mut group: Option<(SlotIdx, u8)> = None;
+            let mut cur = head;
+            loop {
+                let e = self.pool.get(cur);
+                let slot = e.map(Entry::slot);
+                if let Some((g_slot, mask)) = group.filter(|(g, _)| Some(*g) != slot) {
+                    any |= count_block(out, g_slot, mask, depth);
+                    group = None;
+                }
+                let Some(e) = e else {
+                    break;
                 };
-                if o.total_blocks() != depth {
-                    continue;
-                }
-                let mask = holder.mask();
-                if mask & DEVICE_BIT != 0 && o.host_blocks == 0 && o.disk_blocks == 0 {
-                    o.device_blocks += 1;
-                } else if mask & (tier_bit(StorageTier::Host) | DEVICE_BIT) != 0 {
-                    // Past the device prefix, a device copy still needs the host/disk blocks
-                    // before it loaded first: count it with the host tier (the cheaper slow tier).
-                    o.host_blocks += 1;
-                } else {
-                    o.disk_blocks += 1;
-                }
-                any = true;
+                group = Some(match group {
+                    Some((g, mask)) => (g, mask | e.tiers()),
+                    None => (e.slot(), e.tiers()),
+                });
+                cur = e.seq_next();
             }
             if !any {
                 return;
@@ -555,21 +784,19 @@ impl KvIndex {
     /// Whether any slot holds prefix `seq` on any tier: past the first prefix no slot holds,
     /// [`KvIndex::find_overlaps`] reads nothing (the lazy hashing stop, `crate::lazy_hash`).
     pub fn holds_anywhere(&self, seq: SequenceHash) -> bool {
-        self.holders.get(&seq).is_some()
+        self.find_prefix(seq.0).is_some()
     }
 
     /// Tiers on which `slot` holds prefix `seq` (for tests and debugging endpoints).
     pub fn tiers_held(&self, slot: SlotIdx, seq: SequenceHash) -> Vec<StorageTier> {
-        let mask = self
-            .holders
-            .get(&seq)
-            .and_then(|h| {
-                h.as_slice()
-                    .iter()
-                    .find(|h| h.slot == slot)
-                    .map(Holder::mask)
-            })
-            .unwrap_or(0);
+        let mut mask = 0;
+        let mut cur = self.find_prefix(seq.0).map_or(NIL, |(_, head)| head);
+        while let Some((s, m, next)) = self.group(cur) {
+            if s == slot {
+                mask |= m;
+            }
+            cur = next;
+        }
         TIERS
             .into_iter()
             .filter(|t| mask & tier_bit(*t) != 0)
@@ -672,45 +899,85 @@ mod tests {
         out
     }
 
-    /// Recomputes `holders` and `entries` from the slot maps and checks the FIFO bound.
+    /// Walks every slot's FIFO and every prefix chain and checks them against each other, the
+    /// tables and the counters (the module note's invariants).
     fn check_invariants(index: &KvIndex) {
-        let mut expected: std::collections::BTreeMap<(u64, SlotIdx), [u32; 3]> = Default::default();
+        let mut expected: std::collections::BTreeMap<(u64, SlotIdx), u8> = Default::default();
         let mut entries = 0;
-        for (i, s) in index.slots.iter().enumerate() {
-            entries += s.blocks.len();
-            assert!(
-                s.fifo.len() <= 2 * s.blocks.len() + FIFO_SLACK + 1,
-                "fifo of slot {i} unbounded"
-            );
-            let live = s.fifo.iter().filter(|(e, st)| s.is_live(e, *st)).count();
-            assert_eq!(
-                live,
-                s.blocks.len(),
-                "every live block has one live FIFO element"
-            );
-            for b in s.blocks.values() {
-                assert!(b.tiers != 0 && b.tiers & !ALL_TIERS == 0);
-                let c = expected.entry((b.seq.0, i as SlotIdx)).or_default();
-                for (t, count) in c.iter_mut().enumerate() {
-                    if b.tiers & (1 << t) != 0 {
-                        *count += 1;
-                    }
+        for (i, fifo) in index.fifos.iter().enumerate() {
+            let slot = i as SlotIdx;
+            let (mut cur, mut prev, mut n) = (fifo.head, NIL, 0);
+            while cur != NIL {
+                let e = *index.pool.get(cur).unwrap();
+                assert_eq!(e.slot(), slot);
+                assert_eq!(e.prev(), prev, "FIFO back link");
+                assert!(e.tiers() != 0 && e.tiers() & !ALL_TIERS == 0);
+                assert_eq!(index.find_block(slot, e.ext), Some(cur));
+                *expected.entry((e.seq, slot)).or_default() |= e.tiers();
+                (prev, cur) = (cur, e.next());
+                n += 1;
+                assert!(n <= index.entries, "FIFO of slot {i} loops");
+            }
+            assert_eq!(fifo.tail, prev, "FIFO tail of slot {i}");
+            assert_eq!(index.slot_blocks(slot), n, "count of slot {i}");
+            entries += n;
+        }
+        assert_eq!(entries, index.entries);
+        assert_eq!(index.by_block.len(), entries);
+        assert!(index.fullest.victim().is_some() == (entries > 0));
+        let mut actual: std::collections::BTreeMap<(u64, SlotIdx), u8> = Default::default();
+        let mut chained = 0;
+        for head in index.by_prefix.ids() {
+            let seq = index.pool.get(head).unwrap().seq;
+            assert_eq!(index.find_prefix(seq).map(|(_, h)| h), Some(head));
+            let mut seen = std::collections::BTreeSet::new();
+            let mut cur = head;
+            while let Some((slot, mask, next)) = index.group(cur) {
+                assert!(seen.insert(slot), "slot {slot} split in the chain of {seq}");
+                assert!(actual.insert((seq, slot), mask).is_none());
+                while cur != next {
+                    let e = index.pool.get(cur).unwrap();
+                    assert_eq!({ e.seq }, seq, "entry in the wrong chain");
+                    chained += 1;
+                    cur = e.seq_next();
                 }
             }
         }
-        assert_eq!(entries, index.entries);
-        let mut actual: std::collections::BTreeMap<(u64, SlotIdx), [u32; 3]> = Default::default();
-        for (seq, hs) in &index.holders {
-            assert!(!hs.as_slice().is_empty());
-            for h in hs.as_slice() {
-                assert_ne!(h.mask(), 0, "empty holder kept");
-                assert!(
-                    actual.insert((seq.0, h.slot), h.counts).is_none(),
-                    "slot listed twice"
-                );
+        assert_eq!(chained, entries, "every entry in exactly one chain");
+        // Chains longer than WIDE_CHAIN: head flagged, holder array = the chain's groups.
+        let mut wide = 0;
+        for head in index.by_prefix.ids() {
+            let seq = index.pool.get(head).unwrap().seq;
+            let (mut len, mut cur, mut groups) = (0, head, Vec::new());
+            while let Some(e) = index.pool.get(cur) {
+                len += 1;
+                cur = e.seq_next();
+            }
+            let mut cur = head;
+            while let Some((slot, mask, next)) = index.group(cur) {
+                groups.push((u32::from(slot) << 8) | u32::from(mask));
+                cur = next;
+            }
+            let flagged = index.pool.get(head).unwrap().wide();
+            assert_eq!(flagged, len > WIDE_CHAIN, "wide flag of {seq}");
+            if len > WIDE_CHAIN {
+                assert_eq!(index.wide.get(&seq), Some(&groups), "holders of {seq}");
+                wide += 1;
+            }
+        }
+        assert_eq!(index.wide.len(), wide, "stale holder arrays");
+        for id in 0..index.pool.high() {
+            if let Some(e) = index.pool.get(id) {
+                if e.wide() {
+                    assert_eq!(index.find_prefix(e.seq).map(|(_, h)| h), Some(id));
+                }
             }
         }
         assert_eq!(actual, expected);
+        for ((seq, slot), mask) in &expected {
+            let tiers = index.tiers_held(*slot, SequenceHash(*seq));
+            assert_eq!(tiers.len(), mask.count_ones() as usize);
+        }
     }
 
     #[test]
@@ -821,7 +1088,7 @@ mod tests {
         assert_eq!(overlaps(&index, &p.seqs), vec![ov(4, 0, 0), ov(0, 0, 0)]);
         assert_eq!(index.clear_slot(0), 7);
         assert_eq!(index.entries(), 0);
-        assert!(index.holders.is_empty());
+        assert_eq!(index.by_prefix.len(), 0);
         check_invariants(&index);
     }
 
@@ -1046,6 +1313,22 @@ mod tests {
             all_overlaps(&index, &prompts)
         );
         assert_eq!(copy.encode_snapshot(), index.encode_snapshot());
+        // Reloading into a used index (its memory reused) gives the same index as decoding.
+        let later = index.encode_snapshot();
+        copy.reload_snapshot(&bytes, 5, 400).unwrap();
+        check_invariants(&copy);
+        assert_eq!(copy.encode_snapshot(), bytes);
+        copy.reload_snapshot(&later, 5, 400).unwrap();
+        assert_eq!(copy.encode_snapshot(), later);
+        assert_eq!(
+            all_overlaps(&copy, &prompts),
+            all_overlaps(&index, &prompts)
+        );
+        assert!(copy
+            .reload_snapshot(&later[..later.len() - 1], 5, 400)
+            .is_err());
+        assert_eq!(copy.entries(), 0, "a failed reload leaves the index empty");
+        check_invariants(&copy);
         // A smaller bound on load evicts down to it.
         let small = KvIndex::decode_snapshot(&bytes, 5, 50).unwrap();
         assert_eq!(small.entries(), 50);
@@ -1099,9 +1382,10 @@ mod tests {
             KvIndex::decode_snapshot(&longer, 3, 1000).err(),
             Some(CodecError::TrailingBytes { count: 1 })
         );
-        // First entry of slot 0 starts after magic+version (4), slot count (4), stamp (4), count (4).
+        // First entry of slot 0 starts after magic+version (4), slot count (4), count (4); its
+        // tiers byte follows ext and seq (16).
         let mut bad_tiers = bytes.clone();
-        bad_tiers[16 + 20] = 8;
+        bad_tiers[12 + 16] = 8;
         assert!(matches!(
             KvIndex::decode_snapshot(&bad_tiers, 3, 1000),
             Err(CodecError::InvalidTag {
@@ -1112,14 +1396,12 @@ mod tests {
         ));
         // Duplicate: a one-slot snapshot with the same block twice.
         let mut dup = Vec::new();
-        dup.extend_from_slice(b"EKS\x01");
+        dup.extend_from_slice(b"EKS\x02");
         dup.extend_from_slice(&1u32.to_le_bytes());
-        dup.extend_from_slice(&0u32.to_le_bytes());
         dup.extend_from_slice(&2u32.to_le_bytes());
         for _ in 0..2 {
             dup.extend_from_slice(&9u64.to_le_bytes());
             dup.extend_from_slice(&9u64.to_le_bytes());
-            dup.extend_from_slice(&0u32.to_le_bytes());
             dup.push(1);
         }
         assert_eq!(
@@ -1139,12 +1421,136 @@ mod tests {
     }
 
     #[test]
-    fn hasher_spreads_small_keys() {
-        use core::hash::BuildHasher;
-        let build = BuildHasherDefault::<KeyHasher>::default();
-        let top7: std::collections::BTreeSet<u64> = (0..64u64)
-            .map(|k| build.hash_one(ExternalBlockHash(k)) >> 57)
-            .collect();
-        assert!(top7.len() > 20, "control bytes not spread: {}", top7.len());
+    fn hash_spreads_small_keys_over_tags_and_homes() {
+        let tags: std::collections::BTreeSet<u64> =
+            (0..64u64).map(|k| block_hash(0, k) & 0xff).collect();
+        assert!(tags.len() > 40, "tags not spread: {}", tags.len());
+        let homes: std::collections::BTreeSet<u64> =
+            (0..64u64).map(|k| prefix_hash(k) >> 58).collect();
+        assert!(homes.len() > 30, "homes not spread: {}", homes.len());
+    }
+
+    #[test]
+    fn tables_stay_exact_through_growth_and_removal() {
+        // Ids are their own keys here: a reference set checks find / insert / remove_at.
+        let hash = |id: u32| mix(u64::from(id % 5_000));
+        let mut table = IdTable::new(2_000);
+        let mut reference = std::collections::BTreeSet::new();
+        let mut rng = Lcg(3);
+        for step in 0..60_000 {
+            let id = rng.below(5_000) as u32;
+            let found = table.find(hash(id), |x| x == id);
+            assert_eq!(found.is_some(), reference.contains(&id), "step {step}");
+            match found {
+                Some((pos, _)) if rng.below(2) == 0 => {
+                    table.remove_at(pos);
+                    reference.remove(&id);
+                }
+                None if reference.len() < 3_000 => {
+                    table.insert(hash(id), id, hash);
+                    reference.insert(id);
+                }
+                _ => {}
+            }
+            assert_eq!(table.len(), reference.len());
+        }
+        let mut ids: Vec<u32> = table.ids().collect();
+        ids.sort_unstable();
+        assert_eq!(ids, reference.into_iter().collect::<Vec<_>>());
+        // Sized for its bound (2,000 at 80% load), it grew past it only for the 3,000.
+        assert!(
+            table.allocated_bytes() <= 4 * 3_000 * 2,
+            "{}",
+            table.allocated_bytes()
+        );
+    }
+
+    #[test]
+    fn widely_held_prefixes_keep_exact_holder_arrays() {
+        let (prompts, events) = stream(61, 8_000, 24);
+        let mut index = KvIndex::new(24, 1_500);
+        for (i, (slot, event)) in events.iter().enumerate() {
+            let _ = index.apply(*slot, event);
+            if i % 400 == 0 {
+                check_invariants(&index);
+            }
+        }
+        check_invariants(&index);
+        assert!(
+            !index.wide.is_empty(),
+            "the stream should build wide prefixes"
+        );
+        // The array path and the chain path agree: drop the arrays and compare.
+        let mut chains_only = index.clone();
+        chains_only.wide.clear();
+        for id in 0..chains_only.pool.high() {
+            if let Some(e) = chains_only.pool.get_mut(id) {
+                e.set_wide(false);
+            }
+        }
+        assert_eq!(
+            all_overlaps(&index, &prompts),
+            all_overlaps(&chains_only, &prompts)
+        );
+        // Clearing slots shrinks chains below the threshold: arrays go with them.
+        for slot in 0..24 {
+            index.clear_slot(slot);
+            check_invariants(&index);
+        }
+        assert!(index.wide.is_empty());
+    }
+
+    #[test]
+    fn eviction_order_matches_a_per_slot_fifo_model() {
+        // Model: per slot, blocks oldest first; evict the front of the fullest (lowest on ties).
+        let (_, events) = stream(51, 6_000, 3);
+        let mut index = KvIndex::new(3, 120);
+        let mut model: Vec<Vec<u64>> = vec![Vec::new(); 3];
+        for (slot, event) in &events {
+            let before = index.encode_snapshot();
+            let result = index.apply(*slot, event);
+            let Ok(stats) = result else {
+                assert_eq!(index.encode_snapshot(), before);
+                continue;
+            };
+            let fifo = &mut model[usize::from(*slot)];
+            match event {
+                IndexEvent::Stored { blocks, .. } => {
+                    for (ext, _) in blocks {
+                        fifo.retain(|e| *e != ext.0);
+                        fifo.push(ext.0);
+                    }
+                }
+                IndexEvent::Removed { .. } | IndexEvent::Cleared { .. } => {
+                    // Tier-level removal: keep the model to what the index still holds.
+                    let held: Vec<u64> = {
+                        let mut v = Vec::new();
+                        let mut cur = index.fifos[usize::from(*slot)].head;
+                        while let Some(e) = index.pool.get(cur) {
+                            v.push(e.ext);
+                            cur = e.next();
+                        }
+                        v
+                    };
+                    fifo.retain(|e| held.contains(e));
+                }
+            }
+            for _ in 0..stats.evicted_blocks {
+                let victim = (0..3)
+                    .max_by_key(|&s| (model[s].len(), core::cmp::Reverse(s)))
+                    .unwrap();
+                model[victim].remove(0);
+            }
+            for (s, blocks) in model.iter().enumerate() {
+                let mut held = Vec::new();
+                let mut cur = index.fifos[s].head;
+                while let Some(e) = index.pool.get(cur) {
+                    held.push(e.ext);
+                    cur = e.next();
+                }
+                assert_eq!(&held, blocks, "slot {s}");
+            }
+        }
+        check_invariants(&index);
     }
 }

@@ -123,11 +123,14 @@ fn index_snapshots_round_trip() {
 
 #[test]
 fn a_snapshot_declaring_four_billion_blocks_is_an_error_not_an_allocation() {
-    let mut bytes = b"EKS\x01".to_vec();
+    // Version 2: magic and version, slot count, then the slot's block count.
+    let mut bytes = b"EKS\x02".to_vec();
     bytes.extend_from_slice(&1u32.to_le_bytes());
-    bytes.extend_from_slice(&0u32.to_le_bytes());
     bytes.extend_from_slice(&u32::MAX.to_le_bytes());
-    assert!(KvIndex::decode_snapshot(&bytes, 1, 1 << 16).is_err());
+    assert!(matches!(
+        KvIndex::decode_snapshot(&bytes, 1, 1 << 16),
+        Err(envoy_kv_router::events::CodecError::CountTooLarge { .. })
+    ));
 }
 
 #[test]

@@ -350,7 +350,7 @@ fn index_snapshot_round_trip_and_replay_agree() {
         let _ = index.apply(*slot, event);
     }
     let bytes = index.encode_snapshot();
-    assert_eq!(&bytes[..4], b"EKS\x01");
+    assert_eq!(&bytes[..4], b"EKS\x02");
     let mut copy = KvIndex::decode_snapshot(&bytes, 5, 400).unwrap();
     assert_eq!(copy.entries(), index.entries());
     assert_eq!(copy.encode_snapshot(), bytes);

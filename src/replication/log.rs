@@ -308,9 +308,13 @@ impl Replica {
         if seq < head.epoch_start || seq > head.seq || head.seq - seq >= LOG_SLOTS {
             return false;
         }
-        match KvIndex::decode_snapshot(body, config.slots.len(), max_blocks(config)) {
-            Ok(index) => {
-                self.index = index;
+        // Into the existing index: its memory is reused instead of doubled (on failure the
+        // caller starts a new one anyway).
+        match self
+            .index
+            .reload_snapshot(body, config.slots.len(), max_blocks(config))
+        {
+            Ok(()) => {
                 self.applied_seq = seq;
                 true
             }
@@ -327,7 +331,7 @@ impl Replica {
             return;
         }
         let mut bytes = self.applied_seq.to_le_bytes().to_vec();
-        bytes.extend_from_slice(&self.index.encode_snapshot());
+        self.index.encode_snapshot_into(&mut bytes);
         if store.set(SNAPSHOT_KEY, &bytes, None).is_ok() {
             let applied = self.applied_seq;
             let _ = update_head(
