@@ -141,7 +141,8 @@ pub struct Options {
     /// The replay ROUTER endpoint to bind (needs --kv-events-endpoint).
     #[arg(long, value_name = "ENDPOINT")]
     pub kv_events_replay_endpoint: Option<String>,
-    /// ZMQ topic of the KV events.
+    /// ZMQ topic of the KV events (vLLM's default is the empty topic, `--kv-events-topic ""`,
+    /// which vllm-router's kv_aware needs).
     #[arg(long, default_value = vllm_wire::DEFAULT_TOPIC)]
     pub kv_events_topic: String,
     /// Batches kept for replay (vLLM's buffer_steps).
