@@ -296,6 +296,13 @@ fn run_vllm_router(
     opts.worker_addrs = workers.iter().map(|w| w.addr.clone()).collect();
     opts.label = arm.to_string();
     let stats = run_workload(&router.addr, workload, &opts);
+    if policy == "kv_aware" {
+        // Whether its event index matched prefixes at all (all misses = a deaf index).
+        match router.placement_lookups() {
+            Ok((hit, miss)) => eprintln!("{arm}: placement lookups hit {hit} miss {miss}"),
+            Err(e) => eprintln!("{arm}: placement lookups unknown: {e}"),
+        }
+    }
     drop(router);
     drop(workers);
     Ok(stats)

@@ -177,6 +177,21 @@ impl VllmRouter {
         Ok(router)
     }
 
+    /// `kv_aware`'s placement lookups so far, `(hit, miss)`, from its Prometheus exporter
+    /// (`vllm_router_kv_placement_lookups_total`; a result not yet seen counts 0).
+    pub fn placement_lookups(&self) -> io::Result<(f64, f64)> {
+        let page = client::get(&self.metrics_addr, "/metrics")?;
+        let text = String::from_utf8_lossy(&page.body);
+        let count = |result: &str| {
+            let key = format!("vllm_router_kv_placement_lookups_total{{result=\"{result}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(key.as_str()))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0.0)
+        };
+        Ok((count("hit"), count("miss")))
+    }
+
     pub fn log_tail(&self, lines: usize) -> String {
         let log = std::fs::read_to_string(&self.log_path).unwrap_or_default();
         let all: Vec<&str> = log.lines().collect();

@@ -68,15 +68,6 @@ fn vllm_router_cache_aware_arm_serves_every_request_from_a_worker() {
     assert!(row.contains(" 20.0 "), "{row}");
 }
 
-/// `vllm_router_kv_placement_lookups_total{result="hit"}` from vllm-router's exporter.
-fn placement_hits(router: &VllmRouter) -> f64 {
-    let page = client::get(&router.metrics_addr, "/metrics").unwrap();
-    String::from_utf8_lossy(&page.body)
-        .lines()
-        .find_map(|l| l.strip_prefix("vllm_router_kv_placement_lookups_total{result=\"hit\"} "))
-        .map_or(0.0, |v| v.trim().parse().unwrap())
-}
-
 #[test]
 fn vllm_router_kv_aware_finds_a_prefix_the_mock_published() {
     require_vllm_router().expect("vllm-router is needed: run `make setup`");
@@ -98,7 +89,7 @@ fn vllm_router_kv_aware_finds_a_prefix_the_mock_published() {
     // were published under vLLM's (empty) topic, every lookup stayed a miss.
     let deadline = Instant::now() + Duration::from_secs(15);
     let mut sent = 0;
-    while placement_hits(&router) < 1.0 {
+    while router.placement_lookups().unwrap().0 < 1.0 {
         assert!(
             Instant::now() < deadline,
             "no placement hit after {sent} requests:\n{}",
