@@ -16,11 +16,14 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// Mock-worker flags a peer arm's fleet needs on top of ZMQ publishing: vLLM's default (empty)
-/// topic, the only one vllm-router's static event sources accept.
-pub const PEER_WORKER_ARGS: [&str; 2] = [
+/// Mock-worker flags of a peer arm's fleet on top of ZMQ publishing: vLLM's default (empty)
+/// topic, the only one vllm-router's static event sources accept, and vLLM's default block
+/// hashes (`sha256`, no PYTHONHASHSEED), so that the events are those a vLLM engine publishes.
+pub const PEER_WORKER_ARGS: [&str; 4] = [
     "--kv-events-topic",
     crate::mock::vllm_wire::VLLM_DEFAULT_TOPIC,
+    "--block-hash",
+    "vllm-sha256",
 ];
 
 /// The arm-name prefix of a vllm-router arm.

@@ -10,8 +10,10 @@
 //! * The KV event carries `int.from_bytes(digest, "big") & (2**64 - 1)`
 //!   (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`, the default): the digest's last 8 bytes.
 //!
-//! Not wired into the mock's cache: vllm-router's `kv_aware` does not need it (it keys blocks by
-//! its own hash of the token ids; see README, "Against a peer router").
+//! The mock names its blocks this way with `--block-hash vllm-sha256|vllm-sha256-cbor`
+//! ([`super::block_hasher`]). vllm-router's `kv_aware` does not need it (it keys blocks by its
+//! own hash of the token ids; see README, "Against a peer router"), but with it the peer arms'
+//! events carry exactly what a vLLM engine with default settings publishes.
 
 use sha2::{Digest, Sha256};
 
