@@ -14,7 +14,9 @@ use crate::harness::{require_kv_event_bridge, Envoy, EnvoyOptions, Worker, ZMQ_P
 use crate::loadgen::{
     print_comparison_table, run_workload, write_svg_chart, RunOptions, RunStats, Workload,
 };
-use crate::peer::{require_vllm_router, vllm_router_policy, VllmRouter, VllmRouterOptions};
+use crate::peer::{
+    require_vllm_router, vllm_router_policy, VllmRouter, VllmRouterOptions, PEER_WORKER_ARGS,
+};
 use serde_json::{json, Value};
 use std::io;
 use std::path::Path;
@@ -78,12 +80,14 @@ impl Fleet {
         }
     }
 
-    /// The fleet of a peer arm: the same workers, publishing their KV events on ZMQ (no bridge).
+    /// The fleet of a peer arm: the same workers, publishing their KV events on ZMQ (no bridge)
+    /// under vLLM's default topic, the one vllm-router's `kv_aware` reads.
     fn spawn_publishing_workers(&self) -> io::Result<Vec<Worker>> {
         let block = self.block_size.to_string();
         let mut args: Vec<&str> = vec!["--mode", "engine", "--block-size", &block];
         args.extend(self.worker_args.iter().map(String::as_str));
         args.extend_from_slice(&ZMQ_PUBLISH_ARGS);
+        args.extend_from_slice(&PEER_WORKER_ARGS);
         Worker::spawn_many(self.workers, &args)
     }
 
@@ -292,6 +296,13 @@ fn run_vllm_router(
     opts.worker_addrs = workers.iter().map(|w| w.addr.clone()).collect();
     opts.label = arm.to_string();
     let stats = run_workload(&router.addr, workload, &opts);
+    if policy == "kv_aware" {
+        // Whether its event index matched prefixes at all (all misses = a deaf index).
+        match router.placement_lookups() {
+            Ok((hit, miss)) => eprintln!("{arm}: placement lookups hit {hit} miss {miss}"),
+            Err(e) => eprintln!("{arm}: placement lookups unknown: {e}"),
+        }
+    }
     drop(router);
     drop(workers);
     Ok(stats)

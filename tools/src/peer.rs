@@ -3,7 +3,11 @@
 //!
 //! Arms are named `vllm-router:<policy>` (`cache_aware`, `power_of_two`, `round_robin`,
 //! `kv_aware`, ...). `kv_aware` subscribes to the workers' ZMQ KV events (and their replay
-//! sockets), so the fleet must publish them.
+//! sockets), so the fleet must publish them, under vLLM's default (empty) topic: a static
+//! `--kv-event-source` takes no topic and silently drops every message under another one
+//! ([`PEER_WORKER_ARGS`]). It recomputes its own block keys from the events' `token_ids` and
+//! uses the engine's block hashes only as ids linking a block to its parent, so the mock's
+//! hashes (not vLLM's) do not matter.
 
 use crate::client;
 use crate::harness::{workspace_root, ProcessGuard, Worker};
@@ -11,6 +15,16 @@ use std::io;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+/// Mock-worker flags of a peer arm's fleet on top of ZMQ publishing: vLLM's default (empty)
+/// topic, the only one vllm-router's static event sources accept, and vLLM's default block
+/// hashes (`sha256`, no PYTHONHASHSEED), so that the events are those a vLLM engine publishes.
+pub const PEER_WORKER_ARGS: [&str; 4] = [
+    "--kv-events-topic",
+    crate::mock::vllm_wire::VLLM_DEFAULT_TOPIC,
+    "--block-hash",
+    "vllm-sha256",
+];
 
 /// The arm-name prefix of a vllm-router arm.
 pub const VLLM_ROUTER_PREFIX: &str = "vllm-router:";
@@ -68,6 +82,8 @@ pub struct VllmRouterOptions {
 pub struct VllmRouter {
     /// `127.0.0.1:port` it serves on.
     pub addr: String,
+    /// `127.0.0.1:port` of its Prometheus exporter (`/metrics`).
+    pub metrics_addr: String,
     pub log_path: PathBuf,
     process: ProcessGuard,
 }
@@ -144,6 +160,7 @@ impl VllmRouter {
             .spawn()?;
         let mut router = VllmRouter {
             addr: format!("127.0.0.1:{port}"),
+            metrics_addr: format!("127.0.0.1:{metrics_port}"),
             log_path,
             process: ProcessGuard::new(child),
         };
@@ -161,6 +178,21 @@ impl VllmRouter {
             std::thread::sleep(Duration::from_millis(50));
         }
         Ok(router)
+    }
+
+    /// `kv_aware`'s placement lookups so far, `(hit, miss)`, from its Prometheus exporter
+    /// (`vllm_router_kv_placement_lookups_total`; a result not yet seen counts 0).
+    pub fn placement_lookups(&self) -> io::Result<(f64, f64)> {
+        let page = client::get(&self.metrics_addr, "/metrics")?;
+        let text = String::from_utf8_lossy(&page.body);
+        let count = |result: &str| {
+            let key = format!("vllm_router_kv_placement_lookups_total{{result=\"{result}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(key.as_str()))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0.0)
+        };
+        Ok((count("hit"), count("miss")))
     }
 
     pub fn log_tail(&self, lines: usize) -> String {

@@ -3,11 +3,16 @@
 //! Fails when vllm-router is not installed (`make setup` installs it).
 #![allow(clippy::expect_used, clippy::unwrap_used, clippy::indexing_slicing)] // test code: a failed expectation is the assertion
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use envoy_kv_router_tools::client;
 use envoy_kv_router_tools::compare::{quality_table, run_mode, Fleet};
+use envoy_kv_router_tools::harness::{Worker, ZMQ_PUBLISH_ARGS};
 use envoy_kv_router_tools::loadgen::{synthetic, RunOptions, SyntheticSpec};
-use envoy_kv_router_tools::peer::{require_vllm_router, vllm_router_policy};
+use envoy_kv_router_tools::peer::{
+    require_vllm_router, vllm_router_policy, VllmRouter, VllmRouterOptions, PEER_WORKER_ARGS,
+};
+use serde_json::json;
 
 #[test]
 fn arm_names_carry_the_policy() {
@@ -61,4 +66,39 @@ fn vllm_router_cache_aware_arm_serves_every_request_from_a_worker() {
     let cells: Vec<&str> = row.split_whitespace().collect();
     assert_eq!(&cells[1..3], ["60", "0"], "{row}");
     assert!(row.contains(" 20.0 "), "{row}");
+}
+
+#[test]
+fn vllm_router_kv_aware_finds_a_prefix_the_mock_published() {
+    require_vllm_router().expect("vllm-router is needed: run `make setup`");
+    let mut args = vec!["--mode", "engine", "--block-size", "16", "--speedup", "20"];
+    args.extend_from_slice(&ZMQ_PUBLISH_ARGS);
+    args.extend_from_slice(&PEER_WORKER_ARGS);
+    let workers = Worker::spawn_many(2, &args).unwrap();
+    let opts = VllmRouterOptions {
+        policy: "kv_aware".into(),
+        block_size: 16,
+        model: "m".into(),
+        extra_args: Vec::new(),
+    };
+    let router = VllmRouter::start(&opts, &workers).unwrap();
+    let prompt: Vec<u32> = (1000..1160).collect();
+    let body = json!({"model": "m", "prompt": prompt, "max_tokens": 2});
+    // The first request stores the prompt's 10 blocks on one worker; once its "stored" event is
+    // in vllm-router's index, the same prompt's placement lookup is a hit. Before the events
+    // were published under vLLM's (empty) topic, every lookup stayed a miss.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut sent = 0;
+    while router.placement_lookups().unwrap().0 < 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "no placement hit after {sent} requests:\n{}",
+            router.log_tail(20)
+        );
+        let reply = client::post_json(&router.addr, "/v1/completions", &body).unwrap();
+        assert_eq!(reply.status, 200);
+        sent += 1;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(sent >= 2, "the first request cannot hit: {sent}");
 }

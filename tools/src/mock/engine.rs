@@ -25,8 +25,9 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
+use super::block_hasher::{BlockHasher, Digest};
 use super::event_log::EventLog;
-use super::kv_cache::{block_hashes, chain_hash, BlockHash, CacheEvent, KvCache};
+use super::kv_cache::{BlockHash, CacheEvent, KvCache};
 use super::kv_zmq::KvPublisher;
 use super::openai::VOCAB;
 use crate::util::lock;
@@ -60,6 +61,8 @@ pub struct EngineConfig {
     /// Prefill cost of a host-tier hit token relative to a new token.
     pub host_reload_weight: f64,
     pub dp_rank: u32,
+    /// How blocks are named (the mock's own hash by default).
+    pub block_hasher: BlockHasher,
 }
 
 impl Default for EngineConfig {
@@ -75,6 +78,7 @@ impl Default for EngineConfig {
             watermark: 0.01,
             host_reload_weight: 0.25,
             dp_rank: 0,
+            block_hasher: BlockHasher::Mock,
         }
     }
 }
@@ -164,6 +168,8 @@ struct Seq {
     target: usize,
     /// Cached blocks this sequence references, in order (its first `held.len()` full blocks).
     held: Vec<BlockHash>,
+    /// vLLM digests of `held` (vLLM hashing only: a child block chains on the full digest).
+    digests: Vec<Digest>,
     /// Allocated, not yet cached blocks.
     private: usize,
     cached_tokens: usize,
@@ -191,6 +197,7 @@ fn release_all(cache: &mut KvCache, seq: &mut Seq) {
     for h in seq.held.drain(..) {
         cache.release(h);
     }
+    seq.digests.clear();
     cache.free_private(seq.private);
     seq.private = 0;
     seq.computed = 0;
@@ -198,7 +205,7 @@ fn release_all(cache: &mut KvCache, seq: &mut Seq) {
 }
 
 /// Caches the full blocks now computed that the sequence does not hold yet.
-fn commit_full_blocks(cache: &mut KvCache, seq: &mut Seq, block_size: usize) {
+fn commit_full_blocks(cache: &mut KvCache, hasher: &BlockHasher, seq: &mut Seq, block_size: usize) {
     let full = seq.computed / block_size;
     while seq.held.len() < full && seq.private > 0 {
         let i = seq.held.len();
@@ -206,10 +213,12 @@ fn commit_full_blocks(cache: &mut KvCache, seq: &mut Seq, block_size: usize) {
             return;
         };
         let parent = seq.held.last().copied();
-        let h = chain_hash(parent, tokens);
+        let parent_digest = i.checked_sub(1).and_then(|p| seq.digests.get(p));
+        let (h, digest) = hasher.child(parent, parent_digest, tokens);
         cache.commit(h, parent, tokens);
         seq.private -= 1;
         seq.held.push(h);
+        seq.digests.extend(digest);
     }
 }
 
@@ -284,6 +293,7 @@ impl EngineCore {
             computed: 0,
             target: 0,
             held: Vec::new(),
+            digests: Vec::new(),
             private: 0,
             cached_tokens: 0,
             admitted_before: false,
@@ -337,7 +347,7 @@ impl EngineCore {
     /// Admits a waiting sequence: takes its cached prefix and allocates the rest of its blocks.
     fn try_admit(&mut self, seq: &mut Seq, reload_tokens: &mut usize) -> bool {
         let bs = self.cfg.block_size;
-        let hashes = block_hashes(&seq.tokens, bs);
+        let (hashes, digests) = self.cfg.block_hasher.prompt(&seq.tokens, bs);
         let (dev, _) = self.cache.match_prefix(&hashes);
         for h in hashes.iter().take(dev) {
             self.cache.acquire(*h);
@@ -365,6 +375,7 @@ impl EngineCore {
             }
             seq.held.push(*h);
         }
+        seq.digests = digests.into_iter().take(seq.held.len()).collect();
         let host = seq.held.len() - dev;
         seq.private = total - seq.held.len();
         let ok = self.cache.alloc_private(seq.private);
@@ -483,11 +494,11 @@ impl EngineCore {
         for seq in &mut self.running {
             let sample = if let Some(&c) = chunks.get(&seq.id) {
                 seq.computed += c;
-                commit_full_blocks(&mut self.cache, seq, bs);
+                commit_full_blocks(&mut self.cache, &self.cfg.block_hasher, seq, bs);
                 !seq.needs_prefill()
             } else if decoding.contains(&seq.id) {
                 seq.computed = seq.tokens.len();
-                commit_full_blocks(&mut self.cache, seq, bs);
+                commit_full_blocks(&mut self.cache, &self.cfg.block_hasher, seq, bs);
                 true
             } else {
                 false
@@ -800,7 +811,7 @@ impl Engine {
 
 #[cfg(test)]
 mod tests {
-    use super::super::kv_cache::Tier;
+    use super::super::kv_cache::{block_hashes, Tier};
     use super::*;
 
     fn cfg(kv_blocks: usize) -> EngineConfig {
@@ -952,6 +963,50 @@ mod tests {
             .sum();
         // 4 prompt + 6 generated tokens: 9 have KV computed => 2 full blocks.
         assert_eq!(stored, 2);
+    }
+
+    #[test]
+    fn vllm_hashing_stores_the_blocks_a_real_engine_published() {
+        // The captured vLLM 0.32 run (shared/engines/vllm/fixtures, block size 32, default
+        // sha256): a 100-token prompt stored 3 blocks; a 136-token prompt sharing its first 96
+        // tokens stored one more (tokens 200..=231), chained on the third.
+        let mut core = EngineCore::new(EngineConfig {
+            block_size: 32,
+            max_batched_tokens: 512,
+            block_hasher: BlockHasher::vllm_default(),
+            ..cfg(64)
+        });
+        let shared: Vec<u32> = (0..96u32).map(|i| 4 + (7 * i) % 500).collect();
+        let mut req1 = shared.clone();
+        req1.extend([7, 7, 7, 7]);
+        core.submit(req1, 1).unwrap();
+        run_to_completion(&mut core);
+        let first = core.take_events();
+        let mut req2 = shared;
+        req2.extend(200..240);
+        core.submit(req2, 1).unwrap();
+        run_to_completion(&mut core);
+        let second = core.take_events();
+        let stored = |events: &[CacheEvent]| -> Vec<(Option<BlockHash>, Vec<BlockHash>)> {
+            events
+                .iter()
+                .filter_map(|e| match e {
+                    CacheEvent::Stored { parent, hashes, .. } => Some((*parent, hashes.clone())),
+                    _ => None,
+                })
+                .collect()
+        };
+        assert_eq!(
+            stored(&first),
+            [(
+                None,
+                vec![995114372539195884, 2422810939045071523, 6990447958680583254]
+            )]
+        );
+        assert_eq!(
+            stored(&second),
+            [(Some(6990447958680583254), vec![6101281949773030706])]
+        );
     }
 
     #[test]

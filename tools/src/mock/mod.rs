@@ -23,6 +23,7 @@
 //! A client that goes away is noticed by the server (hyper drops the request's future or its
 //! response stream): delays end early, engine requests are aborted and `in_flight` drops.
 
+pub mod block_hasher;
 pub mod echo;
 pub mod engine;
 mod engine_api;
@@ -33,6 +34,7 @@ mod metrics;
 pub mod openai;
 pub mod render;
 pub mod routes;
+pub mod vllm_hash;
 pub mod vllm_wire;
 
 use std::io;
@@ -46,6 +48,7 @@ use serde_json::{json, Value};
 
 use crate::server::{self, Server};
 use crate::util::lock;
+use block_hasher::{BlockHashKind, BlockHasher};
 use echo::EchoState;
 use engine::{Engine, EngineConfig};
 use kv_zmq::{KvPublisher, ZmqConfig};
@@ -141,7 +144,15 @@ pub struct Options {
     /// The replay ROUTER endpoint to bind (needs --kv-events-endpoint).
     #[arg(long, value_name = "ENDPOINT")]
     pub kv_events_replay_endpoint: Option<String>,
-    /// ZMQ topic of the KV events.
+    /// How the engine names its KV blocks (in its cache, event pages, dumps and ZMQ events):
+    /// its own chained hash, or the hashes a vLLM engine publishes for the same tokens.
+    #[arg(long, value_enum, default_value_t = BlockHashKind::Mock)]
+    pub block_hash: BlockHashKind,
+    /// vLLM's PYTHONHASHSEED for --block-hash vllm-* (unset in vLLM: "vllm-none-hash").
+    #[arg(long, default_value = vllm_hash::DEFAULT_SEED)]
+    pub hash_seed: String,
+    /// ZMQ topic of the KV events (vLLM's default is the empty topic, `--kv-events-topic ""`,
+    /// which vllm-router's kv_aware needs).
     #[arg(long, default_value = vllm_wire::DEFAULT_TOPIC)]
     pub kv_events_topic: String,
     /// Batches kept for replay (vLLM's buffer_steps).
@@ -199,6 +210,7 @@ impl Options {
                 1.0
             },
             dp_rank: self.dp_rank,
+            block_hasher: BlockHasher::new(self.block_hash, &self.hash_seed),
             ..EngineConfig::default()
         }
     }

@@ -17,8 +17,12 @@ use std::io;
 
 use super::kv_cache::CacheEvent;
 
-/// vLLM's default topic.
+/// The mock's default topic, the one of the captured engine (its `--kv-events-config` set
+/// `"topic": "kv"`). vLLM's own default is the empty topic: see [`VLLM_DEFAULT_TOPIC`].
 pub const DEFAULT_TOPIC: &str = "kv";
+/// vLLM's default topic (`KVEventsConfig.topic = ""`), the only one vllm-router's static
+/// `--kv-event-source` accepts (it has no topic option).
+pub const VLLM_DEFAULT_TOPIC: &str = "";
 /// The sequence frame of the replay's end marker (-1 as a signed 64-bit big-endian integer).
 pub const END_SEQ: [u8; 8] = [0xff; 8];
 /// vLLM's attention kind for a plain decoder model.
