@@ -89,6 +89,14 @@ struct Counters {
     active: u32,
 }
 
+impl Counters {
+    fn add(&mut self, c: &Counters) {
+        self.prefill_tokens = self.prefill_tokens.saturating_add(c.prefill_tokens);
+        self.decode_milli = self.decode_milli.saturating_add(c.decode_milli);
+        self.active = self.active.saturating_add(c.active);
+    }
+}
+
 /// A decaying prefill waiting for (or being) its slot's anchor.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Queued {
@@ -674,19 +682,27 @@ impl LoadTable {
 fn slot_load(s: &Slot, live: &[bool; BUCKETS], now_epoch: u64, now_ms: u64) -> SlotLoad {
     let mut total = Counters::default();
     for (c, _) in s.buckets.iter().zip(live).filter(|(_, l)| **l) {
-        total.prefill_tokens = total.prefill_tokens.saturating_add(c.prefill_tokens);
-        total.decode_milli = total.decode_milli.saturating_add(c.decode_milli);
-        total.active = total.active.saturating_add(c.active);
+        total.add(c);
     }
     let anchor = s
         .queue
         .iter()
         .find(|q| LoadTable::alive(q.epoch, now_epoch));
+    load_of(&total, anchor, s.anchor_since_ms, now_ms)
+}
+
+/// A slot's load from its live counters and its anchor (the oldest live decaying prefill).
+fn load_of(
+    total: &Counters,
+    anchor: Option<&Queued>,
+    anchor_since_ms: u64,
+    now_ms: u64,
+) -> SlotLoad {
     let prefill = match anchor {
         Some(a) => total
             .prefill_tokens
             .saturating_sub(u64::from(a.prefill_tokens))
-            .saturating_add(decayed(a, s.anchor_since_ms, now_ms)),
+            .saturating_add(decayed(a, anchor_since_ms, now_ms)),
         None => total.prefill_tokens,
     };
     SlotLoad {

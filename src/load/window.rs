@@ -9,8 +9,8 @@
 //!   most once per bucket width).
 
 use super::{
-    read_slot, write_slot, LoadDecodeError, LoadTable, Reader, SlotLoad, BUCKETS, COUNTERS_LEN,
-    HEADER_LEN, PREFILL_QUEUE, QUEUED_LEN,
+    read_slot, write_slot, Counters, LoadDecodeError, LoadTable, Queued, SlotLoad, BUCKETS,
+    COUNTERS_LEN, HEADER_LEN, PREFILL_QUEUE, QUEUED_LEN,
 };
 use crate::types::SlotIdx;
 
@@ -27,20 +27,102 @@ pub fn view_bytes(
         out.resize(num_slots, SlotLoad::default());
         return Ok(());
     }
-    let (table, mut r) = LoadTable::decode_header(bytes, num_slots)?;
+    let (table, r) = LoadTable::decode_header(bytes, num_slots)?;
     let now_epoch = table.epoch_of(now_ms);
     let live = table.ring.map(|e| LoadTable::alive(e, now_epoch));
     out.reserve(num_slots);
+    let mut pos = r.pos;
     for _ in 0..num_slots {
-        match read_slot(&mut r, table.bucket_ms) {
-            Ok(slot) => out.push(super::slot_load(&slot, &live, now_epoch, now_ms)),
-            Err(e) => {
+        match view_slot(bytes, pos, table.bucket_ms, &live, now_epoch, now_ms) {
+            Some((load, next)) => {
+                out.push(load);
+                pos = next;
+            }
+            None => {
                 out.clear();
-                return Err(e);
+                return Err(LoadDecodeError::Malformed);
             }
         }
     }
-    r.finish().inspect_err(|_| out.clear())
+    if pos != bytes.len() {
+        out.clear();
+        return Err(LoadDecodeError::Truncated {
+            len: bytes.len(),
+            needed: pos,
+        });
+    }
+    Ok(())
+}
+
+/// The load of the slot encoded at `pos`, and where the next slot starts; `None` if the bytes
+/// there are not a slot (same checks as `read_slot`). Reads only what the view needs: no
+/// [`super::Slot`] is built.
+fn view_slot(
+    bytes: &[u8],
+    pos: usize,
+    bucket_ms: u64,
+    live: &[bool; BUCKETS],
+    now_epoch: u64,
+    now_ms: u64,
+) -> Option<(SlotLoad, usize)> {
+    let anchor_since_ms = le_u64(bytes, pos + 4)?;
+    let queued = usize::from(*bytes.get(pos + 12)?);
+    if queued > PREFILL_QUEUE {
+        return None;
+    }
+    let queue_at = pos + 13;
+    let mask_at = queue_at + queued * QUEUED_LEN;
+    let mut anchor = None;
+    for i in 0..queued {
+        let at = queue_at + i * QUEUED_LEN;
+        let admitted_ms = le_u64(bytes, at + 16)?;
+        let epoch = admitted_ms / bucket_ms.max(1);
+        if LoadTable::alive(epoch, now_epoch) {
+            anchor = Some(Queued {
+                key: 0,
+                epoch,
+                prefill_tokens: le_u32(bytes, at + 8)?,
+                expected_prefill_ms: le_u32(bytes, at + 12)?,
+                admitted_ms,
+            });
+            break;
+        }
+    }
+    let mask = *bytes.get(mask_at)?;
+    if usize::from(mask) >> BUCKETS != 0 {
+        return None;
+    }
+    let mut total = Counters::default();
+    let mut at = mask_at + 1;
+    for (i, alive) in live.iter().enumerate() {
+        if mask & (1 << i) == 0 {
+            continue;
+        }
+        let c = Counters {
+            prefill_tokens: le_u64(bytes, at)?,
+            decode_milli: le_u64(bytes, at + 8)?,
+            active: le_u32(bytes, at + 16)?,
+        };
+        if c == Counters::default() {
+            return None;
+        }
+        if *alive {
+            total.add(&c);
+        }
+        at += COUNTERS_LEN;
+    }
+    let load = super::load_of(&total, anchor.as_ref(), anchor_since_ms, now_ms);
+    Some((load, at))
+}
+
+fn le_u64(bytes: &[u8], at: usize) -> Option<u64> {
+    let b: [u8; 8] = bytes.get(at..at.checked_add(8)?)?.try_into().ok()?;
+    Some(u64::from_le_bytes(b))
+}
+
+fn le_u32(bytes: &[u8], at: usize) -> Option<u32> {
+    let b: [u8; 4] = bytes.get(at..at.checked_add(4)?)?.try_into().ok()?;
+    Some(u32::from_le_bytes(b))
 }
 
 /// One slot of a stored table, editable as a [`LoadTable`] (its other slots read as absent:
@@ -75,16 +157,24 @@ impl Window {
         {
             return Ok(None);
         }
+        let mut pos = r.pos;
         for _ in 0..index {
-            skip_slot(&mut r)?;
+            pos = skip_slot(bytes, pos).ok_or(LoadDecodeError::Malformed)?;
         }
-        let start = r.pos;
+        let start = pos;
+        r.pos = pos;
         let decoded = read_slot(&mut r, table.bucket_ms)?;
         let end = r.pos;
+        pos = end;
         for _ in index + 1..num_slots {
-            skip_slot(&mut r)?;
+            pos = skip_slot(bytes, pos).ok_or(LoadDecodeError::Malformed)?;
         }
-        r.finish()?;
+        if pos != bytes.len() {
+            return Err(LoadDecodeError::Truncated {
+                len: bytes.len(),
+                needed: pos,
+            });
+        }
         table.slots = vec![decoded];
         table.first = index;
         Ok(Some(Window { table, start, end }))
@@ -104,20 +194,20 @@ impl Window {
     }
 }
 
-/// Steps over one slot, checking its framing (queue length and bucket mask in range).
-fn skip_slot(r: &mut Reader<'_>) -> Result<(), LoadDecodeError> {
-    r.take(4 + 8)?;
-    let queued = usize::from(r.u8()?);
+/// Where the slot encoded at `pos` ends, checking its framing (queue length and bucket mask in
+/// range); `None` if it does not fit. (A slot running past the end is caught by the caller's
+/// final length check.)
+fn skip_slot(bytes: &[u8], pos: usize) -> Option<usize> {
+    let queued = usize::from(*bytes.get(pos + 12)?);
     if queued > PREFILL_QUEUE {
-        return Err(LoadDecodeError::Malformed);
+        return None;
     }
-    r.take(queued * QUEUED_LEN)?;
-    let mask = r.u8()?;
+    let mask_at = pos + 13 + queued * QUEUED_LEN;
+    let mask = *bytes.get(mask_at)?;
     if usize::from(mask) >> BUCKETS != 0 {
-        return Err(LoadDecodeError::Malformed);
+        return None;
     }
-    r.take(mask.count_ones() as usize * COUNTERS_LEN)?;
-    Ok(())
+    Some(mask_at + 1 + mask.count_ones() as usize * COUNTERS_LEN)
 }
 
 #[cfg(test)]
