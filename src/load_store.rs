@@ -9,7 +9,7 @@
 //! The table's size is fixed by the slot count (see [`crate::load`]), so every CAS round costs
 //! the same whatever the requests in flight.
 
-use crate::load::{bucket_ms_for, view_bytes, LoadTable, SlotLoad, Ticket, Window};
+use crate::load::{bucket_ms_for, reap_due, view_bytes, LoadTable, SlotLoad, Ticket, Window};
 use crate::store::{SharedStore, StoreError};
 use crate::types::SlotIdx;
 
@@ -166,6 +166,16 @@ fn cas_loop<R>(
 /// after corrupt data was replaced, or by another configuration) is replaced by a fresh one.
 pub fn reap(store: &dyn SharedStore, num_slots: usize, now_ms: u64, timeout_ms: u64) -> usize {
     let width = bucket_ms_for(timeout_ms);
+    // Every tick calls this; a whole decode only when a bucket is due (once per bucket width).
+    let (bytes, _) = store.get(LOAD_KEY);
+    if !reap_due(
+        bytes.as_deref().unwrap_or_default(),
+        num_slots,
+        now_ms,
+        width,
+    ) {
+        return 0;
+    }
     update(store, num_slots, |table| {
         if table.bucket_ms() != width {
             *table = LoadTable::with_timeout(num_slots, timeout_ms);

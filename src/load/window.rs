@@ -125,6 +125,25 @@ fn le_u32(bytes: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_le_bytes(b))
 }
 
+/// Whether a reap at `now_ms` has anything to do: a time bucket due, a table of another bucket
+/// width (or bytes that do not decode, which the reap replaces). Reads the header only.
+pub fn reap_due(bytes: &[u8], num_slots: usize, now_ms: u64, bucket_ms: u64) -> bool {
+    if bytes.is_empty() {
+        return false;
+    }
+    match LoadTable::decode_header(bytes, num_slots) {
+        Ok((table, _)) => {
+            let now_epoch = table.epoch_of(now_ms);
+            table.bucket_ms != bucket_ms
+                || table
+                    .ring
+                    .iter()
+                    .any(|&e| e != u64::MAX && !LoadTable::alive(e, now_epoch))
+        }
+        Err(_) => true,
+    }
+}
+
 /// One slot of a stored table, editable as a [`LoadTable`] (its other slots read as absent:
 /// only edits of that slot succeed, and [`LoadTable::view`] shows that slot alone).
 #[derive(Debug)]
