@@ -312,7 +312,7 @@ fn fallbacks(
     if config.fallback_count == 0 {
         return Vec::new();
     }
-    let ranked: Vec<(SlotIdx, f64)> = if scores.is_empty() {
+    let mut ranked: Vec<(SlotIdx, f64)> = if scores.is_empty() {
         candidates
             .iter()
             .map(|s| {
@@ -324,25 +324,21 @@ fn fallbacks(
             })
             .collect()
     } else {
-        Vec::new()
+        scores.to_vec()
     };
-    let ranked = if scores.is_empty() { &ranked } else { scores };
+    ranked.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
     let address = |s: SlotIdx| config.worker_of_slot(s).map(|w| w.address);
     let mut used = vec![address(chosen)];
     let mut out = Vec::new();
-    // The cheapest slot (cost, then index) on an address not used yet, `fallback_count` times:
-    // what walking all candidates sorted would pick, without sorting 1,000 of them per request.
-    while out.len() < config.fallback_count {
-        let best = ranked
-            .iter()
-            .filter_map(|&(slot, cost)| {
-                let a = address(slot);
-                (a.is_some() && !used.contains(&a)).then_some((slot, cost, a))
-            })
-            .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
-        let Some((slot, _, a)) = best else { break };
-        used.push(a);
-        out.push(slot);
+    for (slot, _) in ranked {
+        if out.len() >= config.fallback_count {
+            break;
+        }
+        let a = address(slot);
+        if a.is_some() && !used.contains(&a) {
+            used.push(a);
+            out.push(slot);
+        }
     }
     out
 }
