@@ -394,6 +394,37 @@ mod tests {
     }
 
     #[test]
+    fn a_one_slot_booking_from_a_stale_snapshot_rereads_and_keeps_other_writes() {
+        let store = MemStore::new();
+        init(&store, SLOTS, 900_000);
+        let fresh = read_snapshot(&store, SLOTS);
+        let ops = store.ops.get();
+        let a = update_slot_from(&store, SLOTS, 0, 10, Some(fresh), |t| {
+            t.admit(1, 0, 100, 4, None, 10)
+        })
+        .unwrap();
+        assert_eq!(store.ops.get(), ops + 1, "fresh snapshot: one set, no get");
+        let stale = read_snapshot(&store, SLOTS);
+        admit(&store, 2, 1);
+        update_slot_from(&store, SLOTS, 0, 20, Some(stale), |t| {
+            t.admit(3, 0, 100, 4, None, 20)
+        })
+        .unwrap();
+        let view = read(&store, SLOTS).view(30);
+        assert_eq!((view[0].active_requests, view[1].active_requests), (2, 1));
+        // A one-slot release removes exactly its booking.
+        update_slot(&store, SLOTS, 0, 40, |t| t.release_at(&a, 40).then_some(())).unwrap();
+        let view = read(&store, SLOTS).view(40);
+        assert_eq!(
+            (view[0].active_requests, view[0].prefill_tokens),
+            (1, 100.0)
+        );
+        let mut out = Vec::new();
+        read_snapshot(&store, SLOTS).view_into(40, &mut out);
+        assert_eq!(out, view);
+    }
+
+    #[test]
     fn releasing_an_unknown_key_writes_nothing() {
         let store = MemStore::new();
         init(&store, SLOTS, 900_000);
