@@ -34,6 +34,7 @@ use envoy_kv_router::store::{SharedStore, StoreError};
 use envoy_kv_router::types::{ExternalBlockHash, Overlap, SequenceHash, StorageTier};
 
 const BLOCK_SIZE: u32 = 64;
+/// Default worker count; the third number argument overrides it.
 const WORKERS: usize = 8;
 
 /// Envoy's shared data, in memory.
@@ -59,9 +60,16 @@ impl SharedStore for Store {
     }
 }
 
-fn config() -> Config {
-    let workers: Vec<String> = (0..WORKERS)
-        .map(|i| format!(r#"{{"id": {}, "address": "10.0.0.{}:8000"}}"#, i + 1, i + 1))
+fn config(workers: usize) -> Config {
+    let workers: Vec<String> = (0..workers)
+        .map(|i| {
+            format!(
+                r#"{{"id": {}, "address": "10.{}.{}.1:8000"}}"#,
+                i + 1,
+                i / 256,
+                i % 256
+            )
+        })
         .collect();
     let json = format!(
         r#"{{"mode": "kv", "block_size": {BLOCK_SIZE}, "workers": [{}]}}"#,
@@ -113,7 +121,7 @@ fn stage_load(
     out: &mut Vec<SlotLoad>,
 ) -> load_store::Snapshot {
     let snapshot = load_store::read_snapshot(store, slots);
-    snapshot.table.view_into(now, out);
+    snapshot.view_into(now, out);
     snapshot
 }
 
@@ -145,11 +153,14 @@ fn stage_book(
     d: &envoy_kv_router::router::Decision,
     now: u64,
 ) {
-    let ticket = load_store::update_from(store, slots, Some(snapshot), |t| {
+    let ticket = load_store::update_slot_from(store, slots, d.slot, now, Some(snapshot), |t| {
         t.admit(key, d.slot, d.prefill_tokens, d.prompt_blocks, None, now)
     })
     .unwrap();
-    load_store::update(store, slots, |t| t.release_at(&ticket, now).then_some(())).unwrap();
+    load_store::update_slot(store, slots, ticket.slot, now, |t| {
+        t.release_at(&ticket, now).then_some(())
+    })
+    .unwrap();
 }
 
 fn main() {
@@ -158,11 +169,14 @@ fn main() {
     let nums: Vec<usize> = args.iter().skip(1).filter_map(|a| a.parse().ok()).collect();
     let n_tokens = nums.first().copied().unwrap_or(4096);
     let iters = nums.get(1).copied().unwrap_or(100);
-    let config = config();
+    let workers = nums.get(2).copied().unwrap_or(WORKERS);
+    // Requests held in flight while the loop runs (booked round-robin, never released).
+    let in_flight = nums.get(3).copied().unwrap_or(0);
+    let config = config(workers);
     let toks = tokens(n_tokens);
     let body = serde_json::json!({"model": "m", "prompt": toks, "max_tokens": 1}).to_string();
     // Every block held by slot 0: lazy hashing hashes the whole prompt.
-    let mut index = KvIndex::new(WORKERS, 1 << 20);
+    let mut index = KvIndex::new(workers, 1 << 20);
     let locals = local_block_hashes(&toks, BLOCK_SIZE, DYNAMO_HASH_SEED);
     let seqs = prompt_sequence_hashes(&toks, BLOCK_SIZE, None);
     let stored = IndexEvent::Stored {
@@ -178,10 +192,17 @@ fn main() {
     index.apply(0, &stored).unwrap();
     let store = Store::default();
     load_store::init(&store, config.slots.len(), 900_000);
+    for k in 0..in_flight {
+        let slot = (k % workers) as u16;
+        load_store::update(&store, config.slots.len(), |t| {
+            t.admit(1 << 40 | k as u64, slot, 4096, 64, None, 1_000)
+        })
+        .unwrap();
+    }
     let mut selector = SelectorState::new(7);
     let mut overlaps = Vec::new();
     let mut load = Vec::new();
-    let mut chosen = [0usize; WORKERS];
+    let mut chosen = vec![0usize; workers];
     let start = Instant::now();
     for i in 0..iters {
         let now = 1_000 + i as u64;
@@ -196,8 +217,9 @@ fn main() {
     }
     let per = start.elapsed().as_secs_f64() * 1e6 / iters.max(1) as f64;
     println!(
-        "tokens {n_tokens} body {} B blocks {} iters {iters}: {per:.1} us/request (wall), chosen {chosen:?}",
+        "workers {workers} in flight {in_flight} tokens {n_tokens} body {} B blocks {} iters {iters}: {per:.1} us/request (wall), chosen by slot 0..8 {:?}",
         body.len(),
-        seqs.len()
+        seqs.len(),
+        &chosen[..workers.min(8)]
     );
 }

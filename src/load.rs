@@ -31,6 +31,9 @@ use std::fmt;
 
 use crate::types::SlotIdx;
 
+mod window;
+pub use window::{reap_due, view_bytes, Window};
+
 /// Time buckets per slot: a booking is reaped between `timeout` and `timeout * BUCKETS / (BUCKETS - 1)`.
 pub const BUCKETS: usize = 4;
 /// Decaying prefills remembered per slot (the anchor and the ones queued behind it).
@@ -84,6 +87,14 @@ struct Counters {
     prefill_tokens: u64,
     decode_milli: u64,
     active: u32,
+}
+
+impl Counters {
+    fn add(&mut self, c: &Counters) {
+        self.prefill_tokens = self.prefill_tokens.saturating_add(c.prefill_tokens);
+        self.decode_milli = self.decode_milli.saturating_add(c.decode_milli);
+        self.active = self.active.saturating_add(c.active);
+    }
 }
 
 /// A decaying prefill waiting for (or being) its slot's anchor.
@@ -174,7 +185,12 @@ pub struct LoadTable {
     reaped_total: u64,
     /// The epoch each ring position holds (`u64::MAX` = never opened).
     ring: [u64; BUCKETS],
+    /// Every slot, or (a window, see `load/window.rs`) only slot `first`.
     slots: Vec<Slot>,
+    /// The slot index of `slots[0]`: 0 unless this is a window.
+    first: usize,
+    /// Slots in the whole table.
+    total: usize,
 }
 
 /// Why stored bytes could not be decoded (the caller starts a fresh table and should count it).
@@ -239,11 +255,22 @@ impl LoadTable {
             reaped_total: 0,
             ring: [u64::MAX; BUCKETS],
             slots: vec![Slot::default(); num_slots],
+            first: 0,
+            total: num_slots,
         }
     }
 
     pub fn num_slots(&self) -> usize {
-        self.slots.len()
+        self.total
+    }
+
+    fn slot(&self, slot: SlotIdx) -> Option<&Slot> {
+        self.slots.get(usize::from(slot).checked_sub(self.first)?)
+    }
+
+    fn slot_mut(&mut self, slot: SlotIdx) -> Option<&mut Slot> {
+        self.slots
+            .get_mut(usize::from(slot).checked_sub(self.first)?)
     }
 
     pub fn bucket_ms(&self) -> u64 {
@@ -261,6 +288,22 @@ impl LoadTable {
         if bytes.is_empty() {
             return Ok(LoadTable::new(num_slots));
         }
+        let (mut table, mut r) = LoadTable::decode_header(bytes, num_slots)?;
+        let mut slots = Vec::with_capacity(num_slots);
+        for _ in 0..num_slots {
+            slots.push(read_slot(&mut r, table.bucket_ms)?);
+        }
+        r.finish()?;
+        table.slots = slots;
+        Ok(table)
+    }
+
+    /// The header (and a length check) of [`LoadTable::decode`]: a table with no slots decoded
+    /// yet, and the reader positioned at slot 0.
+    fn decode_header(
+        bytes: &[u8],
+        num_slots: usize,
+    ) -> Result<(LoadTable, Reader<'_>), LoadDecodeError> {
         let mut r = Reader { bytes, pos: 0 };
         if r.take(4)? != MAGIC {
             return Err(LoadDecodeError::BadMagic);
@@ -295,67 +338,15 @@ impl LoadTable {
                 needed,
             });
         }
-        let mut slots = Vec::with_capacity(num_slots);
-        for _ in 0..num_slots {
-            let generation = r.u32()?;
-            let anchor_since_ms = r.u64()?;
-            let queued = usize::from(r.u8()?);
-            if queued > PREFILL_QUEUE {
-                return Err(LoadDecodeError::Malformed);
-            }
-            let mut queue = PrefillQueue::default();
-            for _ in 0..queued {
-                let key = r.u64()?;
-                let prefill_tokens = r.u32()?;
-                let expected_prefill_ms = r.u32()?;
-                let admitted_ms = r.u64()?;
-                // queued <= PREFILL_QUEUE: every push lands.
-                queue.push(Queued {
-                    key,
-                    epoch: admitted_ms / bucket_ms,
-                    prefill_tokens,
-                    expected_prefill_ms,
-                    admitted_ms,
-                });
-            }
-            let mask = r.u8()?;
-            if usize::from(mask) >> BUCKETS != 0 {
-                return Err(LoadDecodeError::Malformed);
-            }
-            let mut buckets = [Counters::default(); BUCKETS];
-            for (i, c) in buckets.iter_mut().enumerate() {
-                if mask & (1 << i) == 0 {
-                    continue;
-                }
-                *c = Counters {
-                    prefill_tokens: r.u64()?,
-                    decode_milli: r.u64()?,
-                    active: r.u32()?,
-                };
-                if *c == Counters::default() {
-                    // Zero buckets are left out: one encoding per table.
-                    return Err(LoadDecodeError::Malformed);
-                }
-            }
-            slots.push(Slot {
-                generation,
-                anchor_since_ms,
-                queue,
-                buckets,
-            });
-        }
-        if r.pos != bytes.len() {
-            return Err(LoadDecodeError::Truncated {
-                len: bytes.len(),
-                needed: r.pos,
-            });
-        }
-        Ok(LoadTable {
+        let table = LoadTable {
             bucket_ms,
             reaped_total,
             ring,
-            slots,
-        })
+            slots: Vec::new(),
+            first: 0,
+            total: num_slots,
+        };
+        Ok((table, r))
     }
 
     /// [`LoadTable::decode`], falling back to a fresh table; the error (if any) is returned so the
@@ -388,40 +379,23 @@ impl LoadTable {
                 + queued * QUEUED_LEN
                 + buckets * COUNTERS_LEN,
         );
+        self.write_header(&mut out);
+        for slot in &self.slots {
+            write_slot(&mut out, slot);
+        }
+        out
+    }
+
+    /// Magic, version, slot count, bucket width, reaped total and ring: `HEADER_LEN` bytes.
+    fn write_header(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(MAGIC);
         out.push(VERSION);
-        out.extend_from_slice(&(self.slots.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(self.total as u32).to_le_bytes());
         out.extend_from_slice(&self.bucket_ms.to_le_bytes());
         out.extend_from_slice(&self.reaped_total.to_le_bytes());
         for e in &self.ring {
             out.extend_from_slice(&e.to_le_bytes());
         }
-        for s in &self.slots {
-            out.extend_from_slice(&s.generation.to_le_bytes());
-            out.extend_from_slice(&s.anchor_since_ms.to_le_bytes());
-            // At most PREFILL_QUEUE by construction (admit) and decode.
-            out.push(s.queue.len().min(PREFILL_QUEUE) as u8);
-            for q in s.queue.iter().take(PREFILL_QUEUE) {
-                out.extend_from_slice(&q.key.to_le_bytes());
-                out.extend_from_slice(&q.prefill_tokens.to_le_bytes());
-                out.extend_from_slice(&q.expected_prefill_ms.to_le_bytes());
-                out.extend_from_slice(&q.admitted_ms.to_le_bytes());
-            }
-            let zero = Counters::default();
-            let mask = s
-                .buckets
-                .iter()
-                .enumerate()
-                .filter(|(_, c)| **c != zero)
-                .fold(0u8, |m, (i, _)| m | (1 << i));
-            out.push(mask);
-            for c in s.buckets.iter().filter(|c| **c != zero) {
-                out.extend_from_slice(&c.prefill_tokens.to_le_bytes());
-                out.extend_from_slice(&c.decode_milli.to_le_bytes());
-                out.extend_from_slice(&c.active.to_le_bytes());
-            }
-        }
-        out
     }
 
     fn epoch_of(&self, now_ms: u64) -> u64 {
@@ -476,7 +450,7 @@ impl LoadTable {
             }
             *held = epoch;
         }
-        self.slots.get_mut(usize::from(slot))?.buckets.get_mut(pos)
+        self.slot_mut(slot)?.buckets.get_mut(pos)
     }
 
     /// Whether what `ticket` booked is still counted (its bucket lives, its slot was not cleared).
@@ -485,8 +459,7 @@ impl LoadTable {
             && LoadTable::alive(ticket.epoch, self.epoch_of(now_ms));
         alive
             && self
-                .slots
-                .get(usize::from(ticket.slot))
+                .slot(ticket.slot)
                 .is_some_and(|s| s.generation == ticket.generation)
     }
 
@@ -507,7 +480,7 @@ impl LoadTable {
         }
         self.expire(now_ms);
         let epoch = self.epoch_of(now_ms);
-        let generation = self.slots.get(usize::from(slot))?.generation;
+        let generation = self.slot(slot)?.generation;
         let ticket = Ticket {
             key,
             slot,
@@ -526,7 +499,7 @@ impl LoadTable {
             _ => 0,
         };
         if expected > 0 && prefill_tokens > 0 {
-            if let Some(s) = self.slots.get_mut(usize::from(slot)) {
+            if let Some(s) = self.slot_mut(slot) {
                 // A full queue keeps nothing: that prefill counts in full until its first token.
                 s.queue.push(Queued {
                     key,
@@ -558,7 +531,7 @@ impl LoadTable {
         if ticket.prefill_tokens == 0 {
             return;
         }
-        let Some(s) = self.slots.get_mut(usize::from(ticket.slot)) else {
+        let Some(s) = self.slot_mut(ticket.slot) else {
             return;
         };
         if let Some(i) = s.queue.iter().position(|q| q.key == ticket.key) {
@@ -638,7 +611,7 @@ impl LoadTable {
         self.subtract(ticket, now_ms);
         let moved = Ticket {
             slot,
-            generation: self.slots.get(usize::from(slot))?.generation,
+            generation: self.slot(slot)?.generation,
             ..*ticket
         };
         let c = self.counters_mut(slot, moved.epoch)?;
@@ -653,7 +626,7 @@ impl LoadTable {
     /// Forgets everything booked on `slot` (its worker left the cluster); tickets booked there
     /// before release nothing afterwards. `false` if the slot is out of range.
     pub fn clear_slot(&mut self, slot: SlotIdx) -> bool {
-        let Some(s) = self.slots.get_mut(usize::from(slot)) else {
+        let Some(s) = self.slot_mut(slot) else {
             return false;
         };
         *s = Slot {
@@ -689,30 +662,11 @@ impl LoadTable {
         out.clear();
         let now_epoch = self.epoch_of(now_ms);
         let live = self.ring.map(|e| LoadTable::alive(e, now_epoch));
-        out.extend(self.slots.iter().map(|s| {
-            let mut total = Counters::default();
-            for (c, _) in s.buckets.iter().zip(&live).filter(|(_, l)| **l) {
-                total.prefill_tokens = total.prefill_tokens.saturating_add(c.prefill_tokens);
-                total.decode_milli = total.decode_milli.saturating_add(c.decode_milli);
-                total.active = total.active.saturating_add(c.active);
-            }
-            let anchor = s
-                .queue
+        out.extend(
+            self.slots
                 .iter()
-                .find(|q| LoadTable::alive(q.epoch, now_epoch));
-            let prefill = match anchor {
-                Some(a) => total
-                    .prefill_tokens
-                    .saturating_sub(u64::from(a.prefill_tokens))
-                    .saturating_add(decayed(a, s.anchor_since_ms, now_ms)),
-                None => total.prefill_tokens,
-            };
-            SlotLoad {
-                prefill_tokens: prefill as f64,
-                decode_blocks: total.decode_milli as f64 / 1000.0,
-                active_requests: total.active,
-            }
-        }));
+                .map(|s| slot_load(s, &live, now_epoch, now_ms)),
+        );
     }
 
     /// Requests counted at `now_ms`, over all slots.
@@ -721,6 +675,117 @@ impl LoadTable {
             .iter()
             .map(|l| u64::from(l.active_requests))
             .sum()
+    }
+}
+
+/// One slot's load at `now_ms`; `live` says which ring positions still count.
+fn slot_load(s: &Slot, live: &[bool; BUCKETS], now_epoch: u64, now_ms: u64) -> SlotLoad {
+    let mut total = Counters::default();
+    for (c, _) in s.buckets.iter().zip(live).filter(|(_, l)| **l) {
+        total.add(c);
+    }
+    let anchor = s
+        .queue
+        .iter()
+        .find(|q| LoadTable::alive(q.epoch, now_epoch));
+    load_of(&total, anchor, s.anchor_since_ms, now_ms)
+}
+
+/// A slot's load from its live counters and its anchor (the oldest live decaying prefill).
+fn load_of(
+    total: &Counters,
+    anchor: Option<&Queued>,
+    anchor_since_ms: u64,
+    now_ms: u64,
+) -> SlotLoad {
+    let prefill = match anchor {
+        Some(a) => total
+            .prefill_tokens
+            .saturating_sub(u64::from(a.prefill_tokens))
+            .saturating_add(decayed(a, anchor_since_ms, now_ms)),
+        None => total.prefill_tokens,
+    };
+    SlotLoad {
+        prefill_tokens: prefill as f64,
+        decode_blocks: total.decode_milli as f64 / 1000.0,
+        active_requests: total.active,
+    }
+}
+
+/// One slot of [`LoadTable::decode`].
+fn read_slot(r: &mut Reader<'_>, bucket_ms: u64) -> Result<Slot, LoadDecodeError> {
+    let generation = r.u32()?;
+    let anchor_since_ms = r.u64()?;
+    let queued = usize::from(r.u8()?);
+    if queued > PREFILL_QUEUE {
+        return Err(LoadDecodeError::Malformed);
+    }
+    let mut queue = PrefillQueue::default();
+    for _ in 0..queued {
+        let key = r.u64()?;
+        let prefill_tokens = r.u32()?;
+        let expected_prefill_ms = r.u32()?;
+        let admitted_ms = r.u64()?;
+        // queued <= PREFILL_QUEUE: every push lands.
+        queue.push(Queued {
+            key,
+            epoch: admitted_ms / bucket_ms.max(1),
+            prefill_tokens,
+            expected_prefill_ms,
+            admitted_ms,
+        });
+    }
+    let mask = r.u8()?;
+    if usize::from(mask) >> BUCKETS != 0 {
+        return Err(LoadDecodeError::Malformed);
+    }
+    let mut buckets = [Counters::default(); BUCKETS];
+    for (i, c) in buckets.iter_mut().enumerate() {
+        if mask & (1 << i) == 0 {
+            continue;
+        }
+        *c = Counters {
+            prefill_tokens: r.u64()?,
+            decode_milli: r.u64()?,
+            active: r.u32()?,
+        };
+        if *c == Counters::default() {
+            // Zero buckets are left out: one encoding per table.
+            return Err(LoadDecodeError::Malformed);
+        }
+    }
+    Ok(Slot {
+        generation,
+        anchor_since_ms,
+        queue,
+        buckets,
+    })
+}
+
+/// One slot of [`LoadTable::encode`].
+fn write_slot(out: &mut Vec<u8>, s: &Slot) {
+    out.extend_from_slice(&s.generation.to_le_bytes());
+    out.extend_from_slice(&s.anchor_since_ms.to_le_bytes());
+    // At most PREFILL_QUEUE by construction (admit) and decode.
+    out.push(s.queue.len().min(PREFILL_QUEUE) as u8);
+    for q in s.queue.iter().take(PREFILL_QUEUE) {
+        out.extend_from_slice(&q.key.to_le_bytes());
+        out.extend_from_slice(&q.prefill_tokens.to_le_bytes());
+        out.extend_from_slice(&q.expected_prefill_ms.to_le_bytes());
+        out.extend_from_slice(&q.admitted_ms.to_le_bytes());
+    }
+    let zero = Counters::default();
+    let mask = s
+        .buckets
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| **c != zero)
+        .fold(0u8, |m, (i, _)| m | (1 << i));
+    out.push(mask);
+    for c in s.buckets.iter().filter(|c| **c != zero) {
+        out.extend_from_slice(&c.prefill_tokens.to_le_bytes());
+        out.extend_from_slice(&c.decode_milli.to_le_bytes());
+        out.extend_from_slice(&c.active.to_le_bytes());
     }
 }
 
@@ -777,6 +842,17 @@ impl<'a> Reader<'a> {
     #[inline]
     fn u64(&mut self) -> Result<u64, LoadDecodeError> {
         Ok(u64::from_le_bytes(self.array()?))
+    }
+    /// Every byte was read.
+    fn finish(&self) -> Result<(), LoadDecodeError> {
+        if self.pos == self.bytes.len() {
+            Ok(())
+        } else {
+            Err(LoadDecodeError::Truncated {
+                len: self.bytes.len(),
+                needed: self.pos,
+            })
+        }
     }
 }
 

@@ -9,8 +9,9 @@
 //! The table's size is fixed by the slot count (see [`crate::load`]), so every CAS round costs
 //! the same whatever the requests in flight.
 
-use crate::load::{bucket_ms_for, LoadTable, Ticket};
+use crate::load::{bucket_ms_for, reap_due, view_bytes, LoadTable, SlotLoad, Ticket, Window};
 use crate::store::{SharedStore, StoreError};
+use crate::types::SlotIdx;
 
 const LOAD_KEY: &str = "ekr.load";
 const CAS_ATTEMPTS: usize = 64;
@@ -40,21 +41,36 @@ pub fn init(store: &dyn SharedStore, num_slots: usize, timeout_ms: u64) {
 }
 
 pub fn read(store: &dyn SharedStore, num_slots: usize) -> LoadTable {
-    read_snapshot(store, num_slots).table
+    let (bytes, _) = store.get(LOAD_KEY);
+    LoadTable::decode_or_fresh(bytes.as_deref().unwrap_or_default(), num_slots).0
 }
 
-/// The table as read, with the version it was read at: the request path reads it once for its
-/// decision and hands it to [`update_from`] for the booking, whose first CAS attempt then needs
-/// no second get and decode.
+/// The table's bytes as read, with the version they were read at: the request path views them
+/// once for its decision and hands them to [`update_slot_from`] for the booking, whose first CAS
+/// attempt then needs no second get.
 pub struct Snapshot {
-    pub table: LoadTable,
+    bytes: Vec<u8>,
     cas: Option<u32>,
+    num_slots: usize,
+}
+
+impl Snapshot {
+    /// Per-slot load at `now_ms` into `out` (idle slots if the bytes do not decode: the next
+    /// write replaces them with a fresh table).
+    pub fn view_into(&self, now_ms: u64, out: &mut Vec<SlotLoad>) {
+        if view_bytes(&self.bytes, self.num_slots, now_ms, out).is_err() {
+            out.resize(self.num_slots, SlotLoad::default());
+        }
+    }
 }
 
 pub fn read_snapshot(store: &dyn SharedStore, num_slots: usize) -> Snapshot {
     let (bytes, cas) = store.get(LOAD_KEY);
-    let table = LoadTable::decode_or_fresh(bytes.as_deref().unwrap_or_default(), num_slots).0;
-    Snapshot { table, cas }
+    Snapshot {
+        bytes: bytes.unwrap_or_default(),
+        cas,
+        num_slots,
+    }
 }
 
 /// Applies `edit` atomically, on a fresh read for every attempt. An edit that returns `None`
@@ -72,17 +88,71 @@ pub fn update<R>(
 pub fn update_from<R>(
     store: &dyn SharedStore,
     num_slots: usize,
+    first: Option<Snapshot>,
+    edit: impl FnMut(&mut LoadTable) -> Option<R>,
+) -> Result<R, UpdateFailure> {
+    cas_loop(store, num_slots, None, first, edit)
+}
+
+/// [`update`] for an edit that touches `slot` only, at `now_ms` (the time the edit uses): only
+/// that slot is decoded and re-encoded, unless a time bucket is due to be reaped (then the whole
+/// table is, as in [`update`]). The edit sees a table holding that slot alone.
+pub fn update_slot<R>(
+    store: &dyn SharedStore,
+    num_slots: usize,
+    slot: SlotIdx,
+    now_ms: u64,
+    edit: impl FnMut(&mut LoadTable) -> Option<R>,
+) -> Result<R, UpdateFailure> {
+    cas_loop(store, num_slots, Some((slot, now_ms)), None, edit)
+}
+
+/// [`update_slot`] whose first attempt edits `first` (see [`update_from`]).
+pub fn update_slot_from<R>(
+    store: &dyn SharedStore,
+    num_slots: usize,
+    slot: SlotIdx,
+    now_ms: u64,
+    first: Option<Snapshot>,
+    edit: impl FnMut(&mut LoadTable) -> Option<R>,
+) -> Result<R, UpdateFailure> {
+    cas_loop(store, num_slots, Some((slot, now_ms)), first, edit)
+}
+
+/// The CAS loop: `window` = the only slot the edit touches and its time.
+fn cas_loop<R>(
+    store: &dyn SharedStore,
+    num_slots: usize,
+    window: Option<(SlotIdx, u64)>,
     mut first: Option<Snapshot>,
     mut edit: impl FnMut(&mut LoadTable) -> Option<R>,
 ) -> Result<R, UpdateFailure> {
     for _ in 0..CAS_ATTEMPTS {
-        let Snapshot { mut table, cas } = match first.take() {
-            Some(snapshot) if snapshot.table.num_slots() == num_slots => snapshot,
-            _ => read_snapshot(store, num_slots),
+        let (bytes, cas) = match first.take() {
+            Some(snapshot) if snapshot.num_slots == num_slots => (snapshot.bytes, snapshot.cas),
+            _ => {
+                let (bytes, cas) = store.get(LOAD_KEY);
+                (bytes.unwrap_or_default(), cas)
+            }
         };
-        let result = edit(&mut table).ok_or(UpdateFailure::Declined)?;
-        match store.set(LOAD_KEY, &table.encode(), cas) {
-            Ok(()) => return Ok(result),
+        let windowed = window.and_then(|(slot, now_ms)| {
+            Window::decode(&bytes, num_slots, slot, now_ms)
+                .ok()
+                .flatten()
+        });
+        let encoded = match windowed {
+            Some(mut w) => {
+                let result = edit(&mut w.table).ok_or(UpdateFailure::Declined)?;
+                (w.encode(&bytes), result)
+            }
+            None => {
+                let mut table = LoadTable::decode_or_fresh(&bytes, num_slots).0;
+                let result = edit(&mut table).ok_or(UpdateFailure::Declined)?;
+                (table.encode(), result)
+            }
+        };
+        match store.set(LOAD_KEY, &encoded.0, cas) {
+            Ok(()) => return Ok(encoded.1),
             Err(StoreError::CasMismatch) => continue,
             Err(StoreError::Failed) => return Err(UpdateFailure::Contended),
         }
@@ -96,6 +166,16 @@ pub fn update_from<R>(
 /// after corrupt data was replaced, or by another configuration) is replaced by a fresh one.
 pub fn reap(store: &dyn SharedStore, num_slots: usize, now_ms: u64, timeout_ms: u64) -> usize {
     let width = bucket_ms_for(timeout_ms);
+    // Every tick calls this; a whole decode only when a bucket is due (once per bucket width).
+    let (bytes, _) = store.get(LOAD_KEY);
+    if !reap_due(
+        bytes.as_deref().unwrap_or_default(),
+        num_slots,
+        now_ms,
+        width,
+    ) {
+        return 0;
+    }
     update(store, num_slots, |table| {
         if table.bucket_ms() != width {
             *table = LoadTable::with_timeout(num_slots, timeout_ms);
@@ -143,14 +223,20 @@ impl PendingReleases {
         now_ms: u64,
     ) -> Release {
         let queued = std::mem::take(&mut self.queue);
-        let outcome = update(store, num_slots, |table| {
+        let edit = |table: &mut LoadTable| {
             let mut changed = false;
             for (t, at) in &queued {
                 changed |= table.release_at(t, *at);
             }
             let released = table.release_at(&ticket, now_ms);
             (changed || released).then_some(released)
-        });
+        };
+        // Alone, the release touches its own slot only; deferred ones may be anywhere.
+        let outcome = if queued.is_empty() {
+            update_slot(store, num_slots, ticket.slot, now_ms, edit)
+        } else {
+            update(store, num_slots, edit)
+        };
         match outcome {
             Ok(true) => Release::Released,
             // Declined: neither this key nor any deferred one is in the table (all reaped).
@@ -305,6 +391,37 @@ mod tests {
         })
         .unwrap();
         assert_eq!(read(&store, SLOTS).view(60)[1].active_requests, 2);
+    }
+
+    #[test]
+    fn a_one_slot_booking_from_a_stale_snapshot_rereads_and_keeps_other_writes() {
+        let store = MemStore::new();
+        init(&store, SLOTS, 900_000);
+        let fresh = read_snapshot(&store, SLOTS);
+        let ops = store.ops.get();
+        let a = update_slot_from(&store, SLOTS, 0, 10, Some(fresh), |t| {
+            t.admit(1, 0, 100, 4, None, 10)
+        })
+        .unwrap();
+        assert_eq!(store.ops.get(), ops + 1, "fresh snapshot: one set, no get");
+        let stale = read_snapshot(&store, SLOTS);
+        admit(&store, 2, 1);
+        update_slot_from(&store, SLOTS, 0, 20, Some(stale), |t| {
+            t.admit(3, 0, 100, 4, None, 20)
+        })
+        .unwrap();
+        let view = read(&store, SLOTS).view(30);
+        assert_eq!((view[0].active_requests, view[1].active_requests), (2, 1));
+        // A one-slot release removes exactly its booking.
+        update_slot(&store, SLOTS, 0, 40, |t| t.release_at(&a, 40).then_some(())).unwrap();
+        let view = read(&store, SLOTS).view(40);
+        assert_eq!(
+            (view[0].active_requests, view[0].prefill_tokens),
+            (1, 100.0)
+        );
+        let mut out = Vec::new();
+        read_snapshot(&store, SLOTS).view_into(40, &mut out);
+        assert_eq!(out, view);
     }
 
     #[test]

@@ -425,7 +425,7 @@ impl RequestContext {
         // One get and decode serve both the decision and the booking's first CAS attempt.
         let snapshot = load_store::read_snapshot(&HostStore, config.slots.len());
         let mut load = std::mem::take(&mut vm.load_view);
-        snapshot.table.view_into(now, &mut load);
+        snapshot.view_into(now, &mut load);
         if config.load.reported_load {
             vm.merge_reported_load(&mut load);
         }
@@ -534,16 +534,23 @@ impl RequestContext {
             )),
             PrefillLoadModel::None => None,
         };
-        let booked = load_store::update_from(&HostStore, config.slots.len(), Some(load), |table| {
-            table.admit(
-                key,
-                decision.slot,
-                decision.prefill_tokens,
-                decision.prompt_blocks,
-                expected_ms,
-                now,
-            )
-        });
+        let booked = load_store::update_slot_from(
+            &HostStore,
+            config.slots.len(),
+            decision.slot,
+            now,
+            Some(load),
+            |table| {
+                table.admit(
+                    key,
+                    decision.slot,
+                    decision.prefill_tokens,
+                    decision.prompt_blocks,
+                    expected_ms,
+                    now,
+                )
+            },
+        );
         if let Ok(ticket) = booked {
             self.booking = Some(Booking {
                 ticket,
@@ -691,9 +698,9 @@ impl RequestContext {
             return;
         };
         let now = host::now_ms();
-        if let Ok(done) =
-            load_store::update(&HostStore, slots, |table| table.first_token(&ticket, now))
-        {
+        if let Ok(done) = load_store::update_slot(&HostStore, slots, ticket.slot, now, |table| {
+            table.first_token(&ticket, now)
+        }) {
             if let Some(booking) = self.booking.as_mut() {
                 booking.ticket = done;
             }
@@ -726,9 +733,11 @@ impl RequestContext {
         booking.output_milli_blocks = milli;
         let ticket = booking.ticket;
         let now = host::now_ms();
-        if let Ok(updated) = load_store::update(&HostStore, config.slots.len(), |table| {
-            table.set_output_milli_blocks(&ticket, milli, now)
-        }) {
+        if let Ok(updated) =
+            load_store::update_slot(&HostStore, config.slots.len(), ticket.slot, now, |table| {
+                table.set_output_milli_blocks(&ticket, milli, now)
+            })
+        {
             booking.ticket = updated;
         }
     }

@@ -448,8 +448,9 @@ impl VmState {
         let stale = self.replica.head.workers.iter().filter(|w| w.stale).count();
         self.metrics.gauge("workers.stale", stale as u64);
         self.membership_gauges();
-        let table = load_store::read(&HostStore, slots);
-        for (slot_idx, load) in table.view(now).iter().enumerate() {
+        let mut view = Vec::with_capacity(slots);
+        load_store::read_snapshot(&HostStore, slots).view_into(now, &mut view);
+        for (slot_idx, load) in view.iter().enumerate() {
             let Some(slot) = config.slots.get(slot_idx) else {
                 continue;
             };
@@ -468,8 +469,10 @@ impl VmState {
                 load.decode_blocks.ceil() as u64,
             );
         }
-        self.metrics
-            .gauge("load.active_entries", table.active_requests(now));
+        self.metrics.gauge(
+            "load.active_entries",
+            view.iter().map(|l| u64::from(l.active_requests)).sum(),
+        );
         if let Some(predicted) = &self.predicted {
             self.metrics.gauge("approx.entries", predicted.len() as u64);
         }
