@@ -558,10 +558,11 @@ fn fleet_scale(quick: bool, max_held: usize, http2: bool) {
 // ---------------------------------------------------------------------------------------------
 
 /// `n` 1-block events: BlockStored of a fresh block, then (every other event) BlockRemoved of
-/// the block stored 500 stored events earlier; 64 small token ids per stored block.
+/// the block stored 500 stored events earlier; 64 small token ids per stored block, the first
+/// one the block's number, so that every block is a distinct prefix (as in real traffic: an
+/// index holding many engine blocks under one prefix hash is the rare, slower case).
 fn event_stream(n: usize) -> (Vec<IndexEvent>, Vec<Value>) {
-    let tokens: Vec<u32> = (0..BLOCK_SIZE).collect();
-    let local = local_block_hashes(&tokens, BLOCK_SIZE, DYNAMO_HASH_SEED)[0];
+    let mut tokens: Vec<u32> = (0..BLOCK_SIZE).collect();
     let (mut native, mut wire) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let mut next = 1u64;
     for i in 0..n {
@@ -574,6 +575,8 @@ fn event_stream(n: usize) -> (Vec<IndexEvent>, Vec<Value>) {
             });
             wire.push(json!({"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"}));
         } else {
+            tokens[0] = next as u32;
+            let local = local_block_hashes(&tokens, BLOCK_SIZE, DYNAMO_HASH_SEED)[0];
             native.push(IndexEvent::Stored {
                 dp_rank: 0,
                 tier: StorageTier::Device,
