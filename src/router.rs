@@ -14,8 +14,9 @@
 //! * `affinity` set (kv mode, requests with a prefix): the max-overlap slot wins unless its load
 //!   exceeds the least-loaded candidate's by the configured margins ([`crate::affinity`]); the
 //!   cost decides otherwise. Scores and fallbacks are the cost's either way.
-//! * `ttft` set (kv mode): each slot's score is its predicted time to first token in ms
-//!   ([`crate::ttft`]) instead of the Dynamo cost; the lowest wins (ties random, or the softmax of
+//! * `ttft` set (kv mode): each slot's score is its predicted time to first token in ms, plus
+//!   `ttft.compute_weight` times the request's own prefill time there ([`crate::ttft`]),
+//!   instead of the Dynamo cost; the lowest wins (ties random, or the softmax of
 //!   `router_temperature`), and fallbacks, headers and the affinity gate's ties use it too.
 //! * Overlaps of stale slots (`stale_slots[slot]`) count as zero: their blocks are unknown.
 //!   Missing entries in `overlaps` / `load` / `stale_slots` read as zero / idle / fresh.
@@ -185,7 +186,7 @@ pub fn decide(
                 };
                 let score = match &config.ttft {
                     Some(t) => ttft_score(config, t, slot, isl, overlap_of(slot), load_of(slot))
-                        .map(|p| p.ttft_ms * multiplier),
+                        .map(|p| p.score_ms * multiplier),
                     None => {
                         let inputs = CostInputs {
                             isl_tokens: isl,

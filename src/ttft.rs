@@ -8,6 +8,8 @@
 //! steps    = max(ceil(work / chunk), 1)
 //! decode   = steps * decode_poly(decode_blocks / kv_capacity_blocks)   if requests in flight, else 0
 //! ttft_ms  = (prefill + decode) * preferred_taint_multiplier
+//! own      = floor(uncached / chunk) * poly(chunk) + poly(uncached mod chunk)
+//! score_ms = ttft_ms + compute_weight * own * preferred_taint_multiplier
 //! ```
 //!
 //! * `poly` is `load.prefill_time_ms_poly` (the mocker's 4.21e-7 T^2 + 0.0152 T + 16.5 by default)
@@ -16,6 +18,12 @@
 //!   most `chunk` tokens, each step paying the polynomial of its own tokens.
 //! * Cached blocks count through the Dynamo cost's own credits, so the tiers weigh the same in
 //!   both policies (a host-tier block is reloaded, not free).
+//! * `compute_weight` (0 by default) charges the request's own prefill compute again: every
+//!   request that queues behind it on the slot waits for it too. The TTFT alone gives a
+//!   conversation's history up as soon as the holder's queue costs more than recomputing the
+//!   history elsewhere; the recomputation then delays the next requests there. With weight `w`
+//!   the holder keeps the request until its queue costs `1 + w` times the recomputation. Equal
+//!   for every slot when no slot holds a prefix, so it changes nothing about balance.
 //! * The decode term is small by design: each step of a busy worker also decodes its running
 //!   requests (`decode_poly` of its KV fill; fill 0 without a configured capacity).
 
@@ -47,6 +55,17 @@ pub struct PredictedTtft {
     pub prefill_ms: f64,
     pub decode_ms: f64,
     pub ttft_ms: f64,
+    /// `compute_weight` times the request's own prefill time (tier-weighted uncached tokens).
+    pub compute_ms: f64,
+    /// What the router minimises: `ttft_ms + compute_ms`.
+    pub score_ms: f64,
+}
+
+/// Prefill time of `tokens` computed in steps of at most `chunk` tokens.
+fn chunked_prefill_ms(poly: &[f64], tokens: f64, chunk: f64) -> f64 {
+    let full_chunks = (tokens / chunk).floor();
+    let rest = tokens - full_chunks * chunk;
+    full_chunks * step_prefill_ms(poly, chunk) + step_prefill_ms(poly, rest)
 }
 
 /// A polynomial (lowest degree first) at `x`.
@@ -85,10 +104,7 @@ pub fn predicted_ttft(
     let uncached_tokens = (f64::from(inputs.isl_tokens) - bs * cached_blocks).max(0.0);
     let work_tokens = load.prefill_tokens.max(0.0) + uncached_tokens;
     let chunk = f64::from(inputs.chunk_tokens.max(1));
-    let full_chunks = (work_tokens / chunk).floor();
-    let rest = work_tokens - full_chunks * chunk;
-    let prefill_ms =
-        full_chunks * step_prefill_ms(prefill_poly, chunk) + step_prefill_ms(prefill_poly, rest);
+    let prefill_ms = chunked_prefill_ms(prefill_poly, work_tokens, chunk);
     let decode_ms = if load.active_requests > 0 {
         let fill = match inputs.kv_capacity_blocks {
             Some(cap) if cap > 0 => (load.decode_blocks / f64::from(cap)).clamp(0.0, 1.0),
@@ -100,8 +116,16 @@ pub fn predicted_ttft(
         0.0
     };
     let ttft_ms = (prefill_ms + decode_ms) * inputs.preferred_multiplier;
-    if !ttft_ms.is_finite() {
-        return Err(NonFiniteCost { cost: ttft_ms });
+    let compute_ms = if config.compute_weight > 0.0 {
+        config.compute_weight
+            * chunked_prefill_ms(prefill_poly, uncached_tokens, chunk)
+            * inputs.preferred_multiplier
+    } else {
+        0.0
+    };
+    let score_ms = ttft_ms + compute_ms;
+    if !score_ms.is_finite() {
+        return Err(NonFiniteCost { cost: score_ms });
     }
     Ok(PredictedTtft {
         uncached_tokens,
@@ -109,6 +133,8 @@ pub fn predicted_ttft(
         prefill_ms,
         decode_ms,
         ttft_ms,
+        compute_ms,
+        score_ms,
     })
 }
 
@@ -190,6 +216,34 @@ mod tests {
         i.overlap.host_blocks = 8;
         // 4 device blocks + 0.75 * 8 host blocks = 10 blocks credited: 1,280 - 640 = 640 tokens.
         assert_eq!(ttft(&i).uncached_tokens, 640.0);
+    }
+
+    #[test]
+    fn compute_weight_charges_the_own_prefill_again() {
+        let weighted = TtftConfig {
+            compute_weight: 1.5,
+            ..TtftConfig::default()
+        };
+        let p = |i: &TtftInputs| {
+            predicted_ttft(&weighted, &CostWeights::default(), &POLY, 64, i).unwrap()
+        };
+        // 20,000 uncached tokens behind a 10,000-token queue: the TTFT is unchanged, the own
+        // compute is 2 full 8,192-token steps + 3,616 tokens, alone.
+        let w = p(&inputs(20_000, 0, 10_000.0, 0));
+        let plain = ttft(&inputs(20_000, 0, 10_000.0, 0));
+        assert!(close(w.ttft_ms, plain.ttft_ms));
+        let own = 2.0 * mocker_prefill(8192.0) + mocker_prefill(20_000.0 - 16_384.0);
+        assert!(close(w.compute_ms, 1.5 * own), "{w:?}");
+        assert!(close(w.score_ms, w.ttft_ms + 1.5 * own));
+        // At weight 0 the score is the TTFT.
+        assert_eq!(plain.compute_ms, 0.0);
+        assert_eq!(plain.score_ms, plain.ttft_ms);
+        // A fully cached prompt computes nothing of its own.
+        assert_eq!(p(&inputs(4096, 64, 5000.0, 1)).compute_ms, 0.0);
+        // The preferred-taint multiplier scales it like the TTFT.
+        let mut i = inputs(4096, 0, 0.0, 0);
+        i.preferred_multiplier = 2.0;
+        assert!(close(p(&i).compute_ms, 2.0 * 1.5 * mocker_prefill(4096.0)));
     }
 
     #[test]
@@ -301,6 +355,43 @@ mod tests {
     }
 
     #[test]
+    fn compute_weight_keeps_the_history_behind_a_longer_queue() {
+        // The holder (176 of 192 blocks) has one 12,288-token prefill queued: 13,312 tokens to
+        // wait for (~286 ms) against 12,288 (~255 ms) on an idle slot. The TTFT alone gives the
+        // history up; with weight 1 the idle slot also pays its 12,288-token recomputation again
+        // (~255 ms) against the holder's 1,024 (~33 ms), and the holder keeps it.
+        let overlaps = [0, 176, 0];
+        let loads = [
+            load(2048.0, 0.0, 1),
+            load(12_288.0, 0.0, 2),
+            load(0.0, 0.0, 0),
+        ];
+        let plain = config(r#", "ttft": {}"#);
+        let weighted = config(r#", "ttft": {"compute_weight": 1}"#);
+        for seed in 0..20 {
+            assert_eq!(pick(&plain, &overlaps, &loads, seed), 2);
+            assert_eq!(pick(&weighted, &overlaps, &loads, seed), 1);
+        }
+        // A queue of three prompts (37,888 tokens to wait for, ~810 ms) outweighs even the doubled
+        // recomputation (~255 + ~255 ms on an idle slot): balance still wins.
+        let loads = [
+            load(2048.0, 0.0, 1),
+            load(36_864.0, 0.0, 4),
+            load(0.0, 0.0, 0),
+        ];
+        assert_eq!(pick(&weighted, &overlaps, &loads, 3), 2);
+        // Without a prefix anywhere the weight adds the same to every slot: least work wins.
+        let loads = [
+            load(2048.0, 0.0, 1),
+            load(100.0, 0.0, 1),
+            load(4096.0, 0.0, 1),
+        ];
+        for seed in 0..20 {
+            assert_eq!(pick(&weighted, &[0, 0, 0], &loads, seed), 1);
+        }
+    }
+
+    #[test]
     fn equal_predictions_are_split_at_random() {
         let c = config(r#", "ttft": {}"#);
         let idle = [load(0.0, 0.0, 0); 3];
@@ -325,5 +416,7 @@ mod tests {
         assert!(bad(r#"{"chunk_tokens": 0}"#).starts_with("ttft.chunk_tokens: must be"));
         assert!(bad(r#"{"decode_step_ms_poly": []}"#).starts_with("ttft.decode_step_ms_poly"));
         assert!(bad(r#"{"chunk": 5}"#).contains("unknown field"));
+        assert!(bad(r#"{"compute_weight": -1}"#).starts_with("ttft.compute_weight: must be"));
+        assert!(bad(r#"{"compute_weight": 101}"#).starts_with("ttft.compute_weight: must be"));
     }
 }

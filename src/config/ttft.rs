@@ -12,6 +12,9 @@ use super::ConfigError;
 /// Largest accepted `ttft.chunk_tokens`.
 pub const MAX_CHUNK_TOKENS: u32 = 1 << 24;
 
+/// Largest accepted `ttft.compute_weight`.
+pub const MAX_COMPUTE_WEIGHT: f64 = 100.0;
+
 /// Compiled `ttft` object.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -23,6 +26,12 @@ pub struct TtftConfig {
     /// `kv_capacity_blocks` (0 without one), lowest degree first; added once per prefill step
     /// while the worker has requests in flight. 1..=8 finite coefficients; results clamp at 0.
     pub decode_step_ms_poly: Vec<f64>,
+    /// Weight of the request's own prefill compute on the slot (its uncached tokens alone, in
+    /// `chunk` steps of `load.prefill_time_ms_poly`), added to the prediction: the requests that
+    /// queue behind it there wait for that compute too, so recomputing a prefix another worker
+    /// holds costs the fleet more than the request's own wait. 0 (the default) scores the
+    /// request's TTFT alone. `0..=100`.
+    pub compute_weight: f64,
 }
 
 impl Default for TtftConfig {
@@ -31,6 +40,7 @@ impl Default for TtftConfig {
             chunk_tokens: 8192,
             // Dynamo's mocker: -25.74 u^2 + 54.01 u + 5.74 ms per decode step.
             decode_step_ms_poly: vec![5.74, 54.01, -25.74],
+            compute_weight: 0.0,
         }
     }
 }
@@ -50,6 +60,13 @@ pub(super) fn check_ttft(c: &TtftConfig) -> Result<(), ConfigError> {
             field: "ttft.decode_step_ms_poly".to_string(),
             expected: "a list of 1 to 8 finite coefficients (lowest degree first)",
             got: format!("{:?}", c.decode_step_ms_poly),
+        });
+    }
+    if !(0.0..=MAX_COMPUTE_WEIGHT).contains(&c.compute_weight) {
+        return Err(ConfigError::OutOfRange {
+            field: "ttft.compute_weight".to_string(),
+            expected: "within [0, 100]",
+            got: c.compute_weight.to_string(),
         });
     }
     Ok(())
