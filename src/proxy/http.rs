@@ -47,6 +47,9 @@ struct OutcomeDetail {
     /// could have had): with `overlap_blocks`, tells a load trade-off from a missing index entry.
     max_overlap_blocks: u32,
     costs: Option<String>,
+    /// Every slot's inputs as the decision saw them: `worker/rank=prefill_tokens:active:overlap`
+    /// (booked prefill tokens, requests in flight, device overlap blocks).
+    loads: Option<String>,
 }
 
 /// The load this request booked, released in `on_log`.
@@ -596,6 +599,31 @@ impl RequestContext {
                     .collect::<Vec<_>>()
                     .join(",")
             });
+            let loads = (!vm.load_view.is_empty()).then(|| {
+                config
+                    .slots
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| {
+                        let l = vm.load_view.get(i).copied().unwrap_or_default();
+                        let stale = vm.stale_slots.get(i).copied().unwrap_or(false);
+                        let o = if stale {
+                            0
+                        } else {
+                            vm.overlaps.get(i).map_or(0, |o| o.device_blocks)
+                        };
+                        format!(
+                            "{}/{}={:.0}:{}:{}",
+                            worker_id(config, s.worker),
+                            s.dp_rank,
+                            l.prefill_tokens,
+                            l.active_requests,
+                            o
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join(",")
+            });
             let max_overlap_blocks = vm
                 .overlaps
                 .iter()
@@ -609,6 +637,7 @@ impl RequestContext {
                 overlap_blocks,
                 max_overlap_blocks,
                 costs,
+                loads,
             });
         }
         self.outcome = Some(outcome);
@@ -635,6 +664,7 @@ impl RequestContext {
                     overlap_blocks: 0,
                     max_overlap_blocks: 0,
                     costs: None,
+                    loads: None,
                 }),
             });
         }
@@ -933,6 +963,13 @@ impl HttpContext for RequestContext {
                         MapType::HttpResponseHeaders,
                         "x-kv-router-costs",
                         Some(costs),
+                    );
+                }
+                if let Some(loads) = &detail.loads {
+                    host::set_header(
+                        MapType::HttpResponseHeaders,
+                        "x-kv-router-loads",
+                        Some(loads),
                     );
                 }
             }
