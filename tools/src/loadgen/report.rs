@@ -82,6 +82,15 @@ pub fn format_stats(label: &str, s: &RunStats) -> String {
             w.cpu_s
         );
     }
+    if let Some((prefill, busy)) = s.fleet_utilization() {
+        let _ = writeln!(
+            out,
+            "fleet utilization over the {:.1}s arrival window: prefill {:.0}%, prefill+decode steps {:.0}% (mock engines' modelled step time / workers x window)",
+            s.send_span_s(),
+            prefill * 100.0,
+            busy * 100.0
+        );
+    }
     let per_worker: Vec<String> = s
         .per_worker()
         .iter()
@@ -366,6 +375,18 @@ mod tests {
             ..WorkerCounters::default()
         });
         assert_eq!(measured.server_ttft_mean_ms(), Some(5.0));
+        // No busy time scraped: no utilization.
+        assert_eq!(measured.fleet_utilization(), None);
+        let mut busy = measured.clone();
+        busy.results[0].sent_at_ms = 2000.0;
+        busy.workers = Some(WorkerCounters {
+            prefill_busy_s: 4.0,
+            busy_s: 6.0,
+            workers: 4.0,
+            ..WorkerCounters::default()
+        });
+        assert_eq!(busy.send_span_s(), 2.0);
+        assert_eq!(busy.fleet_utilization(), Some((0.5, 0.75)));
         assert_eq!(measured.ttft_overhead_ms(), Some(20.0));
         assert_eq!(measured.client_cpu_percent(), 50.0);
         let text = format_stats("kv", &measured);

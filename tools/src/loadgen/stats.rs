@@ -44,6 +44,11 @@ pub struct WorkerCounters {
     pub first_tokens: f64,
     /// CPU time of the worker processes.
     pub cpu_s: f64,
+    /// Modelled engine time of the steps' prefill terms, and of whole steps (mock engines).
+    pub prefill_busy_s: f64,
+    pub busy_s: f64,
+    /// Workers scraped.
+    pub workers: f64,
 }
 
 impl WorkerCounters {
@@ -56,6 +61,9 @@ impl WorkerCounters {
         self.first_token_s += v("mock_worker_first_token_seconds_total");
         self.first_tokens += v("mock_worker_first_tokens_total");
         self.cpu_s += v("process_cpu_seconds_total");
+        self.prefill_busy_s += v("mock_worker_prefill_busy_seconds_total");
+        self.busy_s += v("mock_worker_busy_seconds_total");
+        self.workers += 1.0;
     }
 
     /// Counters accumulated since `before`.
@@ -65,6 +73,9 @@ impl WorkerCounters {
             first_token_s: self.first_token_s - before.first_token_s,
             first_tokens: self.first_tokens - before.first_tokens,
             cpu_s: self.cpu_s - before.cpu_s,
+            prefill_busy_s: self.prefill_busy_s - before.prefill_busy_s,
+            busy_s: self.busy_s - before.busy_s,
+            workers: self.workers,
         }
     }
 
@@ -261,6 +272,24 @@ impl RunStats {
     /// The load generator's CPU use as a percentage of one core.
     pub fn client_cpu_percent(&self) -> f64 {
         self.client.cpu_s * 100.0 / self.wall_s.max(1e-9)
+    }
+
+    /// Span of the sends: from the run's start to the last send, s (the arrival window).
+    pub fn send_span_s(&self) -> f64 {
+        self.results
+            .iter()
+            .map(|r| r.sent_at_ms)
+            .fold(0.0, f64::max)
+            / 1000.0
+    }
+
+    /// Mock fleet utilization over the arrival window: modelled engine time of the prefill
+    /// terms, and of whole steps, divided by workers x [`RunStats::send_span_s`]. `None` without
+    /// worker counters or sends.
+    pub fn fleet_utilization(&self) -> Option<(f64, f64)> {
+        let w = self.workers?;
+        let denom = w.workers * self.send_span_s();
+        (denom > 0.0 && w.busy_s > 0.0).then(|| (w.prefill_busy_s / denom, w.busy_s / denom))
     }
 
     /// Mean server-side time to first token (workers' `/metrics`), ms.

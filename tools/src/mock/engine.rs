@@ -153,6 +153,10 @@ pub struct Counters {
     pub generated_tokens: u64,
     pub preemptions: u64,
     pub steps: u64,
+    /// Modelled time of the steps' prefill terms (after speedup/slowdown), microseconds.
+    pub prefill_busy_us: u64,
+    /// Modelled time of all steps (prefill and decode terms), microseconds.
+    pub busy_us: u64,
 }
 
 #[derive(Debug)]
@@ -484,7 +488,10 @@ impl EngineCore {
         if !decodes.is_empty() {
             ms += decode_ms(kv_usage);
         }
-        let duration_ms = ms / self.cfg.speedup.max(1e-9) * self.cfg.slowdown.max(1e-9);
+        let scale = self.cfg.slowdown.max(1e-9) / self.cfg.speedup.max(1e-9);
+        let duration_ms = ms * scale;
+        self.counters.prefill_busy_us += (prefill_ms(effective) * scale * 1000.0).round() as u64;
+        self.counters.busy_us += (duration_ms * 1000.0).round() as u64;
 
         // Apply.
         let mut outputs = Vec::new();
@@ -873,6 +880,13 @@ mod tests {
         assert_eq!(s2.prefill_tokens, 0);
         assert_eq!(s2.decode_seqs, 1);
         assert!(close(s2.kv_usage, 11.0 / 100.0), "{}", s2.kv_usage);
+        // The busy counters: step 1 all prefill, step 2 all decode.
+        let us = |ms: f64| (ms * 1000.0).round() as u64;
+        assert_eq!(core.counters.prefill_busy_us, us(prefill_ms(40.0) / 2.0));
+        assert_eq!(
+            core.counters.busy_us,
+            us(prefill_ms(40.0) / 2.0) + us(s2.duration_ms)
+        );
         assert!(close(s2.duration_ms, decode_ms(0.11) / 2.0));
         assert!(matches!(s2.outputs[1], Output::Finished { .. }));
         assert!(core.step().is_none());

@@ -104,6 +104,18 @@ pub(super) fn render(w: &MockWorker) -> String {
         c.requests_completed as f64,
     );
     line(
+        "mock_worker_prefill_busy_seconds_total",
+        "counter",
+        "Modelled time of the engine steps' prefill terms.",
+        c.prefill_busy_us as f64 / 1e6,
+    );
+    line(
+        "mock_worker_busy_seconds_total",
+        "counter",
+        "Modelled time of the engine steps (prefill and decode terms).",
+        c.busy_us as f64 / 1e6,
+    );
+    line(
         "mock_worker_prefill_tokens_total",
         "counter",
         "Tokens computed by prefill.",
