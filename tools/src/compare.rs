@@ -91,6 +91,17 @@ impl Fleet {
         Worker::spawn_many(self.workers, &args)
     }
 
+    /// The workers' `--speedup` (1 when not given).
+    pub fn worker_speedup(&self) -> f64 {
+        self.worker_args
+            .iter()
+            .position(|a| a == "--speedup")
+            .and_then(|i| self.worker_args.get(i + 1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .unwrap_or(1.0)
+    }
+
     /// The filter configuration for `mode` over `workers`.
     pub fn filter_config(&self, mode: &str, workers: &[Worker]) -> Value {
         let list: Vec<Value> = workers.iter().map(Worker::filter_entry).collect();
@@ -148,19 +159,37 @@ pub fn run_mode(
         // The predicted-TTFT policy (the filter's `ttft` option) at its defaults; `+approx`:
         // predictions bridging the event lag (workers' `kv_mode` `events+approximate`);
         // `+decay`: booked prefills decay over their predicted duration
-        // (`load.prefill_load_model: polynomial`).
+        // (`load.prefill_load_model: polynomial`); `+compute:W`: `ttft.compute_weight` W;
+        // `+fit`: the timing polynomials divided by the workers' `--speedup` (the filter's
+        // defaults are the mocker's at speedup 1).
         m if m.starts_with("kv+ttft") => {
+            let bad = || {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("{m}: expected kv+ttft[+approx][+decay][+compute:W][+fit]"),
+                )
+            };
             let mut extra = json!({"ttft": {}});
             for option in m.trim_start_matches("kv+ttft").split('+').skip(1) {
                 match option {
                     "approx" => {}
-                    "decay" => extra["load"] = json!({"prefill_load_model": "polynomial"}),
-                    _ => {
-                        return Err(io::Error::new(
-                            io::ErrorKind::InvalidInput,
-                            format!("{m}: expected kv+ttft[+approx][+decay]"),
-                        ))
+                    "decay" => extra["load"]["prefill_load_model"] = json!("polynomial"),
+                    "fit" => {
+                        let k = 1.0 / fleet.worker_speedup();
+                        let defaults = mock_timing_polys();
+                        extra["load"]["prefill_time_ms_poly"] =
+                            json!(defaults.0.iter().map(|c| c * k).collect::<Vec<f64>>());
+                        extra["ttft"]["decode_step_ms_poly"] =
+                            json!(defaults.1.iter().map(|c| c * k).collect::<Vec<f64>>());
                     }
+                    o if o.starts_with("compute:") => {
+                        let w: f64 = o
+                            .trim_start_matches("compute:")
+                            .parse()
+                            .map_err(|_| bad())?;
+                        extra["ttft"]["compute_weight"] = json!(w);
+                    }
+                    _ => return Err(bad()),
                 }
             }
             ("kv", extra, None)
@@ -360,7 +389,7 @@ pub fn quality_table(results: &[(String, RunStats)], workers: u64) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<26} {:>6} {:>5} {:>7} | {:>9} {:>8} {:>8} {:>8} | {:>7} {:>8} {:>8}",
+        "{:<26} {:>6} {:>5} {:>7} | {:>9} {:>8} {:>8} {:>8} | {:>7} {:>8} {:>8} | {:>7} {:>6}",
         "arm",
         "done",
         "err",
@@ -371,7 +400,9 @@ pub fn quality_table(results: &[(String, RunStats)], workers: u64) -> String {
         "p99",
         "req max",
         "req mean",
-        "max/mean"
+        "max/mean",
+        "prefill",
+        "busy"
     );
     for (name, s) in results {
         let t = s.ttft();
@@ -381,9 +412,13 @@ pub fn quality_table(results: &[(String, RunStats)], workers: u64) -> String {
         let hit = s
             .hit_rate()
             .map_or_else(|| "-".to_string(), |h| format!("{:.1}%", h * 100.0));
+        let (prefill, busy) = s.fleet_utilization().map_or_else(
+            || ("-".to_string(), "-".to_string()),
+            |(p, b)| (format!("{:.0}%", p * 100.0), format!("{:.0}%", b * 100.0)),
+        );
         let _ = writeln!(
             out,
-            "{:<26} {:>6} {:>5} {:>7} | {:>9} {:>8} {:>8} {:>8} | {:>7} {:>8.1} {:>8.2}",
+            "{:<26} {:>6} {:>5} {:>7} | {:>9} {:>8} {:>8} {:>8} | {:>7} {:>8.1} {:>8.2} | {:>7} {:>6}",
             name,
             s.completed(),
             s.errors(),
@@ -394,12 +429,16 @@ pub fn quality_table(results: &[(String, RunStats)], workers: u64) -> String {
             ms(t.p99),
             max,
             mean,
-            ratio
+            ratio,
+            prefill,
+            busy
         );
     }
     let _ = writeln!(
         out,
-        "(TTFT in ms at the client; hit = the workers' prefix-cache hit rate during the run)"
+        "(TTFT in ms at the client; hit = the workers' prefix-cache hit rate during the run; \
+         prefill / busy = the mock engines' modelled time of the steps' prefill terms / of whole \
+         steps, over workers x the arrival window)"
     );
     out
 }
@@ -438,4 +477,10 @@ pub fn report_comparison(
     if let Some(x) = ttft_mean_speedup(results, "kv", "round-robin") {
         println!("kv_vs_round_robin ttft_mean_speedup={x:.2}");
     }
+}
+
+/// The mock engine's prefill-time and decode-step polynomials at speedup 1 (`mock::engine`; also
+/// the filter's defaults), lowest degree first.
+fn mock_timing_polys() -> ([f64; 3], [f64; 3]) {
+    ([16.5, 0.0152, 4.21e-7], [5.74, 54.01, -25.74])
 }

@@ -1,10 +1,12 @@
 //! The routing-quality diagnostics of a comparison: per arm, the client-side affinity replay
 //! ([`crate::loadgen::affinity_replay`]): share of requests sent to the worker that already held
-//! their longest prefix, and share of the available prefix blocks given up.
+//! their longest prefix, and share of the available prefix blocks given up; and what outweighed
+//! the overlap when the filter sent a request away from the longest prefix its index knew
+//! ([`load_misses`], from the `x-kv-router-loads` response header).
 
 use std::fmt::Write as _;
 
-use crate::loadgen::{affinity_replay, RunStats, Workload};
+use crate::loadgen::{affinity_replay, RequestResult, RunStats, Workload};
 
 /// One row per arm of the affinity replay.
 pub fn affinity_table(
@@ -63,4 +65,193 @@ pub fn affinity_table(
          chosen worker with the longest prefix; n/a = no filter headers, e.g. peer arms)"
     );
     out
+}
+
+/// One candidate in `x-kv-router-loads`: `worker/rank=prefill_tokens:active:overlap_blocks`.
+#[derive(Debug, Clone, PartialEq)]
+struct SlotSeen {
+    worker: String,
+    prefill_tokens: f64,
+    active: u32,
+    overlap_blocks: u32,
+}
+
+fn parse_loads(header: &str) -> Vec<SlotSeen> {
+    header
+        .split(',')
+        .filter_map(|entry| {
+            let (name, rest) = entry.split_once('=')?;
+            let worker = name.split('/').next()?.to_string();
+            let mut it = rest.split(':');
+            Some(SlotSeen {
+                worker,
+                prefill_tokens: it.next()?.parse().ok()?,
+                active: it.next()?.parse().ok()?,
+                overlap_blocks: it.next()?.parse().ok()?,
+            })
+        })
+        .collect()
+}
+
+/// Prefill ms of `tokens` in 8,192-token steps of the filter's default polynomial.
+fn prefill_only_ms(tokens: f64) -> f64 {
+    let step = |t: f64| {
+        if t <= 0.0 {
+            0.0
+        } else {
+            4.21e-7 * t * t + 0.0152 * t + 16.5
+        }
+    };
+    let full = (tokens / 8192.0).floor();
+    full * step(8192.0) + step(tokens - full * 8192.0)
+}
+
+/// The filter's own "load" misses (chosen overlap < the longest overlap in its index), with the
+/// holder (the candidate with the longest overlap, least booked prefill among ties) against the
+/// chosen worker as the decision saw them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoadMisses {
+    /// Misses with a readable `x-kv-router-loads` header.
+    pub count: usize,
+    /// Holder's booked prefill tokens minus the chosen worker's, per miss.
+    pub queue_gap_tokens: Vec<f64>,
+    /// Prefix tokens the holder had over the chosen worker, per miss.
+    pub history_tokens: Vec<f64>,
+    /// Misses where the prefill terms alone favoured the chosen worker: the holder's booked
+    /// prefill outweighed the history.
+    pub queue_decided: usize,
+    /// Misses where the prefill terms alone favoured the holder: the decode term (the holder
+    /// had requests in flight), the compute weight, or ties decided.
+    pub other_decided: usize,
+}
+
+/// Collects [`LoadMisses`] from the results' response headers; `block_size` in tokens.
+pub fn load_misses(results: &[RequestResult], block_size: u32) -> LoadMisses {
+    let bs = f64::from(block_size);
+    let mut m = LoadMisses::default();
+    for r in results.iter().filter(|r| r.ok) {
+        let (Some(chosen_id), Some(header)) = (r.router_worker.as_deref(), &r.router_loads) else {
+            continue;
+        };
+        let slots = parse_loads(header);
+        let Some(chosen) = slots.iter().find(|s| s.worker == chosen_id) else {
+            continue;
+        };
+        let Some(max) = slots.iter().map(|s| s.overlap_blocks).max() else {
+            continue;
+        };
+        if chosen.overlap_blocks >= max {
+            continue;
+        }
+        let Some(holder) = slots
+            .iter()
+            .filter(|s| s.overlap_blocks == max)
+            .min_by(|a, b| a.prefill_tokens.total_cmp(&b.prefill_tokens))
+        else {
+            continue;
+        };
+        m.count += 1;
+        m.queue_gap_tokens
+            .push(holder.prefill_tokens - chosen.prefill_tokens);
+        let history = f64::from(max - chosen.overlap_blocks) * bs;
+        m.history_tokens.push(history);
+        // Uncached tokens differ by the history; the prompt length cancels out.
+        let holder_ms = prefill_only_ms(holder.prefill_tokens.max(0.0));
+        let chosen_ms = prefill_only_ms(chosen.prefill_tokens.max(0.0) + history);
+        if holder_ms > chosen_ms {
+            m.queue_decided += 1;
+        } else {
+            m.other_decided += 1;
+        }
+    }
+    m
+}
+
+/// One row per arm of [`load_misses`] (arms without the header are left out).
+pub fn load_miss_table(results: &[(String, RunStats)], block_size: u32) -> String {
+    let med = |v: &[f64]| {
+        let mut sorted = v.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        crate::util::percentile(&sorted, 50.0).map_or("-".to_string(), |x| format!("{x:.0}"))
+    };
+    let mut out = String::new();
+    let rows: Vec<(&String, LoadMisses)> = results
+        .iter()
+        .map(|(name, s)| (name, load_misses(&s.results, block_size)))
+        .filter(|(_, m)| m.count > 0)
+        .collect();
+    if rows.is_empty() {
+        return out;
+    }
+    let _ = writeln!(
+        out,
+        "{:<26} {:>11} {:>15} {:>15} {:>14} {:>14}",
+        "arm", "load misses", "queue decided", "other decided", "queue gap p50", "history p50"
+    );
+    for (name, m) in rows {
+        let _ = writeln!(
+            out,
+            "{:<26} {:>11} {:>15} {:>15} {:>14} {:>14}",
+            name,
+            m.count,
+            m.queue_decided,
+            m.other_decided,
+            med(&m.queue_gap_tokens),
+            med(&m.history_tokens)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "(the filter's own misses, from x-kv-router-loads: the worker with the longest overlap in \
+         its index against the chosen one; queue decided = the booked prefill ahead on the holder \
+         outweighed the history even on prefill time alone; other = the decode term, the compute \
+         weight or a tie decided; gaps in tokens: the holder's booked prefill minus the chosen \
+         worker's, and the prefix the holder had over it)"
+    );
+    out
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn told(worker: &str, loads: &str) -> RequestResult {
+        RequestResult {
+            ok: true,
+            router_worker: Some(worker.into()),
+            router_loads: Some(loads.into()),
+            ..RequestResult::default()
+        }
+    }
+
+    #[test]
+    fn load_misses_say_what_outweighed_the_history() {
+        let results = vec![
+            // Holder 1 (160 blocks = 10,240 tokens) behind 30,000 booked tokens; 3 idle: queue.
+            told("3", "1/0=30000:4:160,2/0=500:1:0,3/0=0:0:0"),
+            // Holder 1 behind only 1,000 tokens: prefill alone favoured it -> other.
+            told("2", "1/0=1000:3:160,2/0=0:0:0"),
+            // Went to the holder: no miss.
+            told("1", "1/0=1000:3:160,2/0=0:0:0"),
+            // No header, or garbage: ignored.
+            RequestResult {
+                ok: true,
+                ..RequestResult::default()
+            },
+            told("2", "nonsense"),
+        ];
+        let m = load_misses(&results, 64);
+        assert_eq!(m.count, 2);
+        assert_eq!((m.queue_decided, m.other_decided), (1, 1));
+        assert_eq!(m.queue_gap_tokens, vec![30_000.0, 1000.0]);
+        assert_eq!(m.history_tokens, vec![10_240.0, 10_240.0]);
+        let stats = RunStats {
+            results,
+            ..RunStats::default()
+        };
+        let table = load_miss_table(&[("kv+ttft".to_string(), stats)], 64);
+        assert!(table.contains("kv+ttft"), "{table}");
+        assert!(load_miss_table(&[], 64).is_empty());
+    }
 }

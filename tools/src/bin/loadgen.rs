@@ -14,7 +14,7 @@ use envoy_kv_router_tools::loadgen::{
     chat, format_stats, load_mooncake, run_workload_on, synthetic, write_svg_chart, ChatSpec,
     RunOptions, SyntheticSpec,
 };
-use envoy_kv_router_tools::quality::affinity_table;
+use envoy_kv_router_tools::quality::{affinity_table, load_miss_table};
 use envoy_kv_router_tools::sys::raise_fd_limit;
 use serde_json::Value;
 
@@ -30,8 +30,9 @@ CHAT: conversations=C,turns=T,system_prompts=S,system_chars=X,user_chars=U,reply
 Text arms (--modes): kv+text (approximate mode: text prefix hashes and predicted blocks), \
 kv+render (exact ids from a render service: an extra mock worker serving \
 /v1/chat/completions/render), kv+ids (the same chat prompts sent as token ids: the baseline).\n\
-Policy arms: kv+affinity[:R] (load-gated affinity), kv+ttft[+approx][+decay] (the predicted-TTFT \
-policy; +approx: predictions bridging the event lag; +decay: booked prefills decay).\n\
+Policy arms: kv+affinity[:R] (load-gated affinity), kv+ttft[+approx][+decay][+compute:W][+fit] \
+(the predicted-TTFT policy; +approx: predictions bridging the event lag; +decay: booked prefills \
+decay; +compute:W: ttft.compute_weight W; +fit: timing polynomials divided by the workers' --speedup).\n\
 --modes: start a fresh fleet of --fleet mock workers (engine mode, --worker-args; each with a \
 kv-event-bridge fed over ZMQ unless --events-via http) and a fresh Envoy with the filter for \
 each routing mode in turn, run the same workload through each, and \
@@ -240,6 +241,7 @@ fn main() {
             "{}",
             affinity_table(&results, &workload, args.block_size, Some(capacity))
         );
+        print!("{}", load_miss_table(&results, args.block_size));
         return;
     }
     let targets: Vec<String> = args

@@ -96,6 +96,10 @@ pub struct RequestResult {
     /// `response_headers` on): the chosen worker's overlap and the longest one in its index.
     pub router_overlap_blocks: Option<u32>,
     pub router_max_overlap_blocks: Option<u32>,
+    /// The filter's `x-kv-router-worker` and `x-kv-router-loads` (every candidate's booked
+    /// prefill tokens, requests in flight and overlap as the decision saw them).
+    pub router_worker: Option<String>,
+    pub router_loads: Option<String>,
 }
 
 /// Live counters of a run (progress lines and the achieved concurrency).
@@ -232,6 +236,14 @@ async fn run_one(run: &Run, url: &str, spec: &RequestSpec) -> RequestResult {
     };
     r.router_overlap_blocks = header_u32("x-kv-router-overlap-blocks");
     r.router_max_overlap_blocks = header_u32("x-kv-router-max-overlap-blocks");
+    let header_text = |name: &str| {
+        resp.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    r.router_worker = header_text("x-kv-router-worker");
+    r.router_loads = header_text("x-kv-router-loads");
     if r.status != 200 {
         let text = resp.text().await.unwrap_or_default();
         let msg: String = text.chars().take(120).collect();
