@@ -484,3 +484,18 @@ pub fn report_comparison(
 fn mock_timing_polys() -> ([f64; 3], [f64; 3]) {
     ([16.5, 0.0152, 4.21e-7], [5.74, 54.01, -25.74])
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_speedup_reads_the_fleet_arguments() {
+        let fleet = |args: &[&str]| Fleet::new(2, 64, args).worker_speedup();
+        assert_eq!(fleet(&["--kv-blocks", "8192", "--speedup", "2"]), 2.0);
+        assert_eq!(fleet(&["--kv-blocks", "8192"]), 1.0);
+        assert_eq!(fleet(&["--speedup", "0"]), 1.0);
+        assert_eq!(fleet(&["--speedup"]), 1.0);
+        assert_eq!(mock_timing_polys().0, [16.5, 0.0152, 4.21e-7]);
+    }
+}
