@@ -214,6 +214,7 @@ fn response_headers_reveal_only_the_reason_by_default() {
         "x-kv-router-worker",
         "x-kv-router-overlap-blocks",
         "x-kv-router-max-overlap-blocks",
+        "x-kv-router-loads",
     ] {
         assert_eq!(
             resp.header(hidden),
@@ -249,4 +250,14 @@ fn response_headers_reveal_only_the_reason_by_default() {
         resp.header("x-kv-router-costs")
     );
     assert!(resp.header("x-kv-router-worker").is_some());
+    // And every candidate's inputs: `worker/rank=prefill_tokens:active:overlap_blocks`.
+    let loads = resp.header("x-kv-router-loads").unwrap_or_default();
+    let entries: Vec<&str> = loads.split(',').collect();
+    assert_eq!(entries.len(), 2, "{loads}");
+    for entry in entries {
+        let (_, values) = entry.split_once('=').unwrap_or_default();
+        let fields: Vec<&str> = values.split(':').collect();
+        assert_eq!(fields.len(), 3, "{loads}");
+        assert!(fields.iter().all(|f| f.parse::<f64>().is_ok()), "{loads}");
+    }
 }
