@@ -474,7 +474,27 @@ fn fleet_scale(quick: bool, max_held: usize, http2: bool) {
         Err(_) if quick => vec![8, 1000],
         Err(_) => vec![8, 64, 256, 1000],
     };
-    let levels: Vec<usize> = [100, 2000, 10_000]
+    // `ENVOY_CPU_HELD=100,10000`: a subset of the in-flight levels.
+    let held_levels: Vec<usize> = std::env::var("ENVOY_CPU_HELD")
+        .ok()
+        .map(|v| v.split(',').filter_map(|n| n.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![100, 2000, 10_000]);
+    // `ENVOY_CPU_FLEET_WASM=base=/tmp/a.wasm,new=target/envoy_kv_router.wasm`: builds side by
+    // side, alternated per fleet size, `ENVOY_CPU_REPEAT` times (each row: its build's ratio to
+    // that build's first row of the same repetition).
+    let builds: Vec<(String, Option<String>)> = match std::env::var("ENVOY_CPU_FLEET_WASM") {
+        Ok(v) => v
+            .split(',')
+            .filter_map(|b| b.split_once('='))
+            .map(|(n, p)| (n.to_string(), Some(p.to_string())))
+            .collect(),
+        Err(_) => vec![(String::new(), None)],
+    };
+    let repeat: usize = std::env::var("ENVOY_CPU_REPEAT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let levels: Vec<usize> = held_levels
         .into_iter()
         .map(|n| n.min(max_held))
         .filter(|&n| !quick || n <= 2000)
@@ -500,55 +520,66 @@ fn fleet_scale(quick: bool, max_held: usize, http2: bool) {
         if http2 { "2" } else { "1.1" }
     );
     println!();
-    println!("| workers | in flight | CPU / request | vs 8 x 100 | p50 / p99 latency | idle CPU |");
-    println!("|---|---|---|---|---|---|");
-    let mut reference = None;
-    for &n in &fleet {
-        let workers: Vec<Value> = (0..n)
-            .map(|i| json!({"id": i + 1, "address": addrs[i % addrs.len()]}))
-            .collect();
-        let events = json!({"poll_interval_ms": 10_000, "stale_after_ms": 3_600_000});
-        let config = kv_config(json!(workers), events);
-        let envoy = start_envoy_with(config, addrs.clone(), None, true, http2);
-        let ok = envoy.wait_for(Duration::from_secs(60), |e| {
-            e.router_stat("events.applied") > 0
-        });
-        assert!(ok, "the filter did not apply mock 1's events");
-        std::thread::sleep(Duration::from_millis(300));
-        let mut conns: Vec<Conn> = (0..CLIENTS).map(|_| Conn::new(&envoy.listener)).collect();
-        closed_loop(&mut conns, &body, 4 * CLIENTS, envoy.pid());
-        let mut held = Vec::new();
-        for &h in &levels {
-            hold(&envoy, &mut held, h);
-            let mut cpu = Vec::new();
-            let mut lat = Vec::new();
-            let mut idle_rates = Vec::new();
-            for _ in 0..rounds {
-                let (c0, t0) = (cpu_ns(envoy.pid()), Instant::now());
-                std::thread::sleep(Duration::from_millis(200));
-                let idle = (cpu_ns(envoy.pid()) - c0) as f64 / t0.elapsed().as_secs_f64();
-                let t = Instant::now();
-                let (l, ns) = closed_loop(&mut conns, &body, per_round, envoy.pid());
-                let net = ns as f64 - idle * t.elapsed().as_secs_f64();
-                cpu.push(net / per_round as f64);
-                idle_rates.push(idle);
-                lat.extend(l);
+    println!("| build | workers | in flight | CPU / request | vs first row | p50 / p99 latency | idle CPU |");
+    println!("|---|---|---|---|---|---|---|");
+    for rep in 0..repeat {
+        let mut reference: Vec<Option<f64>> = vec![None; builds.len()];
+        for &n in &fleet {
+            for (b, (build, wasm)) in builds.iter().enumerate() {
+                let workers: Vec<Value> = (0..n)
+                    .map(|i| json!({"id": i + 1, "address": addrs[i % addrs.len()]}))
+                    .collect();
+                let events = json!({"poll_interval_ms": 10_000, "stale_after_ms": 3_600_000});
+                let config = kv_config(json!(workers), events);
+                let envoy = start_envoy_with(config, addrs.clone(), wasm.as_deref(), true, http2);
+                let ok = envoy.wait_for(Duration::from_secs(60), |e| {
+                    e.router_stat("events.applied") > 0
+                });
+                assert!(ok, "the filter did not apply mock 1's events");
+                std::thread::sleep(Duration::from_millis(300));
+                let mut conns: Vec<Conn> =
+                    (0..CLIENTS).map(|_| Conn::new(&envoy.listener)).collect();
+                closed_loop(&mut conns, &body, 4 * CLIENTS, envoy.pid());
+                let mut held = Vec::new();
+                for &h in &levels {
+                    hold(&envoy, &mut held, h);
+                    let mut cpu = Vec::new();
+                    let mut lat = Vec::new();
+                    let mut idle_rates = Vec::new();
+                    for _ in 0..rounds {
+                        let (c0, t0) = (cpu_ns(envoy.pid()), Instant::now());
+                        std::thread::sleep(Duration::from_millis(200));
+                        let idle = (cpu_ns(envoy.pid()) - c0) as f64 / t0.elapsed().as_secs_f64();
+                        let t = Instant::now();
+                        let (l, ns) = closed_loop(&mut conns, &body, per_round, envoy.pid());
+                        let net = ns as f64 - idle * t.elapsed().as_secs_f64();
+                        cpu.push(net / per_round as f64);
+                        idle_rates.push(idle);
+                        lat.extend(l);
+                    }
+                    let m = median(&cpu);
+                    let base = *reference[b].get_or_insert(m);
+                    println!(
+                        "| {}{} | {} | {} | {} | {:.2}x | {} / {} | {:.1}% of a core |",
+                        build,
+                        if repeat > 1 {
+                            format!(" #{}", rep + 1)
+                        } else {
+                            String::new()
+                        },
+                        thousands(n),
+                        thousands(h),
+                        us(m),
+                        m / base,
+                        us(quantile(&lat, 0.5) * 1e3),
+                        us(quantile(&lat, 0.99) * 1e3),
+                        median(&idle_rates) / 1e7
+                    );
+                }
+                drop(held);
+                drop(envoy);
             }
-            let m = median(&cpu);
-            let base = *reference.get_or_insert(m);
-            println!(
-                "| {} | {} | {} | {:.2}x | {} / {} | {:.1}% of a core |",
-                thousands(n),
-                thousands(h),
-                us(m),
-                m / base,
-                us(quantile(&lat, 0.5) * 1e3),
-                us(quantile(&lat, 0.99) * 1e3),
-                median(&idle_rates) / 1e7
-            );
         }
-        drop(held);
-        drop(envoy);
     }
     println!();
 }

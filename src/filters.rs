@@ -38,7 +38,15 @@ pub fn eligible_slots(
 
     // 0. Membership: vacant pool entries and hosts Envoy reports unhealthy (while healthy ones
     //    exist) are out. Always true without `membership`.
-    worker_ok(&mut slots, &|w| w.routable);
+    // Skipped when it would keep every slot (no vacant or unhealthy entry).
+    let all_routable = config.workers.iter().all(|w| w.routable)
+        && config
+            .slots
+            .iter()
+            .all(|s| usize::from(s.worker) < config.workers.len());
+    if !all_routable {
+        worker_ok(&mut slots, &|w| w.routable);
+    }
     if slots.is_empty() {
         return Err(RouteError::NoWorkers);
     }
@@ -107,7 +115,9 @@ pub fn eligible_slots(
     }
 
     // 4. Model.
-    if let Some(model) = &request.model {
+    // (Skipped when every worker serves every model.)
+    let any_model_list = config.workers.iter().any(|w| !w.models.is_empty());
+    if let Some(model) = request.model.as_ref().filter(|_| any_model_list) {
         worker_ok(&mut slots, &|w| w.serves_model(model));
         if slots.is_empty() {
             return Err(RouteError::NoCompatibleWorker {
@@ -134,7 +144,13 @@ pub fn eligible_slots(
 
     // 6. Busy thresholds.
     let eligible = slots.len();
-    slots.retain(|s| !is_busy(config, *s, load));
+    let b = &config.busy;
+    let any_threshold = b.decode_blocks_fraction.is_some()
+        || b.prefill_tokens.is_some()
+        || b.prefill_tokens_fraction.is_some();
+    if any_threshold {
+        slots.retain(|s| !is_busy(config, *s, load));
+    }
     if slots.is_empty() {
         return Err(match pin.worker_id {
             Some(worker_id) => RouteError::PinnedWorkerOverloaded { worker_id },

@@ -303,6 +303,10 @@ fn ttft_score(
     )
 }
 
+/// Candidates ranked first by [`fallbacks`]: enough for the usual case (distinct addresses among
+/// the best few) without sorting every slot; all of them are sorted only when these run out.
+const FALLBACK_HEAD_PER_PICK: usize = 4;
+
 fn fallbacks(
     config: &Config,
     chosen: SlotIdx,
@@ -313,35 +317,72 @@ fn fallbacks(
     if config.fallback_count == 0 {
         return Vec::new();
     }
-    let mut ranked: Vec<(SlotIdx, f64)> = if scores.is_empty() {
-        candidates
-            .iter()
-            .map(|s| {
-                (
-                    *s,
-                    load.get(usize::from(*s))
-                        .map_or(0.0, |l| f64::from(l.active_requests)),
-                )
-            })
-            .collect()
-    } else {
-        scores.to_vec()
+    let by_load = |s: &SlotIdx| {
+        (
+            *s,
+            load.get(usize::from(*s))
+                .map_or(0.0, |l| f64::from(l.active_requests)),
+        )
     };
-    ranked.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
-    let address = |s: SlotIdx| config.worker_of_slot(s).map(|w| w.address);
-    let mut used = vec![address(chosen)];
-    let mut out = Vec::new();
-    for (slot, _) in ranked {
-        if out.len() >= config.fallback_count {
-            break;
+    let ranked = || -> Vec<(SlotIdx, f64)> {
+        if scores.is_empty() {
+            candidates.iter().map(by_load).collect()
+        } else {
+            scores.to_vec()
         }
-        let a = address(slot);
-        if a.is_some() && !used.contains(&a) {
-            used.push(a);
-            out.push(slot);
+    };
+    // Total (slots are distinct), so the best `head` in order are exactly a full sort's first.
+    let order = |a: &(SlotIdx, f64), b: &(SlotIdx, f64)| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0));
+    let address = |s: SlotIdx| config.worker_of_slot(s).map(|w| w.address);
+    let pick = |ranked: &[(SlotIdx, f64)]| {
+        let mut used = vec![address(chosen)];
+        let mut out = Vec::new();
+        for &(slot, _) in ranked {
+            if out.len() >= config.fallback_count {
+                break;
+            }
+            let a = address(slot);
+            if a.is_some() && !used.contains(&a) {
+                used.push(a);
+                out.push(slot);
+            }
+        }
+        out
+    };
+    let head = FALLBACK_HEAD_PER_PICK.saturating_mul(config.fallback_count.saturating_add(1));
+    let total = if scores.is_empty() {
+        candidates.len()
+    } else {
+        scores.len()
+    };
+    if total > head {
+        // One pass keeping the best `head`, sorted (most items lose to the worst kept at once).
+        let mut best: Vec<(SlotIdx, f64)> = Vec::with_capacity(head + 1);
+        let mut offer = |item: (SlotIdx, f64)| {
+            if best.len() >= head
+                && best
+                    .last()
+                    .is_some_and(|worst| order(&item, worst) != std::cmp::Ordering::Less)
+            {
+                return;
+            }
+            let at = best.partition_point(|x| order(x, &item) == std::cmp::Ordering::Less);
+            best.insert(at, item);
+            best.truncate(head);
+        };
+        if scores.is_empty() {
+            candidates.iter().map(by_load).for_each(&mut offer);
+        } else {
+            scores.iter().copied().for_each(&mut offer);
+        }
+        let out = pick(&best);
+        if out.len() >= config.fallback_count {
+            return out;
         }
     }
-    out
+    let mut all = ranked();
+    all.sort_unstable_by(order);
+    pick(&all)
 }
 
 #[cfg(test)]
@@ -995,6 +1036,83 @@ mod tests {
             .unwrap()
             .fallbacks
             .is_empty());
+    }
+
+    /// The fallbacks as the full sort gave them before the partial selection.
+    fn fallbacks_by_full_sort(
+        config: &Config,
+        chosen: SlotIdx,
+        scores: &[(SlotIdx, f64)],
+    ) -> Vec<SlotIdx> {
+        let mut ranked = scores.to_vec();
+        ranked.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
+        let address = |s: SlotIdx| config.worker_of_slot(s).map(|w| w.address);
+        let mut used = vec![address(chosen)];
+        let mut out = Vec::new();
+        for (slot, _) in ranked {
+            if out.len() >= config.fallback_count {
+                break;
+            }
+            let a = address(slot);
+            if a.is_some() && !used.contains(&a) {
+                used.push(a);
+                out.push(slot);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn partial_fallback_selection_matches_the_full_sort() {
+        let mut rng = Rng::new(11);
+        for round in 0..400u64 {
+            let workers = 1 + rng.index(300);
+            let addresses = 1 + rng.index(workers.min(40));
+            let count = rng.index(17);
+            let list: Vec<String> = (0..workers)
+                .map(|i| {
+                    format!(
+                        r#"{{"id": {}, "address": "10.0.{}.1:8000"}}"#,
+                        i + 1,
+                        i % addresses
+                    )
+                })
+                .collect();
+            let c = config(&format!(r#""fallback_count": {count}"#), &list.join(","));
+            // Few distinct scores (many ties), NaN-free but with infinities and signed zeros.
+            let palette = [0.0, -0.0, 1.0, 2.5, 7.0, f64::INFINITY, 1e300];
+            let mut scores: Vec<(SlotIdx, f64)> = Vec::new();
+            for s in 0..workers {
+                if rng.index(8) != 0 {
+                    scores.push((s as SlotIdx, palette[rng.index(palette.len())]));
+                }
+            }
+            let candidates: Vec<SlotIdx> = scores.iter().map(|(s, _)| *s).collect();
+            let Some(&chosen) = candidates.get(rng.index(candidates.len().max(1))) else {
+                continue;
+            };
+            let want = fallbacks_by_full_sort(&c, chosen, &scores);
+            assert_eq!(
+                fallbacks(&c, chosen, &candidates, &scores, &[]),
+                want,
+                "round {round}"
+            );
+            // Score-less modes rank by in-flight requests.
+            let load = active_load(
+                &(0..workers)
+                    .map(|_| rng.index(4) as u32)
+                    .collect::<Vec<_>>(),
+            );
+            let by_load: Vec<(SlotIdx, f64)> = candidates
+                .iter()
+                .map(|s| (*s, f64::from(load[usize::from(*s)].active_requests)))
+                .collect();
+            assert_eq!(
+                fallbacks(&c, chosen, &candidates, &[], &load),
+                fallbacks_by_full_sort(&c, chosen, &by_load),
+                "round {round}, by load"
+            );
+        }
     }
 
     #[test]

@@ -19,13 +19,15 @@ fn tied(a: f64, b: f64) -> bool {
 /// Index (into `costs`) of a minimum cost; ties are broken uniformly at random. `None` if empty.
 pub fn argmin_random_ties(costs: &[f64], rng: &mut Rng) -> Option<usize> {
     let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
-    let ties: Vec<usize> = costs
+    // The `rng.index(ties)`-th tie, without collecting the ties.
+    let ties = costs.iter().filter(|c| tied(**c, min)).count();
+    let nth = rng.index(ties);
+    costs
         .iter()
         .enumerate()
         .filter(|(_, c)| tied(**c, min))
+        .nth(nth)
         .map(|(i, _)| i)
-        .collect();
-    ties.get(rng.index(ties.len())).copied()
 }
 
 /// Softmax probabilities over min-max normalised costs:
