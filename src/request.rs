@@ -1045,6 +1045,66 @@ mod tests {
         }
     }
 
+    /// Long arrays in the shapes the comma run reads (`,` and `, `) with one or two damaged or
+    /// unusual spots (a tab, a space before a comma, two spaces, long ids, leading zeros, a
+    /// missing id, the end of the body early): the scanner's answer is the reference scanner's.
+    #[test]
+    fn long_arrays_agree_with_the_reference_scanner() {
+        let mut rng = crate::rng::Rng::new(0x10a6);
+        let odd = [
+            "\t",
+            "  ",
+            " ,",
+            ",,",
+            "01",
+            "00",
+            "0",
+            "12345678",
+            "123456789",
+            "4294967295",
+            "4294967296",
+            "99999999",
+            "1.5",
+            "-3",
+            "]",
+            "[",
+            "\"",
+            "e",
+            "\n",
+            "x",
+            "é",
+        ];
+        for round in 0..4_000 {
+            let n = 1 + rng.index(60);
+            let sep = [",", ", "][rng.index(2)];
+            let mut text = String::from("[");
+            for k in 0..n {
+                if k > 0 {
+                    text.push_str(sep);
+                }
+                let digits = 1 + rng.index(8);
+                let id = rng.next_u64() % 10u64.pow(digits as u32);
+                text.push_str(&id.to_string());
+            }
+            text.push(']');
+            for _ in 0..(round % 3) {
+                let at = 1 + rng.index(text.len() - 1);
+                if text.is_char_boundary(at) {
+                    text.insert_str(at, odd[rng.index(odd.len())]);
+                }
+            }
+            if round % 7 == 0 {
+                text.truncate(rng.index(text.len() + 1));
+            }
+            text.push_str([", \"max_tokens\": 1}", "}", "", ",1,2,3,4,5,6,7,8"][rng.index(4)]);
+            assert_eq!(
+                scan_token_ids(text.as_bytes()),
+                reference_scan(text.as_bytes()),
+                "{text:?}"
+            );
+        }
+    }
+
     #[test]
     fn fast_path_differential() {
         let mut g = BodyGen(crate::rng::Rng::new(0xfa57));

@@ -63,70 +63,91 @@ fn is_json_ws(b: u8) -> bool {
 /// inside. Returns the ids and the length of the array text (through its `]`). `None` for
 /// anything else (that value is left to serde, which yields the value or the error it always did).
 ///
-/// The common case (ids of up to 7 digits, each followed by `,` or `]`) takes one 8-byte load
-/// per id: the digits, their value and the byte after them all come from that load. Anything
-/// else goes through [`parse_token_id`] and the general separator rules (the same answer;
-/// `scan_agrees_with_the_reference_scanner` checks it). This shape measured fastest in V8
-/// (benches/envoy_cpu_ab.rs); a variant batching ids through a stack array was slower there.
+/// The common case (ids of up to 7 digits, each followed directly by `,` or `, `) runs in
+/// [`comma_run`], which writes into the array's pre-sized buffer. Anything else (the last id,
+/// whitespace, longer ids, fewer than 8 bytes left) goes through [`parse_token_id`] and the
+/// general separator rules, one id at a time, then back to the run (the same answer;
+/// `scan_agrees_with_the_reference_scanner` checks it).
 pub(super) fn scan_token_ids(text: &[u8]) -> Option<(Vec<u32>, usize)> {
     if text.first() != Some(&b'[') {
         return None;
     }
-    // About one id per 6 bytes (5-6 digit ids and a comma): one allocation for most arrays.
-    let mut ids = Vec::with_capacity(text.len() / 6);
+    // About one id per 6 bytes (5-6 digit ids and a comma): sized once for most arrays, zeroed
+    // so that the run writes through a plain slice; cut to the ids read at the end.
+    let mut ids = vec![0u32; text.len() / 6 + 1];
+    let mut n = 0;
     let mut i = skip_ws(text, 1);
     if text.get(i) == Some(&b']') {
+        ids.clear();
         return Some((ids, i + 1));
     }
     loop {
-        if let Some((id, digits, after)) = short_token_id(text, i) {
-            ids.push(id);
-            i += digits;
-            match after {
-                b',' => {
-                    i += 1;
-                    if !text.get(i).is_some_and(u8::is_ascii_digit) {
-                        i = skip_ws(text, i);
-                    }
-                    continue;
-                }
-                b']' => return Some((ids, i + 1)),
-                _ => {}
-            }
-        } else {
-            let (id, len) = parse_token_id(text.get(i..)?)?;
-            ids.push(id);
-            i += len;
+        // The run stops at an id's first byte or after a comma (whitespace may follow).
+        (i, n) = comma_run(text, i, &mut ids, n);
+        i = skip_ws(text, i);
+        let (id, len) = parse_token_id(text.get(i..)?)?;
+        if n == ids.len() {
+            // Room for the rest at one id per 2 bytes (the shortest id and its comma).
+            ids.resize(n + text.len().saturating_sub(i) / 2 + 1, 0);
         }
+        *ids.get_mut(n)? = id;
+        n += 1;
+        i += len;
         if text.get(i).copied().is_some_and(is_json_ws) {
             i = skip_ws(text, i);
         }
         match text.get(i)? {
             b',' => i = skip_ws(text, i + 1),
-            b']' => return Some((ids, i + 1)),
+            b']' => {
+                ids.truncate(n);
+                return Some((ids, i + 1));
+            }
             _ => return None, // `.`, `e`, `E`, or anything else
         }
     }
 }
 
-/// The id at `text[i..]` when 8 bytes can be read there and it has 1 to 7 digits (no leading
-/// zero): its value, its digit count and the byte after it. `None`: ask [`parse_token_id`].
+/// Reads ids of 1 to 7 digits (no leading zero), each followed directly by `,` (and at most one
+/// space, skipped), from `text[i..]` into `out[n..]` while 8 bytes can be read and `out` has
+/// room; returns where the first other id (or byte) starts and the new count. One 8-byte load
+/// per id gives its digits, their value, the comma and the space; one branch per id decides.
 #[inline(always)]
-fn short_token_id(text: &[u8], i: usize) -> Option<(u32, usize, u8)> {
+fn comma_run(text: &[u8], mut i: usize, out: &mut [u32], mut n: usize) -> (usize, usize) {
     const ONES: u64 = 0x0101_0101_0101_0101;
-    let chunk: [u8; 8] = text.get(i..i.checked_add(8)?)?.try_into().ok()?;
-    let x = u64::from_le_bytes(chunk);
-    // As in `parse_token_id`: a byte's bits are zero iff it is a digit (exact up to the first
-    // non-digit).
-    let high = (x & (0xF0 * ONES)) ^ (0x30 * ONES);
-    let low = (x.wrapping_add(0x06 * ONES) & (0xF0 * ONES)) ^ (0x30 * ONES);
-    let digits = ((high | low).trailing_zeros() / 8) as usize;
-    if digits == 0 || digits >= 8 || (digits > 1 && chunk[0] == b'0') {
-        return None;
+    // `b ^ 0x30` of a comma and of a space.
+    const COMMA: u16 = (b',' ^ b'0') as u16;
+    const SPACE: u16 = (b' ' ^ b'0') as u16;
+    let Some(last) = text.len().checked_sub(8) else {
+        return (i, n);
+    };
+    while i <= last && n < out.len() {
+        let Some(chunk) = text.get(i..).and_then(<[u8]>::first_chunk::<8>) else {
+            break;
+        };
+        // Digit bytes become their values 0-9, every other byte something else.
+        let d = u64::from_le_bytes(*chunk) ^ (0x30 * ONES);
+        // Bit 7 of a byte set iff it is not a digit (exact up to the first non-digit: a carry
+        // only starts at a non-digit and only reaches later bytes).
+        let not_digit = (d.wrapping_add(0x76 * ONES) | d) & (0x80 * ONES);
+        let digits = not_digit.trailing_zeros() / 8;
+        let bits = 8 * digits;
+        // The two bytes after the digits (8 digits: the shift wraps, to a digit).
+        let tail = d.wrapping_shr(bits) as u16;
+        // 1 to 7 digits (0: no comma can follow digits; 8: the wrapped byte is a digit), a
+        // comma, no leading zero.
+        let bad = ((tail & 0xFF) != COMMA) | (digits == 0) | ((d as u8 == 0) & (digits > 1));
+        if bad {
+            break;
+        }
+        if let Some(slot) = out.get_mut(n) {
+            *slot = eight_digits(d.wrapping_shl(64 - bits));
+        }
+        n += 1;
+        // Past the comma, and one space after it (`json.dumps` writes `, `); 7 digits: the
+        // byte after the comma is not in the load (`tail >> 8` is 0), the next load sees it.
+        i += digits as usize + 1 + usize::from(tail >> 8 == SPACE);
     }
-    let v = (x & (0x0F * ONES)) << (8 * (8 - digits));
-    let after = (x >> (8 * digits)) as u8;
-    Some((eight_digits(v)?, digits, after))
+    (i, n)
 }
 
 /// The index of the first non-whitespace byte at or after `i`.
@@ -156,7 +177,7 @@ pub(super) fn parse_token_id(s: &[u8]) -> Option<(u32, usize)> {
             // Digit values, most significant first in memory, shifted up so that the missing
             // leading digits read as zeros.
             let v = (x & (0x0F * ONES)) << (8 * (8 - digits));
-            return Some((eight_digits(v)?, digits));
+            return Some((eight_digits(v), digits));
         }
     }
     // Eight or more digits, or fewer than eight bytes left.
@@ -172,11 +193,13 @@ pub(super) fn parse_token_id(s: &[u8]) -> Option<(u32, usize)> {
 }
 
 /// The value of 8 decimal digits (byte values 0-9, most significant at the lowest address).
-fn eight_digits(v: u64) -> Option<u32> {
+/// It is below 10^8, which a u32 holds, so the final cast keeps every bit of it.
+#[inline(always)]
+fn eight_digits(v: u64) -> u32 {
     let v = v.wrapping_mul(10 << 8 | 1) >> 8; // pairs
     let v = (v & 0x00FF_00FF_00FF_00FF).wrapping_mul(100 << 16 | 1) >> 16; // quads
     let v = (v & 0x0000_FFFF_0000_FFFF).wrapping_mul(10_000 << 32 | 1) >> 32;
-    u32::try_from(v).ok()
+    v as u32
 }
 
 /// Which object the structural scan is in.
