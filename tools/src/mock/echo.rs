@@ -92,6 +92,11 @@ impl EchoState {
         lock(&self.log).page(after, self.block_size)
     }
 
+    /// [`Self::events_page`] without `events`, and the `events` array's JSON text.
+    pub fn events_page_parts(&self, after: u64) -> (Value, String) {
+        lock(&self.log).page_parts(after, self.block_size)
+    }
+
     pub fn dump(&self) -> Value {
         let log = lock(&self.log);
         match &*lock(&self.dump) {

@@ -19,7 +19,8 @@ pub const DEFAULT_MAX_BUFFER_BYTES: usize = 64 << 20;
 
 #[derive(Debug)]
 pub struct EventLog {
-    buf: VecDeque<(u64, Value, usize)>,
+    /// (id, event, its JSON text): pages are served from the text, without re-serializing.
+    buf: VecDeque<(u64, Value, String)>,
     next_id: u64,
     first_id: u64,
     capacity: usize,
@@ -50,13 +51,13 @@ impl EventLog {
         let id = self.next_id;
         self.next_id += 1;
         set_event_id(&mut event, id);
-        let bytes = serde_json::to_string(&event).map_or(0, |s| s.len());
-        self.buf.push_back((id, event, bytes));
-        self.bytes += bytes;
+        let text = serde_json::to_string(&event).unwrap_or_default();
+        self.bytes += text.len();
+        self.buf.push_back((id, event, text));
         while self.buf.len() > self.capacity || (self.bytes > self.max_bytes && self.buf.len() > 1)
         {
-            if let Some((_, _, b)) = self.buf.pop_front() {
-                self.bytes -= b;
+            if let Some((_, _, t)) = self.buf.pop_front() {
+                self.bytes -= t.len();
             }
         }
         self.first_id = self.buf.front().map_or(self.next_id, |(id, _, _)| *id);
@@ -97,18 +98,55 @@ impl EventLog {
     /// Up to `max` buffered events with id > `after`, stopping once `max_bytes` of JSON is
     /// reached (at least one event if any).
     pub fn events_after(&self, after: u64, max: usize, max_bytes: usize) -> Vec<Value> {
+        self.page_entries(after, max, max_bytes)
+            .map(|(_, e, _)| e.clone())
+            .collect()
+    }
+
+    /// The buffered entries [`EventLog::events_after`] picks.
+    fn page_entries(
+        &self,
+        after: u64,
+        max: usize,
+        max_bytes: usize,
+    ) -> impl Iterator<Item = &(u64, Value, String)> {
         let start = after.saturating_add(1).max(self.first_id);
         let skip = usize::try_from(start - self.first_id).unwrap_or(usize::MAX);
         let mut total = 0usize;
-        let mut out = Vec::new();
-        for (_, e, bytes) in self.buf.iter().skip(skip).take(max) {
-            if !out.is_empty() && total + bytes > max_bytes {
-                break;
+        let mut count = 0usize;
+        self.buf
+            .iter()
+            .skip(skip)
+            .take(max)
+            .take_while(move |(_, _, text)| {
+                let fits = count == 0 || total + text.len() <= max_bytes;
+                total += text.len();
+                count += 1;
+                fits
+            })
+    }
+
+    /// [`EventLog::page`] without its `events`, and the JSON text of that `events` array, cut
+    /// from the texts kept at push (no per-event clone or re-serialization: serving a page costs
+    /// a copy of its bytes, as in the bridge). Join them with [`splice_events`].
+    pub fn page_parts(&self, after: u64, block_size: usize) -> (Value, String) {
+        let mut events = String::from("[");
+        for (i, (_, _, text)) in self
+            .page_entries(after, MAX_PAGE_EVENTS, MAX_PAGE_BYTES)
+            .enumerate()
+        {
+            if i > 0 {
+                events.push(',');
             }
-            total += bytes;
-            out.push(e.clone());
+            events.push_str(text);
         }
-        out
+        events.push(']');
+        let page = json!({
+            "block_size": block_size,
+            "first_event_id": self.first_id(),
+            "last_event_id": self.last_id(),
+        });
+        (page, events)
     }
 
     /// The page body of DESIGN.md's event endpoint (without `load`).
@@ -120,6 +158,23 @@ impl EventLog {
             "events": self.events_after(after, MAX_PAGE_EVENTS, MAX_PAGE_BYTES),
         })
     }
+}
+
+/// The JSON text of the object `page` (no `events` key) with `"events": <events>` added.
+pub fn splice_events(page: &Value, events: &str) -> Vec<u8> {
+    let rest = serde_json::to_vec(page).unwrap_or_default();
+    let mut out = Vec::with_capacity(rest.len() + events.len() + 12);
+    out.extend_from_slice(b"{\"events\":");
+    out.extend_from_slice(events.as_bytes());
+    match rest.get(1..) {
+        // `{}`: nothing else to add.
+        Some(b"}") | None => out.push(b'}'),
+        Some(tail) => {
+            out.push(b',');
+            out.extend_from_slice(tail);
+        }
+    }
+    out
 }
 
 fn set_event_id(event: &mut Value, id: u64) {
@@ -206,5 +261,21 @@ mod tests {
         assert!(is_stored_event(e));
         assert!(is_stored_event(&json!({"type": "BlockStored"})));
         assert!(!is_stored_event(&json!({"data": "cleared"})));
+    }
+
+    #[test]
+    fn served_pages_equal_the_value_pages() {
+        let mut log = EventLog::with_limits(100, 1 << 20);
+        let (page, events) = log.page_parts(0, 16);
+        let body: Value = serde_json::from_slice(&splice_events(&page, &events)).unwrap();
+        assert_eq!(body, log.page(0, 16));
+        for i in 0..1500u64 {
+            log.push(json!({"type": "BlockRemoved", "block_hashes": [i], "medium": "GPU"}));
+        }
+        for after in [0, 1450, 1500, 2000] {
+            let (page, events) = log.page_parts(after, 16);
+            let body: Value = serde_json::from_slice(&splice_events(&page, &events)).unwrap();
+            assert_eq!(body, log.page(after, 16), "after {after}");
+        }
     }
 }
