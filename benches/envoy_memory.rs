@@ -193,6 +193,7 @@ fn main() {
     println!();
     println!("| build | N | per replica | B/entry per replica | RSS growth / N at 1 thread (2 VMs + shared data) | at 4 threads |");
     println!("|---|---|---|---|---|---|");
+    let mut once_per_process = Vec::new();
     for (bi, (name, _)) in builds.iter().enumerate() {
         let mut points = Vec::new();
         for (si, &n) in sizes.iter().enumerate() {
@@ -219,6 +220,17 @@ fn main() {
                 fixed / (1 << 20) as f64,
                 fixed1 / (1 << 20) as f64,
             );
+            once_per_process.push((name, marginal1 - 2.0 * marginal));
         }
+    }
+    println!();
+    println!(
+        "An operator with T threads pays T + 1 replicas (fixed + marginal x N each) plus, once \
+         per process, the index snapshot in shared data (Envoy heap, every 32 log batches) and \
+         the snapshot's encoding buffer in the wasm memory of the VM that writes it (the poller): \
+         the 1-thread slope less two replicas' slopes:"
+    );
+    for (name, bytes) in once_per_process {
+        println!("  {name}: {bytes:.1} B per entry once per process");
     }
 }

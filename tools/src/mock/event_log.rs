@@ -14,6 +14,40 @@ pub const MAX_PAGE_EVENTS: usize = 1000;
 /// A page stops growing once its events' JSON reaches this size (it always holds at least one
 /// event): vLLM-shaped stored events carry their token ids and can be tens of KiB each.
 pub const MAX_PAGE_BYTES: usize = 1 << 20;
+/// The most a client may ask for with `limit` and `max_bytes` (the filter's `events.page_events`
+/// and 7/8 of its `max_response_bytes`).
+pub const MAX_ASKED_PAGE_EVENTS: usize = 100_000;
+pub const MAX_ASKED_PAGE_BYTES: usize = 64 << 20;
+
+/// A page's bounds: [`MAX_PAGE_EVENTS`] and [`MAX_PAGE_BYTES`] unless the client asks for
+/// others (`&limit=`, `&max_bytes=`), up to [`MAX_ASKED_PAGE_EVENTS`] and
+/// [`MAX_ASKED_PAGE_BYTES`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageLimits {
+    pub max_events: usize,
+    pub max_bytes: usize,
+}
+
+impl Default for PageLimits {
+    fn default() -> Self {
+        PageLimits {
+            max_events: MAX_PAGE_EVENTS,
+            max_bytes: MAX_PAGE_BYTES,
+        }
+    }
+}
+
+impl PageLimits {
+    /// The limits a client asked for (each absent one: the default), capped.
+    pub fn asked(limit: Option<usize>, max_bytes: Option<usize>) -> PageLimits {
+        let d = PageLimits::default();
+        PageLimits {
+            max_events: limit.map_or(d.max_events, |l| l.clamp(1, MAX_ASKED_PAGE_EVENTS)),
+            max_bytes: max_bytes.map_or(d.max_bytes, |b| b.clamp(1, MAX_ASKED_PAGE_BYTES)),
+        }
+    }
+}
+
 /// Default bound on the JSON size of all buffered events.
 pub const DEFAULT_MAX_BUFFER_BYTES: usize = 64 << 20;
 
@@ -129,10 +163,10 @@ impl EventLog {
     /// [`EventLog::page`] without its `events`, and the JSON text of that `events` array, cut
     /// from the texts kept at push (no per-event clone or re-serialization: serving a page costs
     /// a copy of its bytes, as in the bridge). Join them with [`splice_events`].
-    pub fn page_parts(&self, after: u64, block_size: usize) -> (Value, String) {
+    pub fn page_parts(&self, after: u64, block_size: usize, limits: PageLimits) -> (Value, String) {
         let mut events = String::from("[");
         for (i, (_, _, text)) in self
-            .page_entries(after, MAX_PAGE_EVENTS, MAX_PAGE_BYTES)
+            .page_entries(after, limits.max_events, limits.max_bytes)
             .enumerate()
         {
             if i > 0 {
@@ -265,17 +299,33 @@ mod tests {
 
     #[test]
     fn served_pages_equal_the_value_pages() {
-        let mut log = EventLog::with_limits(100, 1 << 20);
-        let (page, events) = log.page_parts(0, 16);
+        let mut log = EventLog::with_limits(5000, 1 << 20);
+        let (page, events) = log.page_parts(0, 16, PageLimits::default());
         let body: Value = serde_json::from_slice(&splice_events(&page, &events)).unwrap();
         assert_eq!(body, log.page(0, 16));
         for i in 0..1500u64 {
             log.push(json!({"type": "BlockRemoved", "block_hashes": [i], "medium": "GPU"}));
         }
         for after in [0, 1450, 1500, 2000] {
-            let (page, events) = log.page_parts(after, 16);
+            let (page, events) = log.page_parts(after, 16, PageLimits::default());
             let body: Value = serde_json::from_slice(&splice_events(&page, &events)).unwrap();
             assert_eq!(body, log.page(after, 16), "after {after}");
         }
+        // Larger pages when asked, by count and by bytes.
+        let asked = PageLimits::asked(Some(5000), None);
+        let (_, events) = log.page_parts(0, 16, asked);
+        assert_eq!(
+            serde_json::from_str::<Vec<Value>>(&events).unwrap().len(),
+            1500
+        );
+        let asked = PageLimits::asked(Some(5000), Some(200));
+        let (_, events) = log.page_parts(0, 16, asked);
+        let got = serde_json::from_str::<Vec<Value>>(&events).unwrap();
+        assert!(!got.is_empty() && got.len() < 5, "{} events", got.len());
+        assert_eq!(PageLimits::asked(Some(0), Some(1 << 40)).max_events, 1);
+        assert_eq!(
+            PageLimits::asked(Some(1 << 30), Some(1 << 40)).max_bytes,
+            MAX_ASKED_PAGE_BYTES
+        );
     }
 }
