@@ -629,8 +629,9 @@ fn events_per_second(quick: bool) {
     println!(
         "1-block events, half BlockStored (64 token ids), half BlockRemoved. Native: \
          `KvIndex::apply` (one worker, bound 200k entries), release build. Envoy: one burst \
-         published to an echo mock's event page (pages of at most 1,000 events, the filter \
-         re-polls at once after a full page; `poll_interval_ms` 10, `tick_ms` 10), time from \
+         published to an echo mock's event page (pages as the filter asks, `events.page_events` \
+         10,000 by default, 1,000 for a filter that does not ask; the filter re-polls at once \
+         after a full page; `poll_interval_ms` 10, `tick_ms` 10), time from \
          the publish until `events.applied` shows every replica applied the burst \
          (`--concurrency 1`: 2 replicas, the main thread's VM and the worker thread's)."
     );

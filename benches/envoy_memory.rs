@@ -1,25 +1,43 @@
-//! Envoy's resident memory per KV index entry, for the filter before the compact index
-//! (`target/envoy_kv_router.before.wasm`, if present) and the current one, at 1 and 4 Envoy
-//! worker threads. Each run starts a fresh Envoy with the filter (index.max_blocks = N), feeds N
-//! blocks through a mock worker's event page, waits until the filter's `index.entries` gauge
-//! shows all N and RSS has settled (every VM applies the log on its tick), and reports
-//! (RSS after - RSS before) / N. Every thread's VM (worker threads plus the main thread's) keeps
-//! a replica; "per replica" divides by threads + 1. The process figure also holds what is not
-//! per replica (the event log ring and the index snapshot in shared data). Asserts nothing.
+//! Envoy's resident memory per KV index entry, as an operator pays it: per index replica (every
+//! Envoy thread's VM keeps one), split into a fixed cost per replica and a marginal cost per
+//! (block, worker) entry.
 //!
-//! Usage: `cargo bench --bench envoy_memory [-- --quick] [--entries N]` (needs `make build`).
-//! To compare, keep the earlier build: `cp target/envoy_kv_router.wasm
-//! target/envoy_kv_router.before.wasm` before rebuilding.
+//! Each run starts a fresh Envoy with the filter (index.max_blocks = N) at 1 and at 4 worker
+//! threads, feeds N blocks through a mock worker's event page, waits until the filter's
+//! `index.entries` gauge shows all N and RSS has settled (every VM applies the log on its tick),
+//! and records the growth from the idle RSS (every VM started and ticking on an empty log).
+//! Three extra threads add three replicas and nothing else (the event log ring and the index
+//! snapshot in shared data exist once per process), so
+//!   per replica(N) = (growth at 4 threads - growth at 1 thread) / 3,
+//! and over several N a least-squares line per replica(N) = fixed + marginal x N gives the
+//! fixed cost per replica (what the first events make every VM allocate for good: wasm linear
+//! memory never shrinks, V8 compiles the event path) and the marginal cost per entry (the
+//! slope). `per replica / N` at each size is what one entry costs with the fixed part spread
+//! over N. Envoy's own heap (tcmalloc, admin `/memory`: shared data) is shown apart from the
+//! rest of RSS (wasm linear memory, V8 code).
+//!
+//! Noise: the poller writes the index snapshot when its tick finds the log at a multiple of 32
+//! batches, so whether a run ends holding one (in shared data, the heap column, and as the
+//! encoding buffer in the writer VM's linear memory, ~25-30 B per entry each) varies from run to
+//! run; the per-replica difference inherits that swing (up to ~10 B per entry at 1M entries).
+//! Repeat the runs and compare the heap column before reading one figure.
+//!
+//! Usage: `cargo bench --bench envoy_memory [-- --quick] [--entries N[,N...]]` (needs
+//! `make build`). The before build `target/envoy_kv_router.before.wasm` is measured too when
+//! present (runs interleaved with the current one); keep it with
+//! `cp target/envoy_kv_router.wasm target/envoy_kv_router.before.wasm` before rebuilding.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 
+use envoy_kv_router_tools::client;
 use envoy_kv_router_tools::harness::{workspace_root, Envoy, EnvoyOptions, Worker};
-use serde_json::json;
+use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 const BLOCK_SIZE: u64 = 16;
 const BLOCKS_PER_EVENT: u64 = 500;
+const THREADS: [u32; 2] = [1, 4];
 
 /// Envoy's RSS once it stops moving: three readings 300 ms apart within 256 KiB.
 fn settled_rss(envoy: &Envoy) -> u64 {
@@ -39,8 +57,33 @@ fn settled_rss(envoy: &Envoy) -> u64 {
     last
 }
 
-/// (RSS before KiB, RSS after KiB, entries indexed, seconds to index).
-fn run(wasm: &Path, threads: u32, entries: u64) -> (u64, u64, u64, f64) {
+/// Bytes tcmalloc hands out in Envoy (admin `/memory`), 0 if unknown.
+fn heap_allocated(envoy: &Envoy) -> u64 {
+    client::get(&envoy.admin, "/memory")
+        .ok()
+        .and_then(|r| serde_json::from_str::<Value>(&r.text()).ok())
+        .and_then(|v| match &v["allocated"] {
+            Value::String(s) => s.parse().ok(),
+            other => other.as_u64(),
+        })
+        .unwrap_or(0)
+}
+
+#[derive(Clone, Copy, Default)]
+struct Run {
+    /// RSS growth, KiB.
+    rss_kib: i64,
+    /// Envoy heap (tcmalloc) growth, KiB.
+    heap_kib: i64,
+    idle_kib: u64,
+    indexed: u64,
+    /// Replicas that fell a whole log ring behind and reloaded the index snapshot: each copies
+    /// the snapshot into its linear memory, which keeps that high-water mark for good.
+    snapshot_loads: u64,
+    secs: f64,
+}
+
+fn run(wasm: &Path, threads: u32, entries: u64) -> Run {
     let worker = Worker::spawn(1, &["--mode", "echo", "--block-size", "16"]).expect("worker");
     let config = json!({"mode": "kv", "block_size": BLOCK_SIZE,
         "index": {"max_blocks": entries},
@@ -53,6 +96,7 @@ fn run(wasm: &Path, threads: u32, entries: u64) -> (u64, u64, u64, f64) {
     // Let every VM start and tick on an empty log first.
     std::thread::sleep(Duration::from_millis(500));
     let before = settled_rss(&envoy);
+    let heap_before = heap_allocated(&envoy);
     let start = Instant::now();
     let mut parent: Option<u64> = None;
     let mut block = 0u64;
@@ -73,20 +117,48 @@ fn run(wasm: &Path, threads: u32, entries: u64) -> (u64, u64, u64, f64) {
         e.router_stat("index.entries") >= entries
     });
     let indexed = envoy.router_stat("index.entries");
-    let elapsed = start.elapsed().as_secs_f64();
+    let snapshot_loads = envoy.router_stat("log.snapshot_loaded");
+    let secs = start.elapsed().as_secs_f64();
     let after = settled_rss(&envoy);
-    (before, after, indexed, elapsed)
+    let heap_after = heap_allocated(&envoy);
+    Run {
+        rss_kib: after as i64 - before as i64,
+        heap_kib: (heap_after as i64 - heap_before as i64) / 1024,
+        idle_kib: before,
+        indexed,
+        snapshot_loads,
+        secs,
+    }
+}
+
+/// Least-squares `y = a + b x`.
+fn fit(points: &[(f64, f64)]) -> (f64, f64) {
+    let n = points.len() as f64;
+    let (sx, sy) = points
+        .iter()
+        .fold((0.0, 0.0), |(sx, sy), (x, y)| (sx + x, sy + y));
+    let (mx, my) = (sx / n, sy / n);
+    let sxx: f64 = points.iter().map(|(x, _)| (x - mx) * (x - mx)).sum();
+    let sxy: f64 = points.iter().map(|(x, y)| (x - mx) * (y - my)).sum();
+    let b = if sxx > 0.0 { sxy / sxx } else { 0.0 };
+    (my - b * mx, b)
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
-    let entries = args
+    let sizes: Vec<u64> = args
         .iter()
         .position(|a| a == "--entries")
         .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(if quick { 50_000 } else { 200_000 });
+        .map(|v| v.split(',').filter_map(|s| s.parse().ok()).collect())
+        .unwrap_or_else(|| {
+            if quick {
+                vec![50_000, 200_000]
+            } else {
+                vec![100_000, 400_000, 1_000_000]
+            }
+        });
     let target = workspace_root().join("target");
     let builds: Vec<(&str, PathBuf)> = [
         ("before", target.join("envoy_kv_router.before.wasm")),
@@ -96,29 +168,82 @@ fn main() {
     .filter(|(_, p)| p.exists())
     .collect();
     println!(
-        "Envoy RSS per index entry: {entries} blocks fed through one mock worker's event page, index.max_blocks = {entries}"
+        "Envoy RSS per KV index entry: N blocks of one mock worker fed through its event page, \
+         index.max_blocks = N; growth from the idle RSS; 1 and 4 Envoy worker threads \
+         (3 more replicas)."
     );
+    println!();
     println!(
-        "{:>8} {:>8} {:>10} {:>10} {:>9} {:>8} {:>12} {:>13}",
-        "build",
-        "threads",
-        "RSS before",
-        "RSS after",
-        "indexed",
-        "index s",
-        "B/entry",
-        "B/entry/VM"
+        "| build | N | threads | idle RSS | RSS growth | of it Envoy heap | indexed | index s | snapshot loads |"
     );
-    for threads in [1u32, 4] {
-        for (name, wasm) in &builds {
-            let (before, after, indexed, secs) = run(wasm, threads, entries);
-            let per_entry = (after.saturating_sub(before) * 1024) as f64 / entries as f64;
+    println!("|---|---|---|---|---|---|---|---|---|");
+    // runs[build][size][thread]
+    let mut runs = vec![vec![[Run::default(); THREADS.len()]; sizes.len()]; builds.len()];
+    for (si, &n) in sizes.iter().enumerate() {
+        for (ti, &threads) in THREADS.iter().enumerate() {
+            // Builds interleaved: both see the same machine state.
+            for (bi, (name, wasm)) in builds.iter().enumerate() {
+                let r = run(wasm, threads, n);
+                println!(
+                    "| {name} | {n} | {threads} | {:.1} MiB | {:.1} MiB | {:.1} MiB | {}{} | {:.1} | {} |",
+                    r.idle_kib as f64 / 1024.0,
+                    r.rss_kib as f64 / 1024.0,
+                    r.heap_kib as f64 / 1024.0,
+                    r.indexed,
+                    if r.indexed < n { " (INCOMPLETE: figures below meaningless)" } else { "" },
+                    r.secs,
+                    r.snapshot_loads
+                );
+                runs[bi][si][ti] = r;
+            }
+        }
+    }
+    println!();
+    println!(
+        "Per replica = (RSS growth at 4 threads - at 1 thread) / 3. B/entry = per replica / N \
+         (fixed cost included). Fit over the sizes: per replica = fixed + marginal x N."
+    );
+    println!();
+    println!("| build | N | per replica | B/entry per replica | RSS growth / N at 1 thread (2 VMs + shared data) | at 4 threads |");
+    println!("|---|---|---|---|---|---|");
+    let mut once_per_process = Vec::new();
+    for (bi, (name, _)) in builds.iter().enumerate() {
+        let mut points = Vec::new();
+        for (si, &n) in sizes.iter().enumerate() {
+            let [one, four] = runs[bi][si];
+            let per_replica = (four.rss_kib - one.rss_kib) as f64 * 1024.0 / 3.0;
+            points.push((n as f64, per_replica));
             println!(
-                "{name:>8} {threads:>8} {:>7} MiB {:>7} MiB {indexed:>9} {secs:>8.1} {per_entry:>12.1} {:>13.1}",
-                before / 1024,
-                after / 1024,
-                per_entry / f64::from(threads + 1)
+                "| {name} | {n} | {:.1} MiB | {:.1} | {:.1} | {:.1} |",
+                per_replica / (1 << 20) as f64,
+                per_replica / n as f64,
+                one.rss_kib as f64 * 1024.0 / n as f64,
+                four.rss_kib as f64 * 1024.0 / n as f64
             );
         }
+        if points.len() >= 2 {
+            let (fixed, marginal) = fit(&points);
+            let (fixed1, marginal1) = fit(&sizes
+                .iter()
+                .enumerate()
+                .map(|(si, &n)| (n as f64, runs[bi][si][0].rss_kib as f64 * 1024.0))
+                .collect::<Vec<_>>());
+            println!(
+                "| {name} | fit | fixed {:.1} MiB per replica | marginal {marginal:.1} B per entry per replica | 1 thread: fixed {:.1} MiB, marginal {marginal1:.1} B per entry | |",
+                fixed / (1 << 20) as f64,
+                fixed1 / (1 << 20) as f64,
+            );
+            once_per_process.push((name, marginal1 - 2.0 * marginal));
+        }
+    }
+    println!();
+    println!(
+        "An operator with T threads pays T + 1 replicas (fixed + marginal x N each) plus, once \
+         per process, the index snapshot in shared data (Envoy heap, every 32 log batches) and \
+         the snapshot's encoding buffer in the wasm memory of the VM that writes it (the poller): \
+         the 1-thread slope less two replicas' slopes:"
+    );
+    for (name, bytes) in once_per_process {
+        println!("  {name}: {bytes:.1} B per entry once per process");
     }
 }

@@ -194,6 +194,11 @@ impl Default for LoadConfig {
     }
 }
 
+/// Events per page the poller asks for by default (`events.page_events`).
+pub const DEFAULT_PAGE_EVENTS: u32 = 10_000;
+/// The largest `events.page_events`.
+pub const MAX_PAGE_EVENTS: u32 = 100_000;
+
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields, expecting = "an object")]
 pub struct EventsConfig {
@@ -209,6 +214,11 @@ pub struct EventsConfig {
     /// (`&wait_ms=`), and the poller re-issues it as soon as it returns. `0` = plain polling.
     /// `long_poll_ms + timeout_ms <= stale_after_ms`.
     pub long_poll_ms: u64,
+    /// `1..=100000`: events a page may hold, asked of the worker with `&limit=` (and the page's
+    /// event bytes with `&max_bytes=`: 1 MiB, or 7/8 of `max_response_bytes` if less; see
+    /// `polling::page_max_bytes`). Fewer, larger pages mean fewer sequential round trips per event; an endpoint may
+    /// serve less (its own cap) or ignore both.
+    pub page_events: u32,
 }
 
 impl Default for EventsConfig {
@@ -222,6 +232,7 @@ impl Default for EventsConfig {
             stale_after_ms: 5000,
             max_response_bytes: 4 * 1024 * 1024,
             long_poll_ms: 0,
+            page_events: DEFAULT_PAGE_EVENTS,
         }
     }
 }

@@ -40,17 +40,34 @@ pub fn call_path(events: &EventsConfig, kind: CallKind) -> String {
     match kind {
         CallKind::Events { after } => {
             let sep = if events.path.contains('?') { '&' } else { '?' };
+            let (limit, max_bytes) = (events.page_events, page_max_bytes(events));
             if events.long_poll_ms > 0 {
                 format!(
-                    "{}{sep}after={after}&wait_ms={}",
+                    "{}{sep}after={after}&limit={limit}&max_bytes={max_bytes}&wait_ms={}",
                     events.path, events.long_poll_ms
                 )
             } else {
-                format!("{}{sep}after={after}", events.path)
+                format!(
+                    "{}{sep}after={after}&limit={limit}&max_bytes={max_bytes}",
+                    events.path
+                )
             }
         }
         CallKind::Dump => events.dump_path.clone(),
     }
+}
+
+/// The most event bytes the poller asks a page to hold, whatever `max_response_bytes` allows:
+/// a page's body, its parse and its log batch pass through the VMs' linear memory, which never
+/// shrinks, so larger pages would raise every replica's memory for good (1 MiB keeps the
+/// transient buffers near the size they had with 1,000-event pages of large vLLM events).
+pub const PAGE_MAX_BYTES: usize = 1 << 20;
+
+/// The event bytes a page may hold (`&max_bytes=`): [`PAGE_MAX_BYTES`], or 7/8 of
+/// `events.max_response_bytes` if less (the rest left for the page's other fields, load and the
+/// worker's description, so a page the worker filled to the brim is not refused as oversized).
+pub fn page_max_bytes(events: &EventsConfig) -> usize {
+    (events.max_response_bytes - events.max_response_bytes / 8).min(PAGE_MAX_BYTES)
 }
 
 /// The call's timeout: a long poll may legitimately take `long_poll_ms` before it answers.
@@ -354,10 +371,16 @@ mod tests {
     #[test]
     fn long_poll_paths_and_timeouts() {
         let plain = events(0);
-        assert_eq!(call_path(&plain, EV), "/kv/events?after=5");
+        assert_eq!(
+            call_path(&plain, EV),
+            "/kv/events?after=5&limit=10000&max_bytes=1048576"
+        );
         assert_eq!(call_timeout_ms(&plain, EV), 1000);
         let long = events(3000);
-        assert_eq!(call_path(&long, EV), "/kv/events?after=5&wait_ms=3000");
+        assert_eq!(
+            call_path(&long, EV),
+            "/kv/events?after=5&limit=10000&max_bytes=1048576&wait_ms=3000"
+        );
         assert_eq!(
             call_timeout_ms(&long, EV),
             4000,

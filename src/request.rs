@@ -36,6 +36,7 @@ mod fast;
 mod visitors;
 
 use fast::parse_fast;
+pub(crate) use fast::scan_token_ids;
 use visitors::parse_object;
 
 /// Which OpenAI endpoint a body was sent to (decides whether `prompt` or `messages` is read).

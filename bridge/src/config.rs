@@ -61,8 +61,9 @@ pub struct Args {
     #[arg(long, default_value_t = 64 << 20)]
     pub max_event_bytes: usize,
 
-    /// Events per page at most.
-    #[arg(long, default_value_t = 1024)]
+    /// Events per page at most (a poller asking for fewer with `&limit=` gets fewer). Large
+    /// pages mean fewer sequential round trips for the filter; `--page-max-bytes` bounds them.
+    #[arg(long, default_value_t = 10_000)]
     pub page_max_events: usize,
 
     /// Bytes of events per page at most (stay below the filter's events.max_response_bytes).

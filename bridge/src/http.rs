@@ -41,6 +41,20 @@ pub fn router(shared: Arc<Shared>, limits: HttpLimits) -> Router {
 struct EventsQuery {
     after: Option<u64>,
     wait_ms: Option<u64>,
+    /// The poller's page bounds (the filter's `events.page_events` and 7/8 of its
+    /// `max_response_bytes`): a page is the smaller of these and the bridge's own caps.
+    limit: Option<usize>,
+    max_bytes: Option<usize>,
+}
+
+impl HttpLimits {
+    /// The page bounds for one call: the bridge's caps, lowered to what the caller asked for.
+    pub fn page_for(&self, limit: Option<usize>, max_bytes: Option<usize>) -> PageLimits {
+        PageLimits {
+            max_events: limit.map_or(self.page.max_events, |l| l.clamp(1, self.page.max_events)),
+            max_bytes: max_bytes.map_or(self.page.max_bytes, |b| b.clamp(1, self.page.max_bytes)),
+        }
+    }
 }
 
 fn json(status: StatusCode, body: String) -> Response {
@@ -70,7 +84,8 @@ async fn events(State(app): State<AppState>, query: Query<EventsQuery>) -> Respo
         }
     }
     let load = shared.load();
-    let body = shared.with_core(|core| core.page(after, app.limits.page, load));
+    let limits = app.limits.page_for(query.limit, query.max_bytes);
+    let body = shared.with_core(|core| core.page(after, limits, load));
     let body = crate::describe::splice(body, shared.worker_json().as_deref());
     json(StatusCode::OK, body)
 }
@@ -203,4 +218,26 @@ async fn metrics(State(app): State<AppState>) -> Response {
         out,
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod page_limit_tests {
+    use super::*;
+
+    #[test]
+    fn a_poller_may_ask_for_smaller_pages_never_larger_ones() {
+        let limits = HttpLimits {
+            page: PageLimits {
+                max_events: 10_000,
+                max_bytes: 2 << 20,
+            },
+            max_wait: Duration::from_secs(1),
+        };
+        assert_eq!(limits.page_for(None, None), limits.page);
+        let asked = limits.page_for(Some(500), Some(1 << 20));
+        assert_eq!((asked.max_events, asked.max_bytes), (500, 1 << 20));
+        let asked = limits.page_for(Some(1 << 30), Some(1 << 40));
+        assert_eq!(asked, limits.page);
+        assert_eq!(limits.page_for(Some(0), Some(0)).max_events, 1);
+    }
 }

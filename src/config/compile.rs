@@ -272,6 +272,13 @@ fn check_events(e: &EventsConfig) -> Result<(), ConfigError> {
         600_000,
         "within [0, 600000]",
     )?;
+    u64_in(
+        "events.page_events",
+        u64::from(e.page_events),
+        1,
+        u64::from(crate::config::MAX_PAGE_EVENTS),
+        "within [1, 100000]",
+    )?;
     // An idle worker answers a long poll only when it expires: the worker must not look silent
     // (stale) meanwhile.
     if long_poll_ms > 0 && long_poll_ms + e.timeout_ms > e.stale_after_ms {

@@ -101,6 +101,19 @@ impl<'de> Deserialize<'de> for WireId {
     }
 }
 
+/// Token ids as found on the wire. During [`parse_fast`] a cut array (`[]` in the copy) takes
+/// the ids the structural scan read for it; otherwise serde's value (see [`fast`]).
+struct WireTokens(Vec<u32>);
+
+impl<'de> Deserialize<'de> for WireTokens {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let parsed = Vec::<u32>::deserialize(d)?;
+        fast::take(parsed)
+            .map(WireTokens)
+            .map_err(de::Error::custom)
+    }
+}
+
 #[derive(Deserialize)]
 struct RawPage {
     block_size: Option<u64>,
@@ -135,7 +148,7 @@ struct RawEvent {
     kind: Option<String>,
     block_hashes: Option<Vec<WireHash>>,
     parent_block_hash: Option<WireHash>,
-    token_ids: Option<Vec<u32>>,
+    token_ids: Option<WireTokens>,
     block_size: Option<u64>,
     lora_name: Option<String>,
     medium: Option<String>,
@@ -270,10 +283,13 @@ fn vllm_event(
                 event_id,
                 field: "block_hashes",
             })?;
-            let tokens = raw.token_ids.ok_or(EventError::MissingEventField {
-                event_id,
-                field: "token_ids",
-            })?;
+            let tokens = raw
+                .token_ids
+                .ok_or(EventError::MissingEventField {
+                    event_id,
+                    field: "token_ids",
+                })?
+                .0;
             let expected_tokens = usize::try_from(expected_block_size)
                 .ok()
                 .and_then(|size| size.checked_mul(hashes.len()));
@@ -363,7 +379,10 @@ fn parse_body(
             max_bytes,
         });
     }
-    let raw: RawPage = serde_json::from_slice(body).map_err(|e| malformed(&e))?;
+    let raw: RawPage = match fast::parse(body) {
+        Some(raw) => raw,
+        None => serde_json::from_slice(body).map_err(|e| malformed(&e))?,
+    };
     let got = raw.block_size.ok_or(EventError::MissingField {
         field: "block_size",
     })?;
@@ -448,6 +467,124 @@ fn parse_body(
     })
 }
 
+/// The fast pass for the token ids of vLLM `BlockStored` events, which are most of a page's
+/// bytes: serde reads a number in ~100 instructions, the request path's SWAR scanner
+/// ([`crate::request::scan_token_ids`]) in a few. A structural scan finds every `"token_ids"`
+/// key whose value is an array, reads the array with the scanner and cuts it out of a copy of
+/// the body (`[]` in its place); serde then parses the copy, and each `token_ids` value it meets
+/// takes the next scanned array, in body order.
+///
+/// Why the answer is the serde pass's: a cut range is a complete array of plain integers (no
+/// quotes), so if serde accepts the copy, the original is valid JSON with the same structure, and
+/// without backslashes in the body (else no fast pass) a string runs from one `"` to the next,
+/// so the scan sees exactly the `"token_ids"` keys of the document, in order. Each key serde
+/// reads as an event's `token_ids` takes one entry; an entry serde never reads (the key inside
+/// an ignored field) or one taken out of step (a cut entry whose copy is not `[]`) fails the
+/// pass, and [`parse_body`] parses the original body with serde alone. `None` also when there is
+/// nothing to cut.
+mod fast {
+    use std::cell::RefCell;
+    use std::collections::VecDeque;
+
+    use super::RawPage;
+    use crate::request::scan_token_ids;
+
+    const KEY: &[u8] = b"\"token_ids\"";
+
+    /// One entry per `token_ids` array in body order: `Some(ids)` cut, `None` left to serde.
+    type Prefill = VecDeque<Option<Vec<u32>>>;
+
+    thread_local! {
+        /// The scanned arrays while [`parse`] runs (`None`: no fast pass in progress).
+        static PREFILL: RefCell<Option<Prefill>> = const { RefCell::new(None) };
+    }
+
+    fn skip_ws(body: &[u8], mut i: usize) -> usize {
+        while body
+            .get(i)
+            .is_some_and(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+        {
+            i += 1;
+        }
+        i
+    }
+
+    /// The page parsed with the token arrays cut out, or `None` (use the serde pass).
+    pub(super) fn parse(body: &[u8]) -> Option<RawPage> {
+        if body.contains(&b'\\') {
+            return None;
+        }
+        let mut cuts: Vec<(usize, usize)> = Vec::new();
+        let mut found = Prefill::new();
+        let mut i = 0;
+        while let Some(q) = body.get(i..)?.iter().position(|&b| b == b'"') {
+            let start = i + q;
+            let close = start + 1 + body.get(start + 1..)?.iter().position(|&b| b == b'"')?;
+            i = close + 1;
+            if body.get(start..i) != Some(KEY) {
+                continue;
+            }
+            let colon = skip_ws(body, i);
+            if body.get(colon) != Some(&b':') {
+                continue;
+            }
+            let value = skip_ws(body, colon + 1);
+            if body.get(value) != Some(&b'[') {
+                continue;
+            }
+            // An array of integers ends at the first `]` (the scanner sizes its buffer by the
+            // text it is given).
+            let end = body
+                .get(value..)?
+                .iter()
+                .position(|&b| b == b']')
+                .map_or(body.len(), |p| value + p + 1);
+            match scan_token_ids(body.get(value..end)?) {
+                Some((ids, len)) => {
+                    cuts.push((value, value + len));
+                    found.push_back(Some(ids));
+                    i = value + len;
+                }
+                None => found.push_back(None),
+            }
+        }
+        if cuts.is_empty() {
+            return None;
+        }
+        let cut_bytes: usize = cuts.iter().map(|&(s, e)| e - s).sum();
+        let mut copy = Vec::with_capacity(body.len() - cut_bytes + 2 * cuts.len());
+        let mut at = 0;
+        for &(s, e) in &cuts {
+            copy.extend_from_slice(body.get(at..s)?);
+            copy.extend_from_slice(b"[]");
+            at = e;
+        }
+        copy.extend_from_slice(body.get(at..)?);
+        PREFILL.with(|p| p.try_borrow_mut().ok().map(|mut p| *p = Some(found)))?;
+        let raw = serde_json::from_slice::<RawPage>(&copy).ok();
+        let left = PREFILL.with(|p| p.try_borrow_mut().ok().and_then(|mut p| p.take()));
+        // Every scanned array taken, in step.
+        raw.filter(|_| left.is_some_and(|l| l.is_empty()))
+    }
+
+    /// The ids of the `token_ids` value serde just read as `parsed`.
+    pub(super) fn take(parsed: Vec<u32>) -> Result<Vec<u32>, &'static str> {
+        PREFILL.with(|p| {
+            let Ok(mut p) = p.try_borrow_mut() else {
+                return Err("token id prefill busy");
+            };
+            let Some(queue) = p.as_mut() else {
+                return Ok(parsed); // the serde pass
+            };
+            match queue.pop_front() {
+                Some(Some(ids)) if parsed.is_empty() => Ok(ids),
+                Some(None) => Ok(parsed),
+                _ => Err("token ids out of step with the scan"),
+            }
+        })
+    }
+}
+
 /// Parses a `GET /kv/events?after=N` response body.
 pub fn parse_event_page(
     body: &[u8],
@@ -465,4 +602,88 @@ pub fn parse_dump(
     max_bytes: usize,
 ) -> Result<EventPage, EventError> {
     parse_body(body, expected_block_size, max_bytes, true)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
+mod tests {
+    use super::*;
+
+    /// The page as the serde pass alone reads it: a backslash anywhere turns the fast pass off,
+    /// and an unknown root field is ignored.
+    fn serde_only(body: &str) -> Result<EventPage, EventError> {
+        let marked = body.replacen('{', r#"{"_": "\/", "#, 1);
+        parse_event_page(marked.as_bytes(), 4, 1 << 20)
+    }
+
+    fn both(body: &str) -> (Result<EventPage, EventError>, Result<EventPage, EventError>) {
+        (
+            parse_event_page(body.as_bytes(), 4, 1 << 20),
+            serde_only(body),
+        )
+    }
+
+    fn stored(id: u64, tokens: &str) -> String {
+        format!(
+            r#"{{"type": "BlockStored", "event_id": {id}, "block_hashes": [{id}], "parent_block_hash": null, "token_ids": {tokens}, "block_size": 4, "medium": "GPU"}}"#
+        )
+    }
+
+    fn page(events: &[String], extra: &str) -> String {
+        format!(
+            r#"{{"block_size": 4, "first_event_id": 1, "last_event_id": 9{extra}, "events": [{}]}}"#,
+            events.join(",")
+        )
+    }
+
+    #[test]
+    fn the_token_id_fast_pass_gives_the_serde_pass_answer() {
+        let cases = [
+            // Plain, spaced, multi-digit and u32::MAX ids.
+            page(&[stored(1, "[1,2,3,4]"), stored(2, "[ 10 , 200,\n3000 ,4294967295 ]")], ""),
+            // An array the scanner declines (a float, a negative, too large): serde's error.
+            page(&[stored(1, "[1,2,3,4.5]")], ""),
+            page(&[stored(1, "[1,2,3,-4]")], ""),
+            page(&[stored(1, "[1,2,3,4294967296]")], ""),
+            page(&[stored(1, "[1,2,3,4]"), stored(2, "[1,2,3]")], ""),
+            // `token_ids` where no event reads it: in an ignored root field, in a string.
+            page(&[stored(1, "[1,2,3,4]")], r#", "x": {"token_ids": [7, 8]}"#),
+            page(&[stored(1, "[5,6,7,8]")], r#", "note": "\"token_ids\": [9]""#),
+            page(&[stored(1, "[5,6,7,8]")], r#", "note": "token_ids: [9]""#),
+            // Not an array: null (absent), a string.
+            page(&[stored(1, "null")], ""),
+            page(&[stored(1, r#""1,2,3,4""#)], ""),
+            // Truncated bodies.
+            page(&[stored(1, "[1,2,3,4]")], "")[..60].to_owned(),
+            r#"{"block_size": 4, "last_event_id": 1, "events": [{"type": "BlockStored", "event_id": 1, "token_ids": [1,2"#.to_owned(),
+            // A dump-like wrapped event, then a removal.
+            page(
+                &[
+                    stored(1, "[1,2,3,4]"),
+                    r#"{"type": "BlockRemoved", "event_id": 2, "block_hashes": [1], "medium": "GPU"}"#.to_owned(),
+                ],
+                "",
+            ),
+        ];
+        for body in &cases {
+            let (fast, plain) = both(body);
+            match (&fast, &plain) {
+                (Ok(a), Ok(b)) => assert_eq!(a.events, b.events, "{body}"),
+                (Err(_), Err(_)) => {}
+                _ => panic!("{body}: fast {fast:?} vs serde {plain:?}"),
+            }
+        }
+        // The fast pass took the plain page and gave way on the stray key.
+        assert!(fast::parse(cases[0].as_bytes()).is_some());
+        assert!(fast::parse(cases[5].as_bytes()).is_none());
+        assert!(fast::parse(cases[1].as_bytes()).is_none());
+        // The ids it cut are the ones hashed.
+        let page = parse_event_page(cases[0].as_bytes(), 4, 1 << 20).unwrap();
+        assert_eq!(page.events.len(), 2);
+        let IndexEvent::Stored { blocks, .. } = &page.events[1].event else {
+            panic!("stored")
+        };
+        let want = local_block_hashes(&[10, 200, 3000, u32::MAX], 4, hash_seed(None));
+        assert_eq!(blocks[0].1, want[0]);
+    }
 }

@@ -68,7 +68,7 @@ fn is_json_ws(b: u8) -> bool {
 /// whitespace, longer ids, fewer than 8 bytes left) goes through [`parse_token_id`] and the
 /// general separator rules, one id at a time, then back to the run (the same answer;
 /// `scan_agrees_with_the_reference_scanner` checks it).
-pub(super) fn scan_token_ids(text: &[u8]) -> Option<(Vec<u32>, usize)> {
+pub(crate) fn scan_token_ids(text: &[u8]) -> Option<(Vec<u32>, usize)> {
     if text.first() != Some(&b'[') {
         return None;
     }

@@ -25,7 +25,7 @@ use axum::response::{IntoResponse, Response};
 use futures_util::stream;
 use serde_json::{json, Value};
 
-use super::event_log::{is_stored_event, EventLog};
+use super::event_log::{is_stored_event, EventLog, PageLimits};
 use super::openai::{self, Shape};
 use super::routes::json_response;
 use super::InFlight;
@@ -90,6 +90,11 @@ impl EchoState {
 
     pub fn events_page(&self, after: u64) -> Value {
         lock(&self.log).page(after, self.block_size)
+    }
+
+    /// [`Self::events_page`] without `events`, and the `events` array's JSON text.
+    pub fn events_page_parts(&self, after: u64, limits: PageLimits) -> (Value, String) {
+        lock(&self.log).page_parts(after, self.block_size, limits)
     }
 
     pub fn dump(&self) -> Value {

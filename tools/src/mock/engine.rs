@@ -26,7 +26,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::block_hasher::{BlockHasher, Digest};
-use super::event_log::EventLog;
+use super::event_log::{EventLog, PageLimits};
 use super::kv_cache::{BlockHash, CacheEvent, KvCache};
 use super::kv_zmq::KvPublisher;
 use super::openai::VOCAB;
@@ -775,14 +775,22 @@ impl Engine {
 
     /// The event page (DESIGN.md) including `load`.
     pub fn events_page(&self, after: u64) -> Value {
+        let (mut page, events) = self.events_page_parts(after, PageLimits::default());
+        page["events"] = serde_json::from_str(&events).unwrap_or_default();
+        page
+    }
+
+    /// [`Self::events_page`] without `events`, and the `events` array's JSON text (see
+    /// [`super::event_log::splice_events`]).
+    pub fn events_page_parts(&self, after: u64, limits: PageLimits) -> (Value, String) {
         let g = lock(&self.inner);
-        let mut page = g.log.page(after, self.block_size);
+        let (mut page, events) = g.log.page_parts(after, self.block_size, limits);
         page["load"] = json!({
             "num_waiting": g.core.num_waiting(),
             "num_running": g.core.num_running(),
             "kv_usage": g.core.kv_usage(),
         });
-        page
+        (page, events)
     }
 
     /// The whole cache as BlockStored events, parents first, one block each; `event_id`s inside

@@ -14,12 +14,47 @@ pub const MAX_PAGE_EVENTS: usize = 1000;
 /// A page stops growing once its events' JSON reaches this size (it always holds at least one
 /// event): vLLM-shaped stored events carry their token ids and can be tens of KiB each.
 pub const MAX_PAGE_BYTES: usize = 1 << 20;
+/// The most a client may ask for with `limit` and `max_bytes` (the filter's `events.page_events`
+/// and 7/8 of its `max_response_bytes`).
+pub const MAX_ASKED_PAGE_EVENTS: usize = 100_000;
+pub const MAX_ASKED_PAGE_BYTES: usize = 64 << 20;
+
+/// A page's bounds: [`MAX_PAGE_EVENTS`] and [`MAX_PAGE_BYTES`] unless the client asks for
+/// others (`&limit=`, `&max_bytes=`), up to [`MAX_ASKED_PAGE_EVENTS`] and
+/// [`MAX_ASKED_PAGE_BYTES`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageLimits {
+    pub max_events: usize,
+    pub max_bytes: usize,
+}
+
+impl Default for PageLimits {
+    fn default() -> Self {
+        PageLimits {
+            max_events: MAX_PAGE_EVENTS,
+            max_bytes: MAX_PAGE_BYTES,
+        }
+    }
+}
+
+impl PageLimits {
+    /// The limits a client asked for (each absent one: the default), capped.
+    pub fn asked(limit: Option<usize>, max_bytes: Option<usize>) -> PageLimits {
+        let d = PageLimits::default();
+        PageLimits {
+            max_events: limit.map_or(d.max_events, |l| l.clamp(1, MAX_ASKED_PAGE_EVENTS)),
+            max_bytes: max_bytes.map_or(d.max_bytes, |b| b.clamp(1, MAX_ASKED_PAGE_BYTES)),
+        }
+    }
+}
+
 /// Default bound on the JSON size of all buffered events.
 pub const DEFAULT_MAX_BUFFER_BYTES: usize = 64 << 20;
 
 #[derive(Debug)]
 pub struct EventLog {
-    buf: VecDeque<(u64, Value, usize)>,
+    /// (id, event, its JSON text): pages are served from the text, without re-serializing.
+    buf: VecDeque<(u64, Value, String)>,
     next_id: u64,
     first_id: u64,
     capacity: usize,
@@ -50,13 +85,13 @@ impl EventLog {
         let id = self.next_id;
         self.next_id += 1;
         set_event_id(&mut event, id);
-        let bytes = serde_json::to_string(&event).map_or(0, |s| s.len());
-        self.buf.push_back((id, event, bytes));
-        self.bytes += bytes;
+        let text = serde_json::to_string(&event).unwrap_or_default();
+        self.bytes += text.len();
+        self.buf.push_back((id, event, text));
         while self.buf.len() > self.capacity || (self.bytes > self.max_bytes && self.buf.len() > 1)
         {
-            if let Some((_, _, b)) = self.buf.pop_front() {
-                self.bytes -= b;
+            if let Some((_, _, t)) = self.buf.pop_front() {
+                self.bytes -= t.len();
             }
         }
         self.first_id = self.buf.front().map_or(self.next_id, |(id, _, _)| *id);
@@ -97,18 +132,55 @@ impl EventLog {
     /// Up to `max` buffered events with id > `after`, stopping once `max_bytes` of JSON is
     /// reached (at least one event if any).
     pub fn events_after(&self, after: u64, max: usize, max_bytes: usize) -> Vec<Value> {
+        self.page_entries(after, max, max_bytes)
+            .map(|(_, e, _)| e.clone())
+            .collect()
+    }
+
+    /// The buffered entries [`EventLog::events_after`] picks.
+    fn page_entries(
+        &self,
+        after: u64,
+        max: usize,
+        max_bytes: usize,
+    ) -> impl Iterator<Item = &(u64, Value, String)> {
         let start = after.saturating_add(1).max(self.first_id);
         let skip = usize::try_from(start - self.first_id).unwrap_or(usize::MAX);
         let mut total = 0usize;
-        let mut out = Vec::new();
-        for (_, e, bytes) in self.buf.iter().skip(skip).take(max) {
-            if !out.is_empty() && total + bytes > max_bytes {
-                break;
+        let mut count = 0usize;
+        self.buf
+            .iter()
+            .skip(skip)
+            .take(max)
+            .take_while(move |(_, _, text)| {
+                let fits = count == 0 || total + text.len() <= max_bytes;
+                total += text.len();
+                count += 1;
+                fits
+            })
+    }
+
+    /// [`EventLog::page`] without its `events`, and the JSON text of that `events` array, cut
+    /// from the texts kept at push (no per-event clone or re-serialization: serving a page costs
+    /// a copy of its bytes, as in the bridge). Join them with [`splice_events`].
+    pub fn page_parts(&self, after: u64, block_size: usize, limits: PageLimits) -> (Value, String) {
+        let mut events = String::from("[");
+        for (i, (_, _, text)) in self
+            .page_entries(after, limits.max_events, limits.max_bytes)
+            .enumerate()
+        {
+            if i > 0 {
+                events.push(',');
             }
-            total += bytes;
-            out.push(e.clone());
+            events.push_str(text);
         }
-        out
+        events.push(']');
+        let page = json!({
+            "block_size": block_size,
+            "first_event_id": self.first_id(),
+            "last_event_id": self.last_id(),
+        });
+        (page, events)
     }
 
     /// The page body of DESIGN.md's event endpoint (without `load`).
@@ -120,6 +192,23 @@ impl EventLog {
             "events": self.events_after(after, MAX_PAGE_EVENTS, MAX_PAGE_BYTES),
         })
     }
+}
+
+/// The JSON text of the object `page` (no `events` key) with `"events": <events>` added.
+pub fn splice_events(page: &Value, events: &str) -> Vec<u8> {
+    let rest = serde_json::to_vec(page).unwrap_or_default();
+    let mut out = Vec::with_capacity(rest.len() + events.len() + 12);
+    out.extend_from_slice(b"{\"events\":");
+    out.extend_from_slice(events.as_bytes());
+    match rest.get(1..) {
+        // `{}`: nothing else to add.
+        Some(b"}") | None => out.push(b'}'),
+        Some(tail) => {
+            out.push(b',');
+            out.extend_from_slice(tail);
+        }
+    }
+    out
 }
 
 fn set_event_id(event: &mut Value, id: u64) {
@@ -206,5 +295,37 @@ mod tests {
         assert!(is_stored_event(e));
         assert!(is_stored_event(&json!({"type": "BlockStored"})));
         assert!(!is_stored_event(&json!({"data": "cleared"})));
+    }
+
+    #[test]
+    fn served_pages_equal_the_value_pages() {
+        let mut log = EventLog::with_limits(5000, 1 << 20);
+        let (page, events) = log.page_parts(0, 16, PageLimits::default());
+        let body: Value = serde_json::from_slice(&splice_events(&page, &events)).unwrap();
+        assert_eq!(body, log.page(0, 16));
+        for i in 0..1500u64 {
+            log.push(json!({"type": "BlockRemoved", "block_hashes": [i], "medium": "GPU"}));
+        }
+        for after in [0, 1450, 1500, 2000] {
+            let (page, events) = log.page_parts(after, 16, PageLimits::default());
+            let body: Value = serde_json::from_slice(&splice_events(&page, &events)).unwrap();
+            assert_eq!(body, log.page(after, 16), "after {after}");
+        }
+        // Larger pages when asked, by count and by bytes.
+        let asked = PageLimits::asked(Some(5000), None);
+        let (_, events) = log.page_parts(0, 16, asked);
+        assert_eq!(
+            serde_json::from_str::<Vec<Value>>(&events).unwrap().len(),
+            1500
+        );
+        let asked = PageLimits::asked(Some(5000), Some(200));
+        let (_, events) = log.page_parts(0, 16, asked);
+        let got = serde_json::from_str::<Vec<Value>>(&events).unwrap();
+        assert!(!got.is_empty() && got.len() < 5, "{} events", got.len());
+        assert_eq!(PageLimits::asked(Some(0), Some(1 << 40)).max_events, 1);
+        assert_eq!(
+            PageLimits::asked(Some(1 << 30), Some(1 << 40)).max_bytes,
+            MAX_ASKED_PAGE_BYTES
+        );
     }
 }

@@ -15,6 +15,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use serde_json::{json, Value};
 
+use super::event_log::{splice_events, PageLimits};
 use super::openai::{self, ApiKind, Shape};
 use super::render;
 use super::{
@@ -181,14 +182,16 @@ async fn kv_events(State(w): Worker, RawQuery(query): RawQuery) -> Response {
     let after = query_param(&query, "after")
         .and_then(|a| a.parse::<u64>().ok())
         .unwrap_or(0);
-    let mut page = match &w.backend {
-        Backend::Echo(e) => e.events_page(after),
-        Backend::Engine(e) => e.events_page(after),
+    let number = |name: &str| query_param(&query, name).and_then(|v| v.parse::<usize>().ok());
+    let limits = PageLimits::asked(number("limit"), number("max_bytes"));
+    let (mut page, events) = match &w.backend {
+        Backend::Echo(e) => e.events_page_parts(after, limits),
+        Backend::Engine(e) => e.events_page_parts(after, limits),
     };
     if let Some(load) = w.load_override() {
         page["load"] = load;
     }
-    event_body(&w, page).await
+    event_body(&w, page, Some(&events)).await
 }
 
 async fn kv_dump(State(w): Worker) -> Response {
@@ -196,16 +199,27 @@ async fn kv_dump(State(w): Worker) -> Response {
         Backend::Echo(e) => e.dump(),
         Backend::Engine(e) => e.dump(),
     };
-    event_body(&w, dump).await
+    event_body(&w, dump, None).await
 }
 
 /// An event page or dump, as the injected fault (if any) would have it.
-async fn event_body(w: &MockWorker, mut body: Value) -> Response {
+/// An event page or dump; `events`: the page's `events` array as JSON text, spliced into `body`
+/// as served (a page is never re-serialized event by event).
+async fn event_body(w: &MockWorker, mut body: Value, events: Option<&str>) -> Response {
+    let respond = |body: &Value| match events {
+        Some(events) => (
+            StatusCode::OK,
+            [(CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+            splice_events(body, events),
+        )
+            .into_response(),
+        None => json_response(200, body),
+    };
     if let Some(d) = w.description() {
         body["worker"] = d;
     }
     match w.fault() {
-        EventsFault::None => json_response(200, &body),
+        EventsFault::None => respond(&body),
         EventsFault::Http500 => json_response(500, &json!({"error": "injected fault"})),
         EventsFault::Malformed => (
             [(CONTENT_TYPE, HeaderValue::from_static("application/json"))],
@@ -222,11 +236,11 @@ async fn event_body(w: &MockWorker, mut body: Value) -> Response {
         }
         EventsFault::WrongBlockSize => {
             body["block_size"] = json!(w.options().block_size * 2);
-            json_response(200, &body)
+            respond(&body)
         }
         EventsFault::Oversized => {
             body["padding"] = json!("x".repeat(OVERSIZED_PADDING_BYTES));
-            json_response(200, &body)
+            respond(&body)
         }
     }
 }
