@@ -295,18 +295,32 @@ fn start_envoy_with(
 // 1. CPU per request by prompt size
 // ---------------------------------------------------------------------------------------------
 
+/// `ENVOY_CPU_SIZE_WASM=before=target/ab/before.wasm,...`: more builds of this filter in the
+/// prompt-size table, each its own Envoy in the same interleaved rounds (columns after `kv`).
+fn extra_size_builds() -> Vec<(String, String)> {
+    std::env::var("ENVOY_CPU_SIZE_WASM")
+        .ok()
+        .map(|v| {
+            v.split(',')
+                .filter_map(|b| b.split_once('='))
+                .map(|(n, p)| (n.to_string(), p.to_string()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 fn cpu_by_prompt_size(quick: bool) {
     let worker = Worker::spawn(1, &["--mode", "echo", "--block-size", "64"]).expect("echo worker");
     let workers = json!([{"id": 1, "address": worker.addr}]);
     let floor_config = Value::String(format!("{DEST_HEADER} {}", worker.addr));
     let addrs = vec![worker.addr.clone()];
-    let envoys = [
+    let mut envoys = vec![
         (
-            "plain",
+            "plain".to_string(),
             start_envoy(Value::Null, addrs.clone(), None, false),
         ),
         (
-            "floor",
+            "floor".to_string(),
             start_envoy(
                 floor_config,
                 addrs.clone(),
@@ -315,11 +329,26 @@ fn cpu_by_prompt_size(quick: bool) {
             ),
         ),
         (
-            "kv",
-            start_envoy(kv_config(workers, json!({})), addrs, None, true),
+            "kv".to_string(),
+            start_envoy(
+                kv_config(workers.clone(), json!({})),
+                addrs.clone(),
+                None,
+                true,
+            ),
         ),
     ];
-    let kv = &envoys[2].1;
+    for (name, wasm) in extra_size_builds() {
+        let envoy = start_envoy(
+            kv_config(workers.clone(), json!({})),
+            addrs.clone(),
+            Some(&wasm),
+            true,
+        );
+        envoys.push((name, envoy));
+    }
+    // Envoys 2.. run this filter (the current build, then the extra ones).
+    let kv_builds = 2..envoys.len();
     // The floor filter did steer: the echo mock shows the destination header it received.
     let probe = completion_body(&prompt(64, 0));
     let resp = envoy_kv_router_tools::client::request(
@@ -337,29 +366,45 @@ fn cpu_by_prompt_size(quick: bool) {
         json!(worker.addr),
         "floor filter did not set {DEST_HEADER}"
     );
-    let rounds = if quick { 5 } else { 15 };
+    let rounds: usize = std::env::var("ENVOY_CPU_SIZE_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if quick { 5 } else { 15 });
+    // `ENVOY_CPU_TOKENS=4096,65536`: a subset of the prompt sizes.
+    let sizes: Vec<u32> = std::env::var("ENVOY_CPU_TOKENS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|n| n.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![1024, 4096, 16_384, 65_536, 131_072]);
     println!("### 1. Envoy CPU per request by prompt size");
     println!();
     println!(
         "Envoy `--concurrency 1`, echo mock, closed loop of {CLIENTS} keep-alive clients, {rounds} rounds \
-         interleaving the three Envoys; CPU = Envoy process on-CPU time per request, median over \
+         interleaving the Envoys; CPU = Envoy process on-CPU time per request, median over \
          rounds; latency p50 / p99 over all rounds' requests. `kv`: this filter, the prompt's \
          blocks held by the worker in its index."
     );
     println!();
-    println!("| prompt tokens | body | plain | floor filter | kv filter | kv / floor | kv − floor | p50 / p99 plain | p50 / p99 floor | p50 / p99 kv | kv overlap blocks |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
-    for (i, tokens) in [1024u32, 4096, 16_384, 65_536, 131_072]
-        .into_iter()
-        .enumerate()
-    {
+    let extra: Vec<&str> = envoys[3..].iter().map(|(n, _)| n.as_str()).collect();
+    let mut head = String::from("| prompt tokens | body | plain | floor filter | kv filter |");
+    let mut rule = String::from("|---|---|---|---|---|");
+    for n in &extra {
+        head.push_str(&format!(" {n} | {n} / floor |"));
+        rule.push_str("---|---|");
+    }
+    head.push_str(" kv / floor | kv − floor | p50 / p99 plain | p50 / p99 floor | p50 / p99 kv | kv overlap blocks |");
+    rule.push_str("---|---|---|---|---|---|");
+    println!("{head}");
+    println!("{rule}");
+    for (i, tokens) in sizes.into_iter().enumerate() {
         let prompt = prompt(tokens, i as u32 + 1);
         let body = completion_body(&prompt);
-        feed(
-            kv,
-            &worker,
-            &json!([stored_event(&prompt, (i as u64 + 1) << 32)]),
-        );
+        for k in kv_builds.clone() {
+            feed(
+                &envoys[k].1,
+                &worker,
+                &json!([stored_event(&prompt, (i as u64 + 1) << 32)]),
+            );
+        }
         // ~0.1-0.3 s of Envoy time per Envoy and round.
         let per_round = ((if quick { 200_000 } else { 400_000 }) / tokens as usize).clamp(12, 400);
         let mut conns: Vec<Vec<Conn>> = envoys
@@ -367,6 +412,7 @@ fn cpu_by_prompt_size(quick: bool) {
             .map(|(_, e)| (0..CLIENTS).map(|_| Conn::new(&e.listener)).collect())
             .collect();
         // The chosen worker's cached prefix as the filter counts it (its `overlap_blocks`).
+        let kv = &envoys[2].1;
         let before = kv.router_stat("overlap_blocks");
         conns[2][0].post(&body).expect("kv request");
         let overlap = kv.router_stat("overlap_blocks") - before;
@@ -374,8 +420,8 @@ fn cpu_by_prompt_size(quick: bool) {
         for (k, (_, e)) in envoys.iter().enumerate() {
             closed_loop(&mut conns[k], &body, 2 * CLIENTS, e.pid());
         }
-        let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); 3];
-        let mut lat: Vec<Vec<f64>> = vec![Vec::new(); 3];
+        let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); envoys.len()];
+        let mut lat: Vec<Vec<f64>> = vec![Vec::new(); envoys.len()];
         for _ in 0..rounds {
             for (k, (_, e)) in envoys.iter().enumerate() {
                 let (l, ns) = closed_loop(&mut conns[k], &body, per_round, e.pid());
@@ -391,13 +437,19 @@ fn cpu_by_prompt_size(quick: bool) {
                 us(quantile(&lat[k], 0.99) * 1e3)
             )
         };
-        println!(
-            "| {} | {} KB | {} | {} | {} | {:.2}x | {} | {} | {} | {} | {}/{} |",
+        let mut row = format!(
+            "| {} | {} KB | {} | {} | {} |",
             thousands(tokens as usize),
             body.len() / 1024,
             us(m[0]),
             us(m[1]),
             us(m[2]),
+        );
+        for k in 3..envoys.len() {
+            row.push_str(&format!(" {} | {:.2}x |", us(m[k]), m[k] / m[1]));
+        }
+        row.push_str(&format!(
+            " {:.2}x | {} | {} | {} | {} | {}/{} |",
             m[2] / m[1],
             us(m[2] - m[1]),
             pl(0),
@@ -405,7 +457,77 @@ fn cpu_by_prompt_size(quick: bool) {
             pl(2),
             overlap,
             tokens / BLOCK_SIZE
+        ));
+        println!("{row}");
+    }
+    println!();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1b. Host calls per request
+// ---------------------------------------------------------------------------------------------
+
+/// Host calls per request of the `count-host-calls` builds (`scripts/build-wasm.sh
+/// --count-host-calls`): `ENVOY_CPU_COUNT_WASM=before=a.wasm,after=b.wasm`, default
+/// target/envoy_kv_router_count.wasm. A 4k-token request, non-streamed and streamed, through
+/// the echo mock; every callback of the request's context counted (ticks are not).
+fn host_calls() {
+    let builds: Vec<(String, String)> = match std::env::var("ENVOY_CPU_COUNT_WASM") {
+        Ok(v) => v
+            .split(',')
+            .filter_map(|b| b.split_once('='))
+            .map(|(n, p)| (n.to_string(), p.to_string()))
+            .collect(),
+        Err(_) => vec![(
+            "current".to_string(),
+            "target/envoy_kv_router_count.wasm".to_string(),
+        )],
+    };
+    let worker = Worker::spawn(1, &["--mode", "echo", "--block-size", "64"]).expect("echo worker");
+    let workers = json!([{"id": 1, "address": worker.addr}]);
+    let prompt = prompt(4096, 5);
+    worker
+        .admin("/admin/events", &json!([stored_event(&prompt, 5 << 32)]))
+        .expect("publish");
+    println!("### Host calls per request");
+    println!();
+    println!("| build | request | host calls per request |");
+    println!("|---|---|---|");
+    for (name, wasm) in builds {
+        let envoy = start_envoy(
+            kv_config(workers.clone(), json!({})),
+            vec![worker.addr.clone()],
+            Some(&wasm),
+            true,
         );
+        let ok = envoy.wait_for(Duration::from_secs(60), |e| {
+            e.router_stat("events.applied") > 0
+        });
+        assert!(ok, "the filter did not apply the worker's events");
+        for stream in [false, true] {
+            let body = json!({"model": "m", "prompt": prompt, "max_tokens": 4, "stream": stream})
+                .to_string()
+                .into_bytes();
+            let mut conns = vec![Conn::new(&envoy.listener)];
+            closed_loop(&mut conns, &body, 4, envoy.pid());
+            let (calls0, reqs0) = (
+                envoy.router_stat("debug.host_calls"),
+                envoy.router_stat("debug.requests"),
+            );
+            closed_loop(&mut conns, &body, 20, envoy.pid());
+            // on_log (which publishes the count) may run just after the response is read.
+            let done = envoy.wait_for(Duration::from_secs(10), |e| {
+                e.router_stat("debug.requests") >= reqs0 + 20
+            });
+            assert!(done, "{name}: no host-call counts (not a count-host-calls build?)");
+            let calls = envoy.router_stat("debug.host_calls") - calls0;
+            let reqs = envoy.router_stat("debug.requests") - reqs0;
+            println!(
+                "| {name} | 4,096 tokens, {} | {:.1} |",
+                if stream { "streamed" } else { "not streamed" },
+                calls as f64 / reqs as f64
+            );
+        }
     }
     println!();
 }
@@ -768,6 +890,9 @@ fn main() {
     println!();
     if only("size") {
         cpu_by_prompt_size(quick);
+    }
+    if args.iter().any(|a| a == "hostcalls") {
+        host_calls();
     }
     if only("fleet") {
         // HTTP/2 upstream by default: with HTTP/1.1 each held request takes 2 descriptors.

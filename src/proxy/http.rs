@@ -22,7 +22,6 @@ use crate::request::{
 use crate::router::{decide, prompt_blocks, Decision, RouteError, RouteInput};
 use crate::text::{excerpt, MAX_EXCERPT_BYTES};
 use crate::types::SequenceHash;
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 use std::cell::RefCell;
@@ -77,6 +76,8 @@ pub struct RequestContext {
     booking: Option<Booking>,
     /// A tokenizer call in flight; the request is paused until it answers.
     render: Option<PendingRender>,
+    /// Host calls made by this request's callbacks (`count-host-calls` builds; 0 otherwise).
+    host_calls: u64,
 }
 
 /// A text request waiting for its exact ids from the tokenizer service.
@@ -100,6 +101,7 @@ impl RequestContext {
             outcome: None,
             booking: None,
             render: None,
+            host_calls: 0,
         }
     }
 
@@ -315,7 +317,7 @@ impl RequestContext {
         };
         let vm_rc = Rc::clone(&self.vm);
         let Ok(mut vm_guard) = vm_rc.try_borrow_mut() else {
-            let _ = hostcalls::resume_http_request();
+            let _ = host::resume_request();
             return;
         };
         let vm: &mut VmState = &mut vm_guard;
@@ -366,7 +368,7 @@ impl RequestContext {
         };
         // A local reply (a rejection) already ended the stream.
         if matches!(action, Action::Continue) {
-            let _ = hostcalls::resume_http_request();
+            let _ = host::resume_request();
         }
     }
 
@@ -868,20 +870,9 @@ fn reject(status: u32, kind: &str, message: &str, retry_after_secs: Option<u32>)
     Action::Pause
 }
 
-impl Context for RequestContext {
-    fn on_http_call_response(
-        &mut self,
-        token_id: u32,
-        num_headers: usize,
-        body_size: usize,
-        _num_trailers: usize,
-    ) {
-        self.render_done(token_id, num_headers, body_size);
-    }
-}
-
-impl HttpContext for RequestContext {
-    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+/// The callbacks' bodies: the trait impls below count each one's host calls around them.
+impl RequestContext {
+    fn request_headers(&mut self, end_of_stream: bool) -> Action {
         #[cfg(feature = "test-crash-trigger")]
         crate::proxy::crash_trigger::trap_if_asked();
         let Some(config) = self.config() else {
@@ -905,7 +896,7 @@ impl HttpContext for RequestContext {
         Action::Pause
     }
 
-    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    fn request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if self.endpoint.is_none() || self.decided {
             return Action::Continue;
         }
@@ -934,7 +925,7 @@ impl HttpContext for RequestContext {
         }
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    fn response_headers(&mut self) -> Action {
         self.follow_retry();
         if let Some(outcome) = &self.outcome {
             host::set_header(
@@ -981,7 +972,7 @@ impl HttpContext for RequestContext {
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+    fn response_body(&mut self, body_size: usize) -> Action {
         if body_size == 0 || self.booking.is_none() {
             return Action::Continue;
         }
@@ -995,7 +986,7 @@ impl HttpContext for RequestContext {
         Action::Continue
     }
 
-    fn on_log(&mut self) {
+    fn log(&mut self) {
         let Some(booking) = self.booking.take() else {
             return;
         };
@@ -1015,5 +1006,73 @@ impl HttpContext for RequestContext {
             Release::Unknown => vm.metrics.inc("load.release_unknown"),
             Release::Deferred => vm.metrics.inc("load.release_deferred"),
         }
+    }
+}
+
+impl RequestContext {
+    /// Adds the host calls made since `mark` (a [`host::calls`] reading) to this request's.
+    fn count_host_calls(&mut self, mark: u64) {
+        self.host_calls += host::calls().saturating_sub(mark);
+    }
+
+    /// `debug.host_calls` and `debug.requests` (the `count-host-calls` build only): the host
+    /// calls of every callback of this request's context, for the benchmarks.
+    fn flush_host_calls(&mut self) {
+        #[cfg(feature = "count-host-calls")]
+        if let Ok(mut vm) = self.vm.try_borrow_mut() {
+            vm.metrics.add("debug.host_calls", self.host_calls);
+            vm.metrics.inc("debug.requests");
+        }
+    }
+}
+
+impl Context for RequestContext {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let mark = host::calls();
+        self.render_done(token_id, num_headers, body_size);
+        self.count_host_calls(mark);
+    }
+}
+
+impl HttpContext for RequestContext {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let mark = host::calls();
+        let action = self.request_headers(end_of_stream);
+        self.count_host_calls(mark);
+        action
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let mark = host::calls();
+        let action = self.request_body(body_size, end_of_stream);
+        self.count_host_calls(mark);
+        action
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let mark = host::calls();
+        let action = self.response_headers();
+        self.count_host_calls(mark);
+        action
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+        let mark = host::calls();
+        let action = self.response_body(body_size);
+        self.count_host_calls(mark);
+        action
+    }
+
+    fn on_log(&mut self) {
+        let mark = host::calls();
+        self.log();
+        self.count_host_calls(mark);
+        self.flush_host_calls();
     }
 }

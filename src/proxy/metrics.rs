@@ -6,7 +6,7 @@
 
 use crate::events::{IndexEvent, NumberedEvent};
 use hashbrown::HashMap;
-use proxy_wasm::hostcalls;
+use super::host;
 use proxy_wasm::types::MetricType;
 
 const PREFIX: &str = "kv_router.";
@@ -51,7 +51,7 @@ impl Metrics {
         if let Some(id) = ids.get(name) {
             return Some(*id);
         }
-        let id = hostcalls::define_metric(kind, &format!("{PREFIX}{name}")).ok()?;
+        let id = host::define_metric(kind, &format!("{PREFIX}{name}"))?;
         ids.insert(name.to_string(), id);
         Some(id)
     }
@@ -65,7 +65,7 @@ impl Metrics {
             return;
         }
         if let Some(id) = self.id(MetricType::Counter, name) {
-            let _ = hostcalls::increment_metric(id, i64::try_from(amount).unwrap_or(i64::MAX));
+            host::increment_metric(id, i64::try_from(amount).unwrap_or(i64::MAX));
         }
     }
 
@@ -78,13 +78,13 @@ impl Metrics {
 
     pub fn gauge(&mut self, name: &str, value: u64) {
         if let Some(id) = self.id(MetricType::Gauge, name) {
-            let _ = hostcalls::record_metric(id, value);
+            host::record_metric(id, value);
         }
     }
 
     pub fn histogram(&mut self, name: &str, value: u64) {
         if let Some(id) = self.id(MetricType::Histogram, name) {
-            let _ = hostcalls::record_metric(id, value);
+            host::record_metric(id, value);
         }
     }
 }
