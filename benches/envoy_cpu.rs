@@ -519,7 +519,10 @@ fn host_calls() {
             let done = envoy.wait_for(Duration::from_secs(10), |e| {
                 e.router_stat("debug.requests") >= reqs0 + 20
             });
-            assert!(done, "{name}: no host-call counts (not a count-host-calls build?)");
+            assert!(
+                done,
+                "{name}: no host-call counts (not a count-host-calls build?)"
+            );
             let calls = envoy.router_stat("debug.host_calls") - calls0;
             let reqs = envoy.router_stat("debug.requests") - reqs0;
             println!(

@@ -4,9 +4,9 @@
 //! Every name comes from a bounded set (outcomes, reasons, configured worker ids), so the number
 //! of stats stays bounded too.
 
+use super::host;
 use crate::events::{IndexEvent, NumberedEvent};
 use hashbrown::HashMap;
-use super::host;
 use proxy_wasm::types::MetricType;
 
 const PREFIX: &str = "kv_router.";
