@@ -415,6 +415,10 @@ fn cpu_by_prompt_size(quick: bool) {
         let kv = &envoys[2].1;
         let before = kv.router_stat("overlap_blocks");
         conns[2][0].post(&body).expect("kv request");
+        // The counter reaches the host on the VM's next tick.
+        kv.wait_for(Duration::from_secs(5), |e| {
+            e.router_stat("overlap_blocks") > before
+        });
         let overlap = kv.router_stat("overlap_blocks") - before;
         // Warm-up: connections, upstream pools, the VMs' buffers.
         for (k, (_, e)) in envoys.iter().enumerate() {

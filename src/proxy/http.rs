@@ -78,6 +78,8 @@ pub struct RequestContext {
     render: Option<PendingRender>,
     /// Host calls made by this request's callbacks (`count-host-calls` builds; 0 otherwise).
     host_calls: u64,
+    /// This filter wrote the destination header (which replaces any value the client sent).
+    destination_set: bool,
 }
 
 /// A text request waiting for its exact ids from the tokenizer service.
@@ -102,11 +104,39 @@ impl RequestContext {
             booking: None,
             render: None,
             host_calls: 0,
+            destination_set: false,
         }
     }
 
     fn config(&self) -> Option<Rc<Config>> {
         self.vm.try_borrow().ok().map(|vm| Rc::clone(&vm.config))
+    }
+
+    /// Steers the request: the header replaces any value the client sent.
+    fn set_destination(&mut self, config: &Config, value: &str) {
+        host::set_header(
+            MapType::HttpRequestHeaders,
+            &config.destination_header,
+            Some(value),
+        );
+        self.destination_set = true;
+    }
+
+    /// Clients never choose their upstream: before an LLM request goes on without a destination
+    /// of this filter's, any destination the client sent is dropped. (Removed here rather than
+    /// at the headers: on the usual path the filter's own value replaces it, one host call less.)
+    fn drop_client_destination(&mut self) {
+        if self.destination_set {
+            return;
+        }
+        if let Some(config) = self.config() {
+            host::set_header(
+                MapType::HttpRequestHeaders,
+                &config.destination_header,
+                None,
+            );
+        }
+        self.destination_set = true;
     }
 
     /// Notes the pin headers (parsed only when client hints are honoured) and removes them: the
@@ -317,6 +347,7 @@ impl RequestContext {
         };
         let vm_rc = Rc::clone(&self.vm);
         let Ok(mut vm_guard) = vm_rc.try_borrow_mut() else {
+            self.drop_client_destination();
             let _ = host::resume_request();
             return;
         };
@@ -368,6 +399,7 @@ impl RequestContext {
         };
         // A local reply (a rejection) already ended the stream.
         if matches!(action, Action::Continue) {
+            self.drop_client_destination();
             let _ = host::resume_request();
         }
     }
@@ -517,11 +549,7 @@ impl RequestContext {
             Some(note) => format!("{}:{note}", decision.reason.as_str()),
             None => decision.reason.as_str().to_string(),
         };
-        host::set_header(
-            MapType::HttpRequestHeaders,
-            &config.destination_header,
-            Some(&destination),
-        );
+        self.set_destination(config, &destination);
         host::set_header(MapType::HttpRequestHeaders, REASON_HEADER, Some(&reason));
         if worker.dp_size > 1 {
             host::set_header(
@@ -574,10 +602,12 @@ impl RequestContext {
             vm.metrics.inc("load.update_failed");
         }
 
+        // Every request's counters: kept in the VM until the tick (see `Metrics::add_later`).
         vm.metrics
-            .inc(&format!("routed.{}", decision.reason.as_str()));
+            .add_later(&format!("routed.{}", decision.reason.as_str()), 1);
         let overlap_blocks = decision.overlap.device_blocks;
-        vm.metrics.add("overlap_blocks", u64::from(overlap_blocks));
+        vm.metrics
+            .add_later("overlap_blocks", u64::from(overlap_blocks));
         vm.metrics
             .histogram("overlap_blocks_per_request", u64::from(overlap_blocks));
         let mut outcome = Outcome {
@@ -654,11 +684,7 @@ impl RequestContext {
         let pick = usize::try_from(vm.new_request_key() % count as u64).unwrap_or(0);
         let reason = format!("fallback:{why}");
         if let Some(worker) = routable.get(pick) {
-            host::set_header(
-                MapType::HttpRequestHeaders,
-                &config.destination_header,
-                Some(&worker.address_text),
-            );
+            self.set_destination(config, &worker.address_text);
             self.outcome = Some(Outcome {
                 reason: reason.clone(),
                 detail: config.response_headers.then(|| OutcomeDetail {
@@ -876,17 +902,14 @@ impl RequestContext {
         #[cfg(feature = "test-crash-trigger")]
         crate::proxy::crash_trigger::trap_if_asked();
         let Some(config) = self.config() else {
+            // Clients never choose their upstream, on any path.
+            self.drop_client_destination();
             return Action::Continue;
         };
-        // Clients never choose their upstream: drop any destination they sent, on every path.
-        host::set_header(
-            MapType::HttpRequestHeaders,
-            &config.destination_header,
-            None,
-        );
         let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
         self.endpoint = Endpoint::from_path(&path, &config.llm_paths);
         if self.endpoint.is_none() {
+            self.drop_client_destination();
             return Action::Continue;
         }
         self.take_header_pin(config.client_routing_hints);
@@ -925,8 +948,15 @@ impl RequestContext {
         }
     }
 
-    fn response_headers(&mut self) -> Action {
-        self.follow_retry();
+    fn response_headers(&mut self, end_of_stream: bool) -> Action {
+        // Where Envoy sent the request matters while the booking lasts: through a stream, or for
+        // the reported worker. A whole response is released as soon as it ends (below), from
+        // the slot it was booked on, so its upstream address is not read.
+        let moves = self.booking.as_ref().is_some_and(|b| b.stream)
+            || self.config().is_some_and(|c| c.response_headers);
+        if moves {
+            self.follow_retry();
+        }
         if let Some(outcome) = &self.outcome {
             host::set_header(
                 MapType::HttpResponseHeaders,
@@ -965,15 +995,30 @@ impl RequestContext {
                 }
             }
         }
-        // A non-streamed response arrives whole: its headers mark the end of prefill.
-        if self.booking.as_ref().is_some_and(|b| !b.stream) {
-            self.first_token();
+        // A response without a body ends here. Otherwise the first body bytes end the prefill
+        // (for a whole, non-streamed response they usually come with its end: then one update
+        // releases the request, prefill included).
+        if end_of_stream {
+            self.release_booking();
         }
         Action::Continue
     }
 
-    fn response_body(&mut self, body_size: usize) -> Action {
-        if body_size == 0 || self.booking.is_none() {
+    fn response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.booking.is_none() {
+            return Action::Continue;
+        }
+        // The worker is done with the request when its response ends: released now, in one
+        // load-table update (first token and release at once), not at `on_log`, which may come
+        // later (a slow client draining Envoy's buffer).
+        if end_of_stream {
+            self.release_booking();
+            return Action::Continue;
+        }
+        // A whole (non-streamed) response is only sent once generation is over, and its end
+        // follows its first bytes at once (HTTP/1.1 delivers the body, then an empty end): its
+        // release above ends its prefill too, with one update instead of two.
+        if body_size == 0 || self.booking.as_ref().is_some_and(|b| !b.stream) {
             return Action::Continue;
         }
         self.first_token();
@@ -987,6 +1032,12 @@ impl RequestContext {
     }
 
     fn log(&mut self) {
+        // Whatever ended the stream (reset, timeout, local reply), its booking goes.
+        self.release_booking();
+    }
+
+    /// Releases exactly what the request booked (once: the booking is taken).
+    fn release_booking(&mut self) {
         let Some(booking) = self.booking.take() else {
             return;
         };
@@ -1044,6 +1095,9 @@ impl HttpContext for RequestContext {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let mark = host::calls();
         let action = self.request_headers(end_of_stream);
+        if matches!(action, Action::Continue) {
+            self.drop_client_destination();
+        }
         self.count_host_calls(mark);
         action
     }
@@ -1051,20 +1105,32 @@ impl HttpContext for RequestContext {
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let mark = host::calls();
         let action = self.request_body(body_size, end_of_stream);
+        if matches!(action, Action::Continue) {
+            self.drop_client_destination();
+        }
         self.count_host_calls(mark);
         action
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    /// A request with trailers goes on here without a decision (the body never ended): it must
+    /// not keep a destination the client sent either.
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
         let mark = host::calls();
-        let action = self.response_headers();
+        self.drop_client_destination();
+        self.count_host_calls(mark);
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let mark = host::calls();
+        let action = self.response_headers(end_of_stream);
         self.count_host_calls(mark);
         action
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let mark = host::calls();
-        let action = self.response_body(body_size);
+        let action = self.response_body(body_size, end_of_stream);
         self.count_host_calls(mark);
         action
     }
