@@ -460,7 +460,7 @@ impl RequestContext {
             merge_predictions(vm, config, hashes, from_text, now, &mut overlaps);
         }
         // One get and decode serve both the decision and the booking's first CAS attempt.
-        let snapshot = load_store::read_snapshot(&HostStore, config.slots.len());
+        let mut snapshot = load_store::read_snapshot(&HostStore, config.slots.len());
         let mut load = std::mem::take(&mut vm.load_view);
         snapshot.view_into(now, &mut load);
         if config.load.reported_load {
