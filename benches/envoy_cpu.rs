@@ -21,6 +21,15 @@
 //!
 //! Usage: `cargo bench --bench envoy_cpu [-- --quick]` (needs `make build`: the Envoy in .venv,
 //! target/envoy_kv_router.wasm, target/floor_filter.wasm, the mock worker).
+//! `-- --only size,fleet,events` picks sections. Before/after runs, side by side:
+//! * table 1: `ENVOY_CPU_SIZE_WASM=before=target/ab/before.wasm` adds Envoys running other builds
+//!   of this filter to the same interleaved rounds (`KV_ROUTER_WASM` picks the `kv` column's);
+//!   `ENVOY_CPU_SIZE_ROUNDS=60` more rounds (the machine is noisy), `ENVOY_CPU_TOKENS=4096,65536`
+//!   a subset of the prompt sizes;
+//! * table 2: `ENVOY_CPU_FLEET_WASM=before=a.wasm,after=b.wasm`, `ENVOY_CPU_REPEAT`,
+//!   `ENVOY_CPU_FLEET=8,1000`, `ENVOY_CPU_HELD=100,10000` (see `fleet_scale`);
+//! * `-- --only hostcalls`: host calls per request of `count-host-calls` builds
+//!   (`scripts/build-wasm.sh --count-host-calls`; `ENVOY_CPU_COUNT_WASM=before=a.wasm,after=b.wasm`).
 
 #![allow(
     clippy::unwrap_used,

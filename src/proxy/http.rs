@@ -3,8 +3,9 @@
 //! Request path: pause at the headers of an LLM endpoint, buffer the body, parse it, hash the
 //! prompt, look up overlaps in this VM's index replica (no host call), read the load table (one
 //! shared-data get), decide, book the request's load (one CAS), set the destination header, continue.
-//! Response path: the first response bytes end the request's prefill; `on_log`, which Envoy calls
-//! for every stream however it ended, releases exactly what was booked.
+//! Response path: the first streamed bytes end the request's prefill; the response's end releases
+//! exactly what was booked (a whole response: prefill and all, in one update); `on_log`, which
+//! Envoy calls for every stream however it ended, releases whatever is still booked.
 
 use super::host::{self, HostStore};
 use super::vm::{worker_id, VmState};
