@@ -601,6 +601,109 @@ fn hold(envoy: &Envoy, held: &mut Vec<TcpStream>, n: usize) {
     }
 }
 
+/// Target (b) of issue 14 measured robustly on a shared machine: per build, two Envoys at once
+/// (8 `workers` entries with 100 requests held, 1,000 entries with 10,000 held), their rounds
+/// interleaved, so that load swings of the machine hit both sides of the ratio alike
+/// (`ENVOY_CPU_FLEET_PAIRED=1`, builds from `ENVOY_CPU_FLEET_WASM`, `ENVOY_CPU_REPEAT` passes).
+fn fleet_paired(max_held: usize, http2: bool) {
+    let mocks: Vec<Worker> = (1..=4)
+        .map(|id| Worker::spawn(id, &["--mode", "echo", "--block-size", "64"]).expect("mock"))
+        .collect();
+    let addrs: Vec<String> = mocks.iter().map(|m| m.addr.clone()).collect();
+    let builds: Vec<(String, Option<String>)> = match std::env::var("ENVOY_CPU_FLEET_WASM") {
+        Ok(v) => v
+            .split(',')
+            .filter_map(|b| b.split_once('='))
+            .map(|(n, p)| (n.to_string(), Some(p.to_string())))
+            .collect(),
+        Err(_) => vec![("current".to_string(), None)],
+    };
+    let repeat: usize = std::env::var("ENVOY_CPU_REPEAT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let rounds: usize = std::env::var("ENVOY_CPU_PAIRED_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(15);
+    let per_round = 100;
+    let prompt = prompt(4096, 99);
+    let body = completion_body(&prompt);
+    mocks[0]
+        .admin("/admin/events", &json!([stored_event(&prompt, 1 << 40)]))
+        .expect("publish");
+    let sides = [(8usize, 100usize), (1000, 10_000usize.min(max_held))];
+    println!("### 2b. 1,000 workers x 10,000 in flight vs 8 workers x 100, interleaved");
+    println!();
+    println!(
+        "Per build, both Envoys run at once and their rounds alternate ({rounds} rounds of \
+         {per_round} 4,096-token requests each, {CLIENTS} clients; CPU per request minus the idle \
+         rate measured just before each round, median over rounds)."
+    );
+    println!();
+    println!(
+        "| build | pass | 8 x 100 | 1,000 x {} | ratio |",
+        thousands(sides[1].1)
+    );
+    println!("|---|---|---|---|---|");
+    for rep in 0..repeat {
+        for (build, wasm) in &builds {
+            let envoys: Vec<Envoy> = sides
+                .iter()
+                .map(|&(n, _)| {
+                    let workers: Vec<Value> = (0..n)
+                        .map(|i| json!({"id": i + 1, "address": addrs[i % addrs.len()]}))
+                        .collect();
+                    let events = json!({"poll_interval_ms": 10_000, "stale_after_ms": 3_600_000});
+                    let config = kv_config(json!(workers), events);
+                    start_envoy_with(config, addrs.clone(), wasm.as_deref(), true, http2)
+                })
+                .collect();
+            for e in &envoys {
+                let ok = e.wait_for(Duration::from_secs(60), |e| {
+                    e.router_stat("events.applied") > 0
+                });
+                assert!(ok, "the filter did not apply mock 1's events");
+            }
+            std::thread::sleep(Duration::from_millis(300));
+            let mut conns: Vec<Vec<Conn>> = envoys
+                .iter()
+                .map(|e| (0..CLIENTS).map(|_| Conn::new(&e.listener)).collect())
+                .collect();
+            let mut held = Vec::new();
+            for (k, e) in envoys.iter().enumerate() {
+                closed_loop(&mut conns[k], &body, 4 * CLIENTS, e.pid());
+                let mut h = Vec::new();
+                hold(e, &mut h, sides[k].1);
+                held.push(h);
+            }
+            let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); envoys.len()];
+            for _ in 0..rounds {
+                for (k, e) in envoys.iter().enumerate() {
+                    let (c0, t0) = (cpu_ns(e.pid()), Instant::now());
+                    std::thread::sleep(Duration::from_millis(200));
+                    let idle = (cpu_ns(e.pid()) - c0) as f64 / t0.elapsed().as_secs_f64();
+                    let t = Instant::now();
+                    let (_, ns) = closed_loop(&mut conns[k], &body, per_round, e.pid());
+                    let net = ns as f64 - idle * t.elapsed().as_secs_f64();
+                    cpu[k].push(net / per_round as f64);
+                }
+            }
+            let m: Vec<f64> = cpu.iter().map(|c| median(c)).collect();
+            println!(
+                "| {build} | {} | {} | {} | {:.2}x |",
+                rep + 1,
+                us(m[0]),
+                us(m[1]),
+                m[1] / m[0]
+            );
+            drop(held);
+            drop(envoys);
+        }
+    }
+    println!();
+}
+
 fn fleet_scale(quick: bool, max_held: usize, http2: bool) {
     let mocks: Vec<Worker> = (1..=4)
         .map(|id| Worker::spawn(id, &["--mode", "echo", "--block-size", "64"]).expect("mock"))
@@ -921,7 +1024,11 @@ fn main() {
             );
             println!();
         }
-        fleet_scale(quick, held, http2);
+        if std::env::var("ENVOY_CPU_FLEET_PAIRED").is_ok() {
+            fleet_paired(held, http2);
+        } else {
+            fleet_scale(quick, held, http2);
+        }
     }
     if only("events") {
         events_per_second(quick);

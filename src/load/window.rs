@@ -46,6 +46,9 @@ pub fn view_bytes_at(
     let now_epoch = table.epoch_of(now_ms);
     let live = table.ring.map(|e| LoadTable::alive(e, now_epoch));
     out.reserve(num_slots);
+    if let Some(o) = offsets.as_deref_mut() {
+        o.reserve(num_slots + 1);
+    }
     let mut pos = r.pos;
     for _ in 0..num_slots {
         if let Some(o) = offsets.as_deref_mut() {
