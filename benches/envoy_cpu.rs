@@ -21,6 +21,15 @@
 //!
 //! Usage: `cargo bench --bench envoy_cpu [-- --quick]` (needs `make build`: the Envoy in .venv,
 //! target/envoy_kv_router.wasm, target/floor_filter.wasm, the mock worker).
+//! `-- --only size,fleet,events` picks sections. Before/after runs, side by side:
+//! * table 1: `ENVOY_CPU_SIZE_WASM=before=target/ab/before.wasm` adds Envoys running other builds
+//!   of this filter to the same interleaved rounds (`KV_ROUTER_WASM` picks the `kv` column's);
+//!   `ENVOY_CPU_SIZE_ROUNDS=60` more rounds (the machine is noisy), `ENVOY_CPU_TOKENS=4096,65536`
+//!   a subset of the prompt sizes;
+//! * table 2: `ENVOY_CPU_FLEET_WASM=before=a.wasm,after=b.wasm`, `ENVOY_CPU_REPEAT`,
+//!   `ENVOY_CPU_FLEET=8,1000`, `ENVOY_CPU_HELD=100,10000` (see `fleet_scale`);
+//! * `-- --only hostcalls`: host calls per request of `count-host-calls` builds
+//!   (`scripts/build-wasm.sh --count-host-calls`; `ENVOY_CPU_COUNT_WASM=before=a.wasm,after=b.wasm`).
 
 #![allow(
     clippy::unwrap_used,
@@ -295,18 +304,32 @@ fn start_envoy_with(
 // 1. CPU per request by prompt size
 // ---------------------------------------------------------------------------------------------
 
+/// `ENVOY_CPU_SIZE_WASM=before=target/ab/before.wasm,...`: more builds of this filter in the
+/// prompt-size table, each its own Envoy in the same interleaved rounds (columns after `kv`).
+fn extra_size_builds() -> Vec<(String, String)> {
+    std::env::var("ENVOY_CPU_SIZE_WASM")
+        .ok()
+        .map(|v| {
+            v.split(',')
+                .filter_map(|b| b.split_once('='))
+                .map(|(n, p)| (n.to_string(), p.to_string()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 fn cpu_by_prompt_size(quick: bool) {
     let worker = Worker::spawn(1, &["--mode", "echo", "--block-size", "64"]).expect("echo worker");
     let workers = json!([{"id": 1, "address": worker.addr}]);
     let floor_config = Value::String(format!("{DEST_HEADER} {}", worker.addr));
     let addrs = vec![worker.addr.clone()];
-    let envoys = [
+    let mut envoys = vec![
         (
-            "plain",
+            "plain".to_string(),
             start_envoy(Value::Null, addrs.clone(), None, false),
         ),
         (
-            "floor",
+            "floor".to_string(),
             start_envoy(
                 floor_config,
                 addrs.clone(),
@@ -315,11 +338,26 @@ fn cpu_by_prompt_size(quick: bool) {
             ),
         ),
         (
-            "kv",
-            start_envoy(kv_config(workers, json!({})), addrs, None, true),
+            "kv".to_string(),
+            start_envoy(
+                kv_config(workers.clone(), json!({})),
+                addrs.clone(),
+                None,
+                true,
+            ),
         ),
     ];
-    let kv = &envoys[2].1;
+    for (name, wasm) in extra_size_builds() {
+        let envoy = start_envoy(
+            kv_config(workers.clone(), json!({})),
+            addrs.clone(),
+            Some(&wasm),
+            true,
+        );
+        envoys.push((name, envoy));
+    }
+    // Envoys 2.. run this filter (the current build, then the extra ones).
+    let kv_builds = 2..envoys.len();
     // The floor filter did steer: the echo mock shows the destination header it received.
     let probe = completion_body(&prompt(64, 0));
     let resp = envoy_kv_router_tools::client::request(
@@ -337,29 +375,45 @@ fn cpu_by_prompt_size(quick: bool) {
         json!(worker.addr),
         "floor filter did not set {DEST_HEADER}"
     );
-    let rounds = if quick { 5 } else { 15 };
+    let rounds: usize = std::env::var("ENVOY_CPU_SIZE_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if quick { 5 } else { 15 });
+    // `ENVOY_CPU_TOKENS=4096,65536`: a subset of the prompt sizes.
+    let sizes: Vec<u32> = std::env::var("ENVOY_CPU_TOKENS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|n| n.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![1024, 4096, 16_384, 65_536, 131_072]);
     println!("### 1. Envoy CPU per request by prompt size");
     println!();
     println!(
         "Envoy `--concurrency 1`, echo mock, closed loop of {CLIENTS} keep-alive clients, {rounds} rounds \
-         interleaving the three Envoys; CPU = Envoy process on-CPU time per request, median over \
+         interleaving the Envoys; CPU = Envoy process on-CPU time per request, median over \
          rounds; latency p50 / p99 over all rounds' requests. `kv`: this filter, the prompt's \
          blocks held by the worker in its index."
     );
     println!();
-    println!("| prompt tokens | body | plain | floor filter | kv filter | kv / floor | kv − floor | p50 / p99 plain | p50 / p99 floor | p50 / p99 kv | kv overlap blocks |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
-    for (i, tokens) in [1024u32, 4096, 16_384, 65_536, 131_072]
-        .into_iter()
-        .enumerate()
-    {
+    let extra: Vec<&str> = envoys[3..].iter().map(|(n, _)| n.as_str()).collect();
+    let mut head = String::from("| prompt tokens | body | plain | floor filter | kv filter |");
+    let mut rule = String::from("|---|---|---|---|---|");
+    for n in &extra {
+        head.push_str(&format!(" {n} | {n} / floor |"));
+        rule.push_str("---|---|");
+    }
+    head.push_str(" kv / floor | kv − floor | p50 / p99 plain | p50 / p99 floor | p50 / p99 kv | kv overlap blocks |");
+    rule.push_str("---|---|---|---|---|---|");
+    println!("{head}");
+    println!("{rule}");
+    for (i, tokens) in sizes.into_iter().enumerate() {
         let prompt = prompt(tokens, i as u32 + 1);
         let body = completion_body(&prompt);
-        feed(
-            kv,
-            &worker,
-            &json!([stored_event(&prompt, (i as u64 + 1) << 32)]),
-        );
+        for k in kv_builds.clone() {
+            feed(
+                &envoys[k].1,
+                &worker,
+                &json!([stored_event(&prompt, (i as u64 + 1) << 32)]),
+            );
+        }
         // ~0.1-0.3 s of Envoy time per Envoy and round.
         let per_round = ((if quick { 200_000 } else { 400_000 }) / tokens as usize).clamp(12, 400);
         let mut conns: Vec<Vec<Conn>> = envoys
@@ -367,15 +421,20 @@ fn cpu_by_prompt_size(quick: bool) {
             .map(|(_, e)| (0..CLIENTS).map(|_| Conn::new(&e.listener)).collect())
             .collect();
         // The chosen worker's cached prefix as the filter counts it (its `overlap_blocks`).
+        let kv = &envoys[2].1;
         let before = kv.router_stat("overlap_blocks");
         conns[2][0].post(&body).expect("kv request");
+        // The counter reaches the host on the VM's next tick.
+        kv.wait_for(Duration::from_secs(5), |e| {
+            e.router_stat("overlap_blocks") > before
+        });
         let overlap = kv.router_stat("overlap_blocks") - before;
         // Warm-up: connections, upstream pools, the VMs' buffers.
         for (k, (_, e)) in envoys.iter().enumerate() {
             closed_loop(&mut conns[k], &body, 2 * CLIENTS, e.pid());
         }
-        let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); 3];
-        let mut lat: Vec<Vec<f64>> = vec![Vec::new(); 3];
+        let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); envoys.len()];
+        let mut lat: Vec<Vec<f64>> = vec![Vec::new(); envoys.len()];
         for _ in 0..rounds {
             for (k, (_, e)) in envoys.iter().enumerate() {
                 let (l, ns) = closed_loop(&mut conns[k], &body, per_round, e.pid());
@@ -391,13 +450,19 @@ fn cpu_by_prompt_size(quick: bool) {
                 us(quantile(&lat[k], 0.99) * 1e3)
             )
         };
-        println!(
-            "| {} | {} KB | {} | {} | {} | {:.2}x | {} | {} | {} | {} | {}/{} |",
+        let mut row = format!(
+            "| {} | {} KB | {} | {} | {} |",
             thousands(tokens as usize),
             body.len() / 1024,
             us(m[0]),
             us(m[1]),
             us(m[2]),
+        );
+        for k in 3..envoys.len() {
+            row.push_str(&format!(" {} | {:.2}x |", us(m[k]), m[k] / m[1]));
+        }
+        row.push_str(&format!(
+            " {:.2}x | {} | {} | {} | {} | {}/{} |",
             m[2] / m[1],
             us(m[2] - m[1]),
             pl(0),
@@ -405,7 +470,80 @@ fn cpu_by_prompt_size(quick: bool) {
             pl(2),
             overlap,
             tokens / BLOCK_SIZE
+        ));
+        println!("{row}");
+    }
+    println!();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1b. Host calls per request
+// ---------------------------------------------------------------------------------------------
+
+/// Host calls per request of the `count-host-calls` builds (`scripts/build-wasm.sh
+/// --count-host-calls`): `ENVOY_CPU_COUNT_WASM=before=a.wasm,after=b.wasm`, default
+/// target/envoy_kv_router_count.wasm. A 4k-token request, non-streamed and streamed, through
+/// the echo mock; every callback of the request's context counted (ticks are not).
+fn host_calls() {
+    let builds: Vec<(String, String)> = match std::env::var("ENVOY_CPU_COUNT_WASM") {
+        Ok(v) => v
+            .split(',')
+            .filter_map(|b| b.split_once('='))
+            .map(|(n, p)| (n.to_string(), p.to_string()))
+            .collect(),
+        Err(_) => vec![(
+            "current".to_string(),
+            "target/envoy_kv_router_count.wasm".to_string(),
+        )],
+    };
+    let worker = Worker::spawn(1, &["--mode", "echo", "--block-size", "64"]).expect("echo worker");
+    let workers = json!([{"id": 1, "address": worker.addr}]);
+    let prompt = prompt(4096, 5);
+    worker
+        .admin("/admin/events", &json!([stored_event(&prompt, 5 << 32)]))
+        .expect("publish");
+    println!("### Host calls per request");
+    println!();
+    println!("| build | request | host calls per request |");
+    println!("|---|---|---|");
+    for (name, wasm) in builds {
+        let envoy = start_envoy(
+            kv_config(workers.clone(), json!({})),
+            vec![worker.addr.clone()],
+            Some(&wasm),
+            true,
         );
+        let ok = envoy.wait_for(Duration::from_secs(60), |e| {
+            e.router_stat("events.applied") > 0
+        });
+        assert!(ok, "the filter did not apply the worker's events");
+        for stream in [false, true] {
+            let body = json!({"model": "m", "prompt": prompt, "max_tokens": 4, "stream": stream})
+                .to_string()
+                .into_bytes();
+            let mut conns = vec![Conn::new(&envoy.listener)];
+            closed_loop(&mut conns, &body, 4, envoy.pid());
+            let (calls0, reqs0) = (
+                envoy.router_stat("debug.host_calls"),
+                envoy.router_stat("debug.requests"),
+            );
+            closed_loop(&mut conns, &body, 20, envoy.pid());
+            // on_log (which publishes the count) may run just after the response is read.
+            let done = envoy.wait_for(Duration::from_secs(10), |e| {
+                e.router_stat("debug.requests") >= reqs0 + 20
+            });
+            assert!(
+                done,
+                "{name}: no host-call counts (not a count-host-calls build?)"
+            );
+            let calls = envoy.router_stat("debug.host_calls") - calls0;
+            let reqs = envoy.router_stat("debug.requests") - reqs0;
+            println!(
+                "| {name} | 4,096 tokens, {} | {:.1} |",
+                if stream { "streamed" } else { "not streamed" },
+                calls as f64 / reqs as f64
+            );
+        }
     }
     println!();
 }
@@ -461,6 +599,109 @@ fn hold(envoy: &Envoy, held: &mut Vec<TcpStream>, n: usize) {
             envoy.log_tail(20)
         );
     }
+}
+
+/// Target (b) of issue 14 measured robustly on a shared machine: per build, two Envoys at once
+/// (8 `workers` entries with 100 requests held, 1,000 entries with 10,000 held), their rounds
+/// interleaved, so that load swings of the machine hit both sides of the ratio alike
+/// (`ENVOY_CPU_FLEET_PAIRED=1`, builds from `ENVOY_CPU_FLEET_WASM`, `ENVOY_CPU_REPEAT` passes).
+fn fleet_paired(max_held: usize, http2: bool) {
+    let mocks: Vec<Worker> = (1..=4)
+        .map(|id| Worker::spawn(id, &["--mode", "echo", "--block-size", "64"]).expect("mock"))
+        .collect();
+    let addrs: Vec<String> = mocks.iter().map(|m| m.addr.clone()).collect();
+    let builds: Vec<(String, Option<String>)> = match std::env::var("ENVOY_CPU_FLEET_WASM") {
+        Ok(v) => v
+            .split(',')
+            .filter_map(|b| b.split_once('='))
+            .map(|(n, p)| (n.to_string(), Some(p.to_string())))
+            .collect(),
+        Err(_) => vec![("current".to_string(), None)],
+    };
+    let repeat: usize = std::env::var("ENVOY_CPU_REPEAT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let rounds: usize = std::env::var("ENVOY_CPU_PAIRED_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(15);
+    let per_round = 100;
+    let prompt = prompt(4096, 99);
+    let body = completion_body(&prompt);
+    mocks[0]
+        .admin("/admin/events", &json!([stored_event(&prompt, 1 << 40)]))
+        .expect("publish");
+    let sides = [(8usize, 100usize), (1000, 10_000usize.min(max_held))];
+    println!("### 2b. 1,000 workers x 10,000 in flight vs 8 workers x 100, interleaved");
+    println!();
+    println!(
+        "Per build, both Envoys run at once and their rounds alternate ({rounds} rounds of \
+         {per_round} 4,096-token requests each, {CLIENTS} clients; CPU per request minus the idle \
+         rate measured just before each round, median over rounds)."
+    );
+    println!();
+    println!(
+        "| build | pass | 8 x 100 | 1,000 x {} | ratio |",
+        thousands(sides[1].1)
+    );
+    println!("|---|---|---|---|---|");
+    for rep in 0..repeat {
+        for (build, wasm) in &builds {
+            let envoys: Vec<Envoy> = sides
+                .iter()
+                .map(|&(n, _)| {
+                    let workers: Vec<Value> = (0..n)
+                        .map(|i| json!({"id": i + 1, "address": addrs[i % addrs.len()]}))
+                        .collect();
+                    let events = json!({"poll_interval_ms": 10_000, "stale_after_ms": 3_600_000});
+                    let config = kv_config(json!(workers), events);
+                    start_envoy_with(config, addrs.clone(), wasm.as_deref(), true, http2)
+                })
+                .collect();
+            for e in &envoys {
+                let ok = e.wait_for(Duration::from_secs(60), |e| {
+                    e.router_stat("events.applied") > 0
+                });
+                assert!(ok, "the filter did not apply mock 1's events");
+            }
+            std::thread::sleep(Duration::from_millis(300));
+            let mut conns: Vec<Vec<Conn>> = envoys
+                .iter()
+                .map(|e| (0..CLIENTS).map(|_| Conn::new(&e.listener)).collect())
+                .collect();
+            let mut held = Vec::new();
+            for (k, e) in envoys.iter().enumerate() {
+                closed_loop(&mut conns[k], &body, 4 * CLIENTS, e.pid());
+                let mut h = Vec::new();
+                hold(e, &mut h, sides[k].1);
+                held.push(h);
+            }
+            let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); envoys.len()];
+            for _ in 0..rounds {
+                for (k, e) in envoys.iter().enumerate() {
+                    let (c0, t0) = (cpu_ns(e.pid()), Instant::now());
+                    std::thread::sleep(Duration::from_millis(200));
+                    let idle = (cpu_ns(e.pid()) - c0) as f64 / t0.elapsed().as_secs_f64();
+                    let t = Instant::now();
+                    let (_, ns) = closed_loop(&mut conns[k], &body, per_round, e.pid());
+                    let net = ns as f64 - idle * t.elapsed().as_secs_f64();
+                    cpu[k].push(net / per_round as f64);
+                }
+            }
+            let m: Vec<f64> = cpu.iter().map(|c| median(c)).collect();
+            println!(
+                "| {build} | {} | {} | {} | {:.2}x |",
+                rep + 1,
+                us(m[0]),
+                us(m[1]),
+                m[1] / m[0]
+            );
+            drop(held);
+            drop(envoys);
+        }
+    }
+    println!();
 }
 
 fn fleet_scale(quick: bool, max_held: usize, http2: bool) {
@@ -770,6 +1011,9 @@ fn main() {
     if only("size") {
         cpu_by_prompt_size(quick);
     }
+    if args.iter().any(|a| a == "hostcalls") {
+        host_calls();
+    }
     if only("fleet") {
         // HTTP/2 upstream by default: with HTTP/1.1 each held request takes 2 descriptors.
         let http2 = !args.iter().any(|a| a == "--fleet-http1");
@@ -781,7 +1025,11 @@ fn main() {
             );
             println!();
         }
-        fleet_scale(quick, held, http2);
+        if std::env::var("ENVOY_CPU_FLEET_PAIRED").is_ok() {
+            fleet_paired(held, http2);
+        } else {
+            fleet_scale(quick, held, http2);
+        }
     }
     if only("events") {
         events_per_second(quick);

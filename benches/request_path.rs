@@ -120,7 +120,7 @@ fn stage_load(
     now: u64,
     out: &mut Vec<SlotLoad>,
 ) -> load_store::Snapshot {
-    let snapshot = load_store::read_snapshot(store, slots);
+    let mut snapshot = load_store::read_snapshot(store, slots);
     snapshot.view_into(now, out);
     snapshot
 }

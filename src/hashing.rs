@@ -11,7 +11,8 @@
 //! (`lib/kv-router/src/protocols.rs`), including its LoRA salt
 //! `1337.wrapping_add(XXH3-64(lora_name, seed 0))`, with an empty name meaning "no adapter".
 
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use xxhash_rust::const_xxh3::const_custom_default_secret;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_secret_input, xxh3_64_with_seed, SecretInput};
 
 use crate::types::{LocalBlockHash, SequenceHash};
 
@@ -38,16 +39,52 @@ fn full_blocks(token_count: usize, block_size: u32) -> usize {
     }
 }
 
+/// XXH3's longest input hashed without a secret derived from the seed.
+const XXH3_MID_SIZE_MAX: usize = 240;
+
+/// `xxh3_64_with_seed(_, seed)` for many blocks. XXH3 derives a 192-byte secret from the seed
+/// for every input over 240 bytes (a block of more than 60 token ids: 64, the usual size, is
+/// 256 bytes); here it is derived once per request instead of once per block. For such inputs
+/// XXH3 with the derived secret is the same function (`xxh3_64_long_impl` of the input and
+/// `custom_default_secret(seed)`); shorter inputs go through `xxh3_64_with_seed` itself.
+/// `block_hasher_matches_xxh3_with_seed` checks it on both sides of 240 bytes.
+pub(crate) struct BlockHasher {
+    seed: u64,
+    secret: Option<SecretInput<[u8; 192]>>,
+}
+
+impl BlockHasher {
+    pub(crate) fn new(seed: u64) -> BlockHasher {
+        BlockHasher {
+            seed,
+            secret: SecretInput::try_new(const_custom_default_secret(seed)),
+        }
+    }
+
+    pub(crate) fn hash(&self, bytes: &[u8]) -> u64 {
+        match &self.secret {
+            Some(secret) if bytes.len() > XXH3_MID_SIZE_MAX => {
+                xxh3_64_with_secret_input(bytes, secret)
+            }
+            _ => xxh3_64_with_seed(bytes, self.seed),
+        }
+    }
+}
+
 /// Hashes one block's tokens, reusing `bytes` as scratch space so callers hashing many blocks
 /// allocate once.
-pub(crate) fn hash_block(block: &[u32], seed: u64, bytes: &mut Vec<u8>) -> LocalBlockHash {
+pub(crate) fn hash_block(
+    block: &[u32],
+    hasher: &BlockHasher,
+    bytes: &mut Vec<u8>,
+) -> LocalBlockHash {
     // Sized once, then overwritten in place: a fixed 4-byte store per token (vectorizable),
     // not a length check and copy per `extend_from_slice`.
     bytes.resize(block.len().saturating_mul(TOKEN_BYTES), 0);
     for (dst, token) in bytes.chunks_exact_mut(TOKEN_BYTES).zip(block) {
         dst.copy_from_slice(&token.to_le_bytes());
     }
-    LocalBlockHash(xxh3_64_with_seed(bytes, seed))
+    LocalBlockHash(hasher.hash(bytes))
 }
 
 /// Local hashes of every full block of `tokens` (a trailing partial block is ignored).
@@ -63,8 +100,9 @@ pub fn local_block_hashes(tokens: &[u32], block_size: u32, seed: u64) -> Vec<Loc
         return hashes;
     }
     let mut bytes = Vec::with_capacity(size.saturating_mul(TOKEN_BYTES));
+    let hasher = BlockHasher::new(seed);
     for block in tokens.chunks_exact(size) {
-        hashes.push(hash_block(block, seed, &mut bytes));
+        hashes.push(hash_block(block, &hasher, &mut bytes));
     }
     hashes
 }
@@ -115,11 +153,11 @@ pub fn prompt_sequence_hashes(
     if size == 0 || count == 0 {
         return out;
     }
-    let seed = hash_seed(lora_name);
+    let hasher = BlockHasher::new(hash_seed(lora_name));
     let mut bytes = Vec::with_capacity(size.saturating_mul(TOKEN_BYTES));
     let mut prev = None;
     for block in tokens.chunks_exact(size) {
-        let seq = chain_sequence_hash(prev, hash_block(block, seed, &mut bytes));
+        let seq = chain_sequence_hash(prev, hash_block(block, &hasher, &mut bytes));
         out.push(seq);
         prev = Some(seq);
     }
@@ -198,6 +236,40 @@ mod tests {
                 assert_eq!(
                     prompt_sequence_hashes(&toks, block_size, lora),
                     sequence_hashes(&locals, None)
+                );
+            }
+        }
+    }
+
+    /// The per-request secret gives XXH3-64-with-seed's answer for every length (both sides of
+    /// the 240-byte switch) and seed (0, Dynamo's, LoRA-salted, arbitrary).
+    #[test]
+    fn block_hasher_matches_xxh3_with_seed() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let bytes: Vec<u8> = (0..2048)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let seeds = [
+            0,
+            1,
+            DYNAMO_HASH_SEED,
+            hash_seed(Some("adapter-a")),
+            u64::MAX,
+            x,
+        ];
+        for seed in seeds {
+            let hasher = BlockHasher::new(seed);
+            for len in (0..=300).chain([383, 384, 512, 1024, 1025, 2048]) {
+                let input = bytes.get(..len).unwrap_or_default();
+                assert_eq!(
+                    hasher.hash(input),
+                    xxh3_64_with_seed(input, seed),
+                    "seed {seed} length {len}"
                 );
             }
         }

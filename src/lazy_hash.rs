@@ -7,7 +7,7 @@
 //! first miss: [`PromptHasher::extend_to`] computes them after the decision, only when a record
 //! is made.
 
-use crate::hashing::{chain_sequence_hash, hash_block, hash_seed};
+use crate::hashing::{chain_sequence_hash, hash_block, hash_seed, BlockHasher};
 use crate::types::SequenceHash;
 
 /// Bytes per token id in the hashed representation (little-endian u32).
@@ -17,7 +17,7 @@ const TOKEN_BYTES: usize = 4;
 /// [`crate::hashing::prompt_sequence_hashes`] for every block computed).
 pub struct PromptHasher<'a> {
     blocks: std::slice::ChunksExact<'a, u32>,
-    seed: u64,
+    hasher: BlockHasher,
     scratch: Vec<u8>,
     hashes: Vec<SequenceHash>,
 }
@@ -39,7 +39,7 @@ impl<'a> PromptHasher<'a> {
         };
         PromptHasher {
             blocks,
-            seed: hash_seed(lora_name),
+            hasher: BlockHasher::new(hash_seed(lora_name)),
             scratch,
             hashes: Vec::new(),
         }
@@ -57,7 +57,7 @@ impl<'a> PromptHasher<'a> {
     /// Computes the next block's hash; `None` past the last full block.
     fn step(&mut self) -> Option<SequenceHash> {
         let block = self.blocks.next()?;
-        let local = hash_block(block, self.seed, &mut self.scratch);
+        let local = hash_block(block, &self.hasher, &mut self.scratch);
         let seq = chain_sequence_hash(self.hashes.last().copied(), local);
         self.hashes.push(seq);
         Some(seq)

@@ -32,7 +32,7 @@ use std::fmt;
 use crate::types::SlotIdx;
 
 mod window;
-pub use window::{reap_due, view_bytes, Window};
+pub use window::{reap_due, view_bytes, view_bytes_at, Window};
 
 /// Time buckets per slot: a booking is reaped between `timeout` and `timeout * BUCKETS / (BUCKETS - 1)`.
 pub const BUCKETS: usize = 4;

@@ -178,11 +178,13 @@ pub fn decide(
         RoutingMode::Kv => {
             scores.reserve(candidates.len());
             for &slot in &candidates {
-                let multiplier = match config.worker_of_slot(slot) {
-                    Some(w) if !request.preferred_taints.is_empty() => {
+                // The slot's worker is looked up only when a preference needs it.
+                let multiplier = if request.preferred_taints.is_empty() {
+                    1.0
+                } else {
+                    config.worker_of_slot(slot).map_or(1.0, |w| {
                         cost::preferred_taint_multiplier(&w.taints, &request.preferred_taints)
-                    }
-                    _ => 1.0,
+                    })
                 };
                 let score = match &config.ttft {
                     Some(t) => ttft_score(config, t, slot, isl, overlap_of(slot), load_of(slot))

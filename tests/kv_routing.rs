@@ -466,7 +466,10 @@ fn text_only_requests_route_on_load_and_say_so() {
     let (_, overlap, resp) = route(&envoy, &body);
     assert_eq!(overlap, 0);
     assert_eq!(resp.header("x-kv-router-reason"), Some("kv-text-only"));
-    assert!(envoy.router_stat("routed.kv-text-only") >= 1);
+    // Per-request counters reach the host on the VM's tick.
+    assert!(envoy.wait_for(Duration::from_secs(5), |e| e
+        .router_stat("routed.kv-text-only")
+        >= 1));
 }
 
 /// The chosen worker is down: Envoy retries on the next address of the destination list, and the

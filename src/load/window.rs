@@ -22,7 +22,22 @@ pub fn view_bytes(
     now_ms: u64,
     out: &mut Vec<SlotLoad>,
 ) -> Result<(), LoadDecodeError> {
+    view_bytes_at(bytes, num_slots, now_ms, out, None)
+}
+
+/// [`view_bytes`] that also records where each slot starts in `bytes` (`num_slots + 1` offsets,
+/// the last one the end), for [`Window::decode_at`]. Left empty on an error.
+pub fn view_bytes_at(
+    bytes: &[u8],
+    num_slots: usize,
+    now_ms: u64,
+    out: &mut Vec<SlotLoad>,
+    mut offsets: Option<&mut Vec<usize>>,
+) -> Result<(), LoadDecodeError> {
     out.clear();
+    if let Some(o) = offsets.as_deref_mut() {
+        o.clear();
+    }
     if bytes.is_empty() {
         out.resize(num_slots, SlotLoad::default());
         return Ok(());
@@ -31,8 +46,14 @@ pub fn view_bytes(
     let now_epoch = table.epoch_of(now_ms);
     let live = table.ring.map(|e| LoadTable::alive(e, now_epoch));
     out.reserve(num_slots);
+    if let Some(o) = offsets.as_deref_mut() {
+        o.reserve(num_slots + 1);
+    }
     let mut pos = r.pos;
     for _ in 0..num_slots {
+        if let Some(o) = offsets.as_deref_mut() {
+            o.push(pos);
+        }
         match view_slot(bytes, pos, table.bucket_ms, &live, now_epoch, now_ms) {
             Some((load, next)) => {
                 out.push(load);
@@ -40,16 +61,25 @@ pub fn view_bytes(
             }
             None => {
                 out.clear();
+                if let Some(o) = offsets {
+                    o.clear();
+                }
                 return Err(LoadDecodeError::Malformed);
             }
         }
     }
     if pos != bytes.len() {
         out.clear();
+        if let Some(o) = offsets {
+            o.clear();
+        }
         return Err(LoadDecodeError::Truncated {
             len: bytes.len(),
             needed: pos,
         });
+    }
+    if let Some(o) = offsets {
+        o.push(pos);
     }
     Ok(())
 }
@@ -193,6 +223,41 @@ impl Window {
                 len: bytes.len(),
                 needed: pos,
             });
+        }
+        table.slots = vec![decoded];
+        table.first = index;
+        Ok(Some(Window { table, start, end }))
+    }
+
+    /// [`Window::decode`] of bytes whose slot offsets [`view_bytes_at`] recorded (the same
+    /// bytes, so their framing is checked already): no walk over the other slots.
+    pub fn decode_at(
+        bytes: &[u8],
+        num_slots: usize,
+        slot: SlotIdx,
+        now_ms: u64,
+        offsets: &[usize],
+    ) -> Result<Option<Window>, LoadDecodeError> {
+        let index = usize::from(slot);
+        let (Some(&start), Some(&end)) = (offsets.get(index), offsets.get(index + 1)) else {
+            return Ok(None);
+        };
+        if bytes.is_empty() || index >= num_slots || offsets.len() != num_slots + 1 {
+            return Ok(None);
+        }
+        let (mut table, mut r) = LoadTable::decode_header(bytes, num_slots)?;
+        let now_epoch = table.epoch_of(now_ms);
+        if table
+            .ring
+            .iter()
+            .any(|&e| e != u64::MAX && !LoadTable::alive(e, now_epoch))
+        {
+            return Ok(None);
+        }
+        r.pos = start;
+        let decoded = read_slot(&mut r, table.bucket_ms)?;
+        if r.pos != end {
+            return Err(LoadDecodeError::Malformed);
         }
         table.slots = vec![decoded];
         table.first = index;

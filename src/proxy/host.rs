@@ -5,11 +5,38 @@
 
 use crate::store::{SharedStore, StoreError};
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{BufferType, MapType, Status};
+use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use std::time::{Duration, UNIX_EPOCH};
+
+/// Host calls made so far by this VM (the `count-host-calls` build only; always 0 otherwise).
+/// The request context sums the calls of its own callbacks (see `proxy::http`), so that a
+/// benchmark can show exactly how many boundary crossings a request costs.
+#[cfg(feature = "count-host-calls")]
+mod count {
+    use std::cell::Cell;
+    thread_local! {
+        pub static CALLS: Cell<u64> = const { Cell::new(0) };
+    }
+}
+
+#[inline(always)]
+fn counted() {
+    #[cfg(feature = "count-host-calls")]
+    count::CALLS.with(|c| c.set(c.get() + 1));
+}
+
+/// See [`count`]: the number of host calls this VM has made through this module.
+#[inline(always)]
+pub fn calls() -> u64 {
+    #[cfg(feature = "count-host-calls")]
+    return count::CALLS.with(std::cell::Cell::get);
+    #[cfg(not(feature = "count-host-calls"))]
+    0
+}
 
 /// Host wall-clock time in milliseconds (wasm32-unknown-unknown has no clock of its own).
 pub fn now_ms() -> u64 {
+    counted();
     hostcalls::get_current_time()
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
@@ -18,6 +45,7 @@ pub fn now_ms() -> u64 {
 
 /// Host time in nanoseconds, used to seed per-VM randomness.
 pub fn now_nanos() -> u64 {
+    counted();
     hostcalls::get_current_time()
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
@@ -26,6 +54,7 @@ pub fn now_nanos() -> u64 {
 
 /// A header value, lossily decoded (a client can send any bytes).
 pub fn header(map: MapType, name: &str) -> Option<String> {
+    counted();
     match hostcalls::get_map_value_bytes(map, name) {
         Ok(Some(bytes)) => Some(String::from_utf8_lossy(&bytes).into_owned()),
         _ => None,
@@ -34,15 +63,18 @@ pub fn header(map: MapType, name: &str) -> Option<String> {
 
 /// A stream property such as `["upstream", "address"]`, as text.
 pub fn property(path: &[&str]) -> Option<String> {
+    counted();
     let bytes = hostcalls::get_property(path.to_vec()).ok()??;
     String::from_utf8(bytes).ok()
 }
 
 pub fn set_header(map: MapType, name: &str, value: Option<&str>) -> bool {
+    counted();
     hostcalls::set_map_value(map, name, value).is_ok()
 }
 
 pub fn buffer(kind: BufferType, len: usize) -> Option<Vec<u8>> {
+    counted();
     match hostcalls::get_buffer(kind, 0, len) {
         Ok(Some(bytes)) => Some(bytes),
         Ok(None) => Some(Vec::new()),
@@ -55,10 +87,12 @@ pub struct HostStore;
 
 impl SharedStore for HostStore {
     fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        counted();
         hostcalls::get_shared_data(key).unwrap_or((None, None))
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        counted();
         match hostcalls::set_shared_data(key, Some(value), cas) {
             Ok(()) => Ok(()),
             Err(Status::CasMismatch) => Err(StoreError::CasMismatch),
@@ -68,6 +102,7 @@ impl SharedStore for HostStore {
 }
 
 pub fn local_reply(status: u32, headers: Vec<(&str, &str)>, body: &[u8]) -> bool {
+    counted();
     hostcalls::send_http_response(status, headers, Some(body)).is_ok()
 }
 
@@ -76,6 +111,7 @@ pub fn http_call(
     headers: Vec<(&str, &str)>,
     timeout: Duration,
 ) -> Result<u32, Status> {
+    counted();
     hostcalls::dispatch_http_call(cluster, headers, None, vec![], timeout)
 }
 
@@ -86,5 +122,26 @@ pub fn http_call_with_body(
     body: &[u8],
     timeout: Duration,
 ) -> Result<u32, Status> {
+    counted();
     hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout)
+}
+
+pub fn resume_request() -> bool {
+    counted();
+    hostcalls::resume_http_request().is_ok()
+}
+
+pub fn define_metric(kind: MetricType, name: &str) -> Option<u32> {
+    counted();
+    hostcalls::define_metric(kind, name).ok()
+}
+
+pub fn increment_metric(id: u32, amount: i64) {
+    counted();
+    let _ = hostcalls::increment_metric(id, amount);
+}
+
+pub fn record_metric(id: u32, value: u64) {
+    counted();
+    let _ = hostcalls::record_metric(id, value);
 }

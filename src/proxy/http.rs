@@ -3,8 +3,9 @@
 //! Request path: pause at the headers of an LLM endpoint, buffer the body, parse it, hash the
 //! prompt, look up overlaps in this VM's index replica (no host call), read the load table (one
 //! shared-data get), decide, book the request's load (one CAS), set the destination header, continue.
-//! Response path: the first response bytes end the request's prefill; `on_log`, which Envoy calls
-//! for every stream however it ended, releases exactly what was booked.
+//! Response path: the first streamed bytes end the request's prefill; the response's end releases
+//! exactly what was booked (a whole response: prefill and all, in one update); `on_log`, which
+//! Envoy calls for every stream however it ended, releases whatever is still booked.
 
 use super::host::{self, HostStore};
 use super::vm::{worker_id, VmState};
@@ -22,7 +23,6 @@ use crate::request::{
 use crate::router::{decide, prompt_blocks, Decision, RouteError, RouteInput};
 use crate::text::{excerpt, MAX_EXCERPT_BYTES};
 use crate::types::SequenceHash;
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 use std::cell::RefCell;
@@ -77,6 +77,10 @@ pub struct RequestContext {
     booking: Option<Booking>,
     /// A tokenizer call in flight; the request is paused until it answers.
     render: Option<PendingRender>,
+    /// Host calls made by this request's callbacks (`count-host-calls` builds; 0 otherwise).
+    host_calls: u64,
+    /// This filter wrote the destination header (which replaces any value the client sent).
+    destination_set: bool,
 }
 
 /// A text request waiting for its exact ids from the tokenizer service.
@@ -100,11 +104,40 @@ impl RequestContext {
             outcome: None,
             booking: None,
             render: None,
+            host_calls: 0,
+            destination_set: false,
         }
     }
 
     fn config(&self) -> Option<Rc<Config>> {
         self.vm.try_borrow().ok().map(|vm| Rc::clone(&vm.config))
+    }
+
+    /// Steers the request: the header replaces any value the client sent.
+    fn set_destination(&mut self, config: &Config, value: &str) {
+        host::set_header(
+            MapType::HttpRequestHeaders,
+            &config.destination_header,
+            Some(value),
+        );
+        self.destination_set = true;
+    }
+
+    /// Clients never choose their upstream: before an LLM request goes on without a destination
+    /// of this filter's, any destination the client sent is dropped. (Removed here rather than
+    /// at the headers: on the usual path the filter's own value replaces it, one host call less.)
+    fn drop_client_destination(&mut self) {
+        if self.destination_set {
+            return;
+        }
+        if let Some(config) = self.config() {
+            host::set_header(
+                MapType::HttpRequestHeaders,
+                &config.destination_header,
+                None,
+            );
+        }
+        self.destination_set = true;
     }
 
     /// Notes the pin headers (parsed only when client hints are honoured) and removes them: the
@@ -315,7 +348,8 @@ impl RequestContext {
         };
         let vm_rc = Rc::clone(&self.vm);
         let Ok(mut vm_guard) = vm_rc.try_borrow_mut() else {
-            let _ = hostcalls::resume_http_request();
+            self.drop_client_destination();
+            let _ = host::resume_request();
             return;
         };
         let vm: &mut VmState = &mut vm_guard;
@@ -366,7 +400,8 @@ impl RequestContext {
         };
         // A local reply (a rejection) already ended the stream.
         if matches!(action, Action::Continue) {
-            let _ = hostcalls::resume_http_request();
+            self.drop_client_destination();
+            let _ = host::resume_request();
         }
     }
 
@@ -426,7 +461,7 @@ impl RequestContext {
             merge_predictions(vm, config, hashes, from_text, now, &mut overlaps);
         }
         // One get and decode serve both the decision and the booking's first CAS attempt.
-        let snapshot = load_store::read_snapshot(&HostStore, config.slots.len());
+        let mut snapshot = load_store::read_snapshot(&HostStore, config.slots.len());
         let mut load = std::mem::take(&mut vm.load_view);
         snapshot.view_into(now, &mut load);
         if config.load.reported_load {
@@ -515,11 +550,7 @@ impl RequestContext {
             Some(note) => format!("{}:{note}", decision.reason.as_str()),
             None => decision.reason.as_str().to_string(),
         };
-        host::set_header(
-            MapType::HttpRequestHeaders,
-            &config.destination_header,
-            Some(&destination),
-        );
+        self.set_destination(config, &destination);
         host::set_header(MapType::HttpRequestHeaders, REASON_HEADER, Some(&reason));
         if worker.dp_size > 1 {
             host::set_header(
@@ -572,10 +603,12 @@ impl RequestContext {
             vm.metrics.inc("load.update_failed");
         }
 
+        // Every request's counters: kept in the VM until the tick (see `Metrics::add_later`).
         vm.metrics
-            .inc(&format!("routed.{}", decision.reason.as_str()));
+            .add_later(&format!("routed.{}", decision.reason.as_str()), 1);
         let overlap_blocks = decision.overlap.device_blocks;
-        vm.metrics.add("overlap_blocks", u64::from(overlap_blocks));
+        vm.metrics
+            .add_later("overlap_blocks", u64::from(overlap_blocks));
         vm.metrics
             .histogram("overlap_blocks_per_request", u64::from(overlap_blocks));
         let mut outcome = Outcome {
@@ -652,11 +685,7 @@ impl RequestContext {
         let pick = usize::try_from(vm.new_request_key() % count as u64).unwrap_or(0);
         let reason = format!("fallback:{why}");
         if let Some(worker) = routable.get(pick) {
-            host::set_header(
-                MapType::HttpRequestHeaders,
-                &config.destination_header,
-                Some(&worker.address_text),
-            );
+            self.set_destination(config, &worker.address_text);
             self.outcome = Some(Outcome {
                 reason: reason.clone(),
                 detail: config.response_headers.then(|| OutcomeDetail {
@@ -868,34 +897,20 @@ fn reject(status: u32, kind: &str, message: &str, retry_after_secs: Option<u32>)
     Action::Pause
 }
 
-impl Context for RequestContext {
-    fn on_http_call_response(
-        &mut self,
-        token_id: u32,
-        num_headers: usize,
-        body_size: usize,
-        _num_trailers: usize,
-    ) {
-        self.render_done(token_id, num_headers, body_size);
-    }
-}
-
-impl HttpContext for RequestContext {
-    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+/// The callbacks' bodies: the trait impls below count each one's host calls around them.
+impl RequestContext {
+    fn request_headers(&mut self, end_of_stream: bool) -> Action {
         #[cfg(feature = "test-crash-trigger")]
         crate::proxy::crash_trigger::trap_if_asked();
         let Some(config) = self.config() else {
+            // Clients never choose their upstream, on any path.
+            self.drop_client_destination();
             return Action::Continue;
         };
-        // Clients never choose their upstream: drop any destination they sent, on every path.
-        host::set_header(
-            MapType::HttpRequestHeaders,
-            &config.destination_header,
-            None,
-        );
         let path = host::header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
         self.endpoint = Endpoint::from_path(&path, &config.llm_paths);
         if self.endpoint.is_none() {
+            self.drop_client_destination();
             return Action::Continue;
         }
         self.take_header_pin(config.client_routing_hints);
@@ -905,7 +920,7 @@ impl HttpContext for RequestContext {
         Action::Pause
     }
 
-    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    fn request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if self.endpoint.is_none() || self.decided {
             return Action::Continue;
         }
@@ -934,8 +949,15 @@ impl HttpContext for RequestContext {
         }
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        self.follow_retry();
+    fn response_headers(&mut self, end_of_stream: bool) -> Action {
+        // Where Envoy sent the request matters while the booking lasts: through a stream, or for
+        // the reported worker. A whole response is released as soon as it ends (below), from
+        // the slot it was booked on, so its upstream address is not read.
+        let moves = self.booking.as_ref().is_some_and(|b| b.stream)
+            || self.config().is_some_and(|c| c.response_headers);
+        if moves {
+            self.follow_retry();
+        }
         if let Some(outcome) = &self.outcome {
             host::set_header(
                 MapType::HttpResponseHeaders,
@@ -974,15 +996,30 @@ impl HttpContext for RequestContext {
                 }
             }
         }
-        // A non-streamed response arrives whole: its headers mark the end of prefill.
-        if self.booking.as_ref().is_some_and(|b| !b.stream) {
-            self.first_token();
+        // A response without a body ends here. Otherwise the first body bytes end the prefill
+        // (for a whole, non-streamed response they usually come with its end: then one update
+        // releases the request, prefill included).
+        if end_of_stream {
+            self.release_booking();
         }
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
-        if body_size == 0 || self.booking.is_none() {
+    fn response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.booking.is_none() {
+            return Action::Continue;
+        }
+        // The worker is done with the request when its response ends: released now, in one
+        // load-table update (first token and release at once), not at `on_log`, which may come
+        // later (a slow client draining Envoy's buffer).
+        if end_of_stream {
+            self.release_booking();
+            return Action::Continue;
+        }
+        // A whole (non-streamed) response is only sent once generation is over, and its end
+        // follows its first bytes at once (HTTP/1.1 delivers the body, then an empty end): its
+        // release above ends its prefill too, with one update instead of two.
+        if body_size == 0 || self.booking.as_ref().is_some_and(|b| !b.stream) {
             return Action::Continue;
         }
         self.first_token();
@@ -995,7 +1032,13 @@ impl HttpContext for RequestContext {
         Action::Continue
     }
 
-    fn on_log(&mut self) {
+    fn log(&mut self) {
+        // Whatever ended the stream (reset, timeout, local reply), its booking goes.
+        self.release_booking();
+    }
+
+    /// Releases exactly what the request booked (once: the booking is taken).
+    fn release_booking(&mut self) {
         let Some(booking) = self.booking.take() else {
             return;
         };
@@ -1015,5 +1058,88 @@ impl HttpContext for RequestContext {
             Release::Unknown => vm.metrics.inc("load.release_unknown"),
             Release::Deferred => vm.metrics.inc("load.release_deferred"),
         }
+    }
+}
+
+impl RequestContext {
+    /// Adds the host calls made since `mark` (a [`host::calls`] reading) to this request's.
+    fn count_host_calls(&mut self, mark: u64) {
+        self.host_calls += host::calls().saturating_sub(mark);
+    }
+
+    /// `debug.host_calls` and `debug.requests` (the `count-host-calls` build only): the host
+    /// calls of every callback of this request's context, for the benchmarks.
+    fn flush_host_calls(&mut self) {
+        #[cfg(feature = "count-host-calls")]
+        if let Ok(mut vm) = self.vm.try_borrow_mut() {
+            vm.metrics.add("debug.host_calls", self.host_calls);
+            vm.metrics.inc("debug.requests");
+        }
+    }
+}
+
+impl Context for RequestContext {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let mark = host::calls();
+        self.render_done(token_id, num_headers, body_size);
+        self.count_host_calls(mark);
+    }
+}
+
+impl HttpContext for RequestContext {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let mark = host::calls();
+        let action = self.request_headers(end_of_stream);
+        if matches!(action, Action::Continue) {
+            self.drop_client_destination();
+        }
+        self.count_host_calls(mark);
+        action
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let mark = host::calls();
+        let action = self.request_body(body_size, end_of_stream);
+        if matches!(action, Action::Continue) {
+            self.drop_client_destination();
+        }
+        self.count_host_calls(mark);
+        action
+    }
+
+    /// A request with trailers goes on here without a decision (the body never ended): it must
+    /// not keep a destination the client sent either.
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        let mark = host::calls();
+        self.drop_client_destination();
+        self.count_host_calls(mark);
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let mark = host::calls();
+        let action = self.response_headers(end_of_stream);
+        self.count_host_calls(mark);
+        action
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let mark = host::calls();
+        let action = self.response_body(body_size, end_of_stream);
+        self.count_host_calls(mark);
+        action
+    }
+
+    fn on_log(&mut self) {
+        let mark = host::calls();
+        self.log();
+        self.count_host_calls(mark);
+        self.flush_host_calls();
     }
 }

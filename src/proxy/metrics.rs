@@ -4,9 +4,9 @@
 //! Every name comes from a bounded set (outcomes, reasons, configured worker ids), so the number
 //! of stats stays bounded too.
 
+use super::host;
 use crate::events::{IndexEvent, NumberedEvent};
 use hashbrown::HashMap;
-use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
 const PREFIX: &str = "kv_router.";
@@ -38,6 +38,8 @@ pub struct Metrics {
     counters: HashMap<String, u32>,
     gauges: HashMap<String, u32>,
     histograms: HashMap<String, u32>,
+    /// Counter increments of the request path not yet handed to the host: `(metric id, amount)`.
+    pending: Vec<(u32, u64)>,
 }
 
 impl Metrics {
@@ -51,7 +53,7 @@ impl Metrics {
         if let Some(id) = ids.get(name) {
             return Some(*id);
         }
-        let id = hostcalls::define_metric(kind, &format!("{PREFIX}{name}")).ok()?;
+        let id = host::define_metric(kind, &format!("{PREFIX}{name}"))?;
         ids.insert(name.to_string(), id);
         Some(id)
     }
@@ -65,7 +67,35 @@ impl Metrics {
             return;
         }
         if let Some(id) = self.id(MetricType::Counter, name) {
-            let _ = hostcalls::increment_metric(id, i64::try_from(amount).unwrap_or(i64::MAX));
+            host::increment_metric(id, i64::try_from(amount).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// [`Metrics::add`] for a counter every request bumps: kept in the VM and handed to the host
+    /// by [`Metrics::flush`] on the next tick (`tick_ms`, 50 ms by default), one host call per
+    /// counter instead of one per request. Envoy itself only flushes stats to its sinks every
+    /// `stats_flush_interval` (5 s by default), so no sink sees the difference; `/stats` shows the
+    /// count up to one tick late.
+    pub fn add_later(&mut self, name: &str, amount: u64) {
+        if amount == 0 {
+            return;
+        }
+        let Some(id) = self.id(MetricType::Counter, name) else {
+            return;
+        };
+        match self.pending.iter_mut().find(|(i, _)| *i == id) {
+            Some((_, n)) => *n = n.saturating_add(amount),
+            None => self.pending.push((id, amount)),
+        }
+    }
+
+    /// Hands the counts [`Metrics::add_later`] kept to the host (the tick calls it).
+    pub fn flush(&mut self) {
+        for (id, amount) in &mut self.pending {
+            if *amount > 0 {
+                host::increment_metric(*id, i64::try_from(*amount).unwrap_or(i64::MAX));
+                *amount = 0;
+            }
         }
     }
 
@@ -78,13 +108,13 @@ impl Metrics {
 
     pub fn gauge(&mut self, name: &str, value: u64) {
         if let Some(id) = self.id(MetricType::Gauge, name) {
-            let _ = hostcalls::record_metric(id, value);
+            host::record_metric(id, value);
         }
     }
 
     pub fn histogram(&mut self, name: &str, value: u64) {
         if let Some(id) = self.id(MetricType::Histogram, name) {
-            let _ = hostcalls::record_metric(id, value);
+            host::record_metric(id, value);
         }
     }
 }

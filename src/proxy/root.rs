@@ -322,6 +322,7 @@ impl VmState {
     }
 
     fn tick(&mut self) {
+        self.metrics.flush();
         let now = host::now_ms();
         let config = Rc::clone(&self.config);
         if !self.releases.is_empty() {
