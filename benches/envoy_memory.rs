@@ -37,6 +37,8 @@ use std::time::{Duration, Instant};
 
 const BLOCK_SIZE: u64 = 16;
 const BLOCKS_PER_EVENT: u64 = 500;
+/// Blocks published ahead of what the filter has indexed (a multiple of `BLOCKS_PER_EVENT`).
+const PUBLISH_AHEAD: u64 = 100_000;
 const THREADS: [u32; 2] = [1, 4];
 
 /// Envoy's RSS once it stops moving: three readings 300 ms apart within 256 KiB.
@@ -112,6 +114,16 @@ fn run(wasm: &Path, threads: u32, entries: u64) -> Run {
         worker.admin("/admin/events", &stored).expect("publish");
         parent = hashes.last().copied();
         block += n;
+        // Keep the filter within PUBLISH_AHEAD blocks of the publisher: the mock keeps 64 MiB of
+        // event JSON (~650k blocks here), and a poller that falls behind it must re-sync from a
+        // dump of the whole cache, which is larger than `events.max_response_bytes`, so the run
+        // would stall at 0 entries (seen at 1M entries and 4 threads on a busy machine).
+        if block % PUBLISH_AHEAD == 0 && block < entries {
+            let behind = block - PUBLISH_AHEAD;
+            envoy.wait_for(Duration::from_secs(120), |e| {
+                e.router_stat("index.entries") >= behind
+            });
+        }
     }
     envoy.wait_for(Duration::from_secs(300), |e| {
         e.router_stat("index.entries") >= entries
