@@ -796,11 +796,15 @@ async fn dp_ranks_are_cleared_independently() {
     let s1 = rank1.publish(&store_batch(1, &[1, 5], None)).await;
     wait_for_seq(&bridge, 1, s1).await;
     rank0.restart();
-    let s0 = rank0.publish(&store_batch(0, &[3], None)).await;
+    // The new incarnation numbers its batches from 0 again, which the old one also reached: wait
+    // for its second batch (seq 1), which only the new incarnation has.
+    rank0.publish(&store_batch(0, &[3], None)).await;
+    let s0 = rank0.publish(&store_batch(0, &[4], Some(3))).await;
+    assert_eq!(s0, 1);
     wait_for_seq(&bridge, 0, s0).await;
     let blocks = assert_consistent(&bridge, &[&rank0, &rank1]).await;
     let by_rank: Vec<(u32, u64)> = blocks.iter().map(|b| (b.0, b.2)).collect();
-    assert_eq!(by_rank, vec![(0, 3), (1, 1), (1, 5)]);
+    assert_eq!(by_rank, vec![(0, 3), (0, 4), (1, 1), (1, 5)]);
     // As the filter reads it: a clear of rank 0 only (no rank would mean every rank).
     let page = parse_event_page(
         get(&bridge, "/kv/events?after=0").await.1.as_bytes(),
