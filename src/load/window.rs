@@ -9,7 +9,7 @@
 //!   most once per bucket width).
 
 use super::{
-    read_slot, write_slot, Counters, LoadDecodeError, LoadTable, Queued, SlotLoad, BUCKETS,
+    read_slot, write_slot, Counters, LoadDecodeError, LoadTable, Queued, Reader, SlotLoad, BUCKETS,
     COUNTERS_LEN, HEADER_LEN, PREFILL_QUEUE, QUEUED_LEN,
 };
 use crate::types::SlotIdx;
@@ -197,15 +197,9 @@ impl Window {
         if bytes.is_empty() || index >= num_slots {
             return Ok(None);
         }
-        let (mut table, mut r) = LoadTable::decode_header(bytes, num_slots)?;
-        let now_epoch = table.epoch_of(now_ms);
-        if table
-            .ring
-            .iter()
-            .any(|&e| e != u64::MAX && !LoadTable::alive(e, now_epoch))
-        {
+        let Some((mut table, mut r)) = header_unless_reap_due(bytes, num_slots, now_ms)? else {
             return Ok(None);
-        }
+        };
         let mut pos = r.pos;
         for _ in 0..index {
             pos = skip_slot(bytes, pos).ok_or(LoadDecodeError::Malformed)?;
@@ -245,15 +239,9 @@ impl Window {
         if bytes.is_empty() || index >= num_slots || offsets.len() != num_slots + 1 {
             return Ok(None);
         }
-        let (mut table, mut r) = LoadTable::decode_header(bytes, num_slots)?;
-        let now_epoch = table.epoch_of(now_ms);
-        if table
-            .ring
-            .iter()
-            .any(|&e| e != u64::MAX && !LoadTable::alive(e, now_epoch))
-        {
+        let Some((mut table, mut r)) = header_unless_reap_due(bytes, num_slots, now_ms)? else {
             return Ok(None);
-        }
+        };
         r.pos = start;
         let decoded = read_slot(&mut r, table.bucket_ms)?;
         if r.pos != end {
@@ -276,6 +264,22 @@ impl Window {
         out.extend_from_slice(bytes.get(self.end..).unwrap_or_default());
         out
     }
+}
+
+/// The table's header and a reader after it, or `None` when a time bucket is due for reaping at
+/// `now_ms` (the edit must then decode the whole table and reap).
+fn header_unless_reap_due<'a>(
+    bytes: &'a [u8],
+    num_slots: usize,
+    now_ms: u64,
+) -> Result<Option<(LoadTable, Reader<'a>)>, LoadDecodeError> {
+    let (table, r) = LoadTable::decode_header(bytes, num_slots)?;
+    let now_epoch = table.epoch_of(now_ms);
+    let reap_due = table
+        .ring
+        .iter()
+        .any(|&e| e != u64::MAX && !LoadTable::alive(e, now_epoch));
+    Ok((!reap_due).then_some((table, r)))
 }
 
 /// Where the slot encoded at `pos` ends, checking its framing (queue length and bucket mask in
