@@ -307,15 +307,27 @@ fn start_envoy_with(
 /// `ENVOY_CPU_SIZE_WASM=before=target/ab/before.wasm,...`: more builds of this filter in the
 /// prompt-size table, each its own Envoy in the same interleaved rounds (columns after `kv`).
 fn extra_size_builds() -> Vec<(String, String)> {
-    std::env::var("ENVOY_CPU_SIZE_WASM")
-        .ok()
-        .map(|v| {
-            v.split(',')
-                .filter_map(|b| b.split_once('='))
-                .map(|(n, p)| (n.to_string(), p.to_string()))
-                .collect()
-        })
-        .unwrap_or_default()
+    named_builds("ENVOY_CPU_SIZE_WASM").unwrap_or_default()
+}
+
+/// `name=path,name=path` from the environment variable `var` (builds run side by side); `None`
+/// when it is not set.
+fn named_builds(var: &str) -> Option<Vec<(String, String)>> {
+    let v = std::env::var(var).ok()?;
+    Some(
+        v.split(',')
+            .filter_map(|b| b.split_once('='))
+            .map(|(n, p)| (n.to_string(), p.to_string()))
+            .collect(),
+    )
+}
+
+/// [`named_builds`] of `ENVOY_CPU_FLEET_WASM`, or the current build under `default_name`.
+fn fleet_builds(default_name: &str) -> Vec<(String, Option<String>)> {
+    named_builds("ENVOY_CPU_FLEET_WASM").map_or_else(
+        || vec![(default_name.to_string(), None)],
+        |builds| builds.into_iter().map(|(n, p)| (n, Some(p))).collect(),
+    )
 }
 
 fn cpu_by_prompt_size(quick: bool) {
@@ -485,17 +497,12 @@ fn cpu_by_prompt_size(quick: bool) {
 /// target/envoy_kv_router_count.wasm. A 4k-token request, non-streamed and streamed, through
 /// the echo mock; every callback of the request's context counted (ticks are not).
 fn host_calls() {
-    let builds: Vec<(String, String)> = match std::env::var("ENVOY_CPU_COUNT_WASM") {
-        Ok(v) => v
-            .split(',')
-            .filter_map(|b| b.split_once('='))
-            .map(|(n, p)| (n.to_string(), p.to_string()))
-            .collect(),
-        Err(_) => vec![(
+    let builds = named_builds("ENVOY_CPU_COUNT_WASM").unwrap_or_else(|| {
+        vec![(
             "current".to_string(),
             "target/envoy_kv_router_count.wasm".to_string(),
-        )],
-    };
+        )]
+    });
     let worker = Worker::spawn(1, &["--mode", "echo", "--block-size", "64"]).expect("echo worker");
     let workers = json!([{"id": 1, "address": worker.addr}]);
     let prompt = prompt(4096, 5);
@@ -610,14 +617,7 @@ fn fleet_paired(max_held: usize, http2: bool) {
         .map(|id| Worker::spawn(id, &["--mode", "echo", "--block-size", "64"]).expect("mock"))
         .collect();
     let addrs: Vec<String> = mocks.iter().map(|m| m.addr.clone()).collect();
-    let builds: Vec<(String, Option<String>)> = match std::env::var("ENVOY_CPU_FLEET_WASM") {
-        Ok(v) => v
-            .split(',')
-            .filter_map(|b| b.split_once('='))
-            .map(|(n, p)| (n.to_string(), Some(p.to_string())))
-            .collect(),
-        Err(_) => vec![("current".to_string(), None)],
-    };
+    let builds = fleet_builds("current");
     let repeat: usize = std::env::var("ENVOY_CPU_REPEAT")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -723,14 +723,7 @@ fn fleet_scale(quick: bool, max_held: usize, http2: bool) {
     // `ENVOY_CPU_FLEET_WASM=base=/tmp/a.wasm,new=target/envoy_kv_router.wasm`: builds side by
     // side, alternated per fleet size, `ENVOY_CPU_REPEAT` times (each row: its build's ratio to
     // that build's first row of the same repetition).
-    let builds: Vec<(String, Option<String>)> = match std::env::var("ENVOY_CPU_FLEET_WASM") {
-        Ok(v) => v
-            .split(',')
-            .filter_map(|b| b.split_once('='))
-            .map(|(n, p)| (n.to_string(), Some(p.to_string())))
-            .collect(),
-        Err(_) => vec![(String::new(), None)],
-    };
+    let builds = fleet_builds("");
     let repeat: usize = std::env::var("ENVOY_CPU_REPEAT")
         .ok()
         .and_then(|v| v.parse().ok())
