@@ -1106,6 +1106,92 @@ mod tests {
         }
     }
 
+    /// The 16-byte run at every offset of its chunks: arrays shifted by 0 to 31 bytes (so that
+    /// commas, spaces and the end of the array land on every position of a 16-byte load, and
+    /// fewer than 16 or 24 bytes are left at every point), ids of 1 to 10 digits, `,` and `, `,
+    /// and one odd spot (leading zeros, long ids, whitespace variants, damage) at each position:
+    /// the scanner's answer is the reference scanner's.
+    #[test]
+    fn chunk_boundaries_agree_with_the_reference_scanner() {
+        let mut rng = crate::rng::Rng::new(0xc4a2);
+        let odd = [
+            "",
+            " ",
+            "\t",
+            "\n",
+            "\r",
+            "  ",
+            " ,",
+            ", ",
+            ",,",
+            "0",
+            "00",
+            "01",
+            "007",
+            "12345678",
+            "99999999",
+            "123456789",
+            "4294967295",
+            "4294967296",
+            "]",
+            "[",
+            "-",
+            ".",
+            "e",
+            "x",
+            "\"",
+        ];
+        let mut accepted = 0;
+        for round in 0..400 {
+            let sep = [",", ", "][round % 2];
+            let ids: Vec<String> = (0..12)
+                .map(|_| {
+                    let digits = 1 + rng.index(if round % 3 == 0 { 10 } else { 7 });
+                    let id = rng.next_u64() % 10u64.pow(digits as u32);
+                    id.min(u64::from(u32::MAX)).to_string()
+                })
+                .collect();
+            let array = format!("[{}]", ids.join(sep));
+            let shift = round % 32;
+            for at in 0..=array.len() {
+                let spot = odd[(round + at) % odd.len()];
+                let mut text = " ".repeat(shift);
+                text.push_str(&array);
+                text.insert_str(shift + at, spot);
+                text.push_str([", \"max_tokens\": 1}", "}", ""][at % 3]);
+                // The scanner starts at the array's `[`.
+                let text = &text.as_bytes()[shift..];
+                let got = scan_token_ids(text);
+                assert_eq!(
+                    got,
+                    reference_scan(text),
+                    "{:?}",
+                    String::from_utf8_lossy(text)
+                );
+                accepted += usize::from(got.is_some());
+            }
+        }
+        assert!(accepted > 5_000, "{accepted}");
+        // Every array length from empty to several chunks, compact and spaced, all 1-digit to
+        // all 8-digit ids.
+        for digits in 1..=8u32 {
+            for sep in [",", ", "] {
+                for n in 0..40u32 {
+                    let ids: Vec<u32> = (0..n)
+                        .map(|k| 10u32.pow(digits - 1) + k * 7 % 10u32.pow(digits - 1).max(1))
+                        .collect();
+                    let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+                    let text = format!("[{}]", list.join(sep));
+                    assert_eq!(
+                        scan_token_ids(text.as_bytes()),
+                        Some((ids, text.len())),
+                        "{text}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn fast_path_differential() {
         let mut g = BodyGen(crate::rng::Rng::new(0xfa57));

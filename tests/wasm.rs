@@ -603,6 +603,37 @@ fn token_id_scan_agrees_with_serde() {
     }
 }
 
+// Arrays in the shapes the SWAR run reads (`,` and `, `), shifted so that ids start at every
+// offset of an 8-byte load, with one odd spot (leading zeros, long ids, whitespace variants,
+// damage) and fewer than 8 bytes after the array or a body after it: the request's token ids
+// are serde's reading of the array, or both refuse it.
+fn token_id_scan_agrees_with_serde_at_every_offset() {
+    let mut rng = Lcg(0x0ff5e7);
+    let odd = [
+        "", " ", "\t", "\n", "  ", " ,", ",,", "0", "00", "01", "12345678", "123456789",
+        "4294967295", "4294967296", "-", ".", "e", "]",
+    ];
+    for round in 0..3_000 {
+        let sep = [",", ", "][round % 2];
+        let list: Vec<String> = (0..1 + rng.below(20))
+            .map(|_| (rng.next() % 10u64.pow(1 + rng.below(8) as u32)).to_string())
+            .collect();
+        let mut array = format!("[{}]", list.join(sep));
+        let at = 1 + rng.below(array.len() - 1);
+        array.insert_str(at, odd[rng.below(odd.len())]);
+        let pad = " ".repeat(round % 8);
+        let tail = [", \"max_tokens\": 1}", "}"][round % 2];
+        let body = format!(r#"{{"model": "m","prompt":{pad}{array}{tail}"#);
+        let want = serde_json::from_str::<Vec<u32>>(&array).ok();
+        let got = parse_request(body.as_bytes(), Endpoint::Completions);
+        match (&want, &got) {
+            (Some(ids), Ok(r)) => assert_eq!(r.token_ids.as_ref(), Some(ids), "{body}"),
+            (None, Err(_)) => {}
+            _ => panic!("{body}: serde {want:?}, parser {got:?}"),
+        }
+    }
+}
+
 
 // ---------------------------------------------------------------------------------------------
 // Routing: the cost worked example, end to end

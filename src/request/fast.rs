@@ -111,12 +111,15 @@ pub(crate) fn scan_token_ids(text: &[u8]) -> Option<(Vec<u32>, usize)> {
 /// space, skipped), from `text[i..]` into `out[n..]` while 8 bytes can be read and `out` has
 /// room; returns where the first other id (or byte) starts and the new count. One 8-byte load
 /// per id gives its digits, their value, the comma and the space; one branch per id decides.
-#[inline(always)]
+///
+/// Not inlined: on its own, the loop keeps its 64-bit constants in registers (inlined into
+/// [`scan_token_ids`], four of them were reloaded for every id).
+#[inline(never)]
 fn comma_run(text: &[u8], mut i: usize, out: &mut [u32], mut n: usize) -> (usize, usize) {
     const ONES: u64 = 0x0101_0101_0101_0101;
     // `b ^ 0x30` of a comma and of a space.
-    const COMMA: u16 = (b',' ^ b'0') as u16;
-    const SPACE: u16 = (b' ' ^ b'0') as u16;
+    const COMMA: u8 = b',' ^ b'0';
+    const SPACE: u8 = b' ' ^ b'0';
     let Some(last) = text.len().checked_sub(8) else {
         return (i, n);
     };
@@ -129,23 +132,22 @@ fn comma_run(text: &[u8], mut i: usize, out: &mut [u32], mut n: usize) -> (usize
         // Bit 7 of a byte set iff it is not a digit (exact up to the first non-digit: a carry
         // only starts at a non-digit and only reaches later bytes).
         let not_digit = (d.wrapping_add(0x76 * ONES) | d) & (0x80 * ONES);
-        let digits = not_digit.trailing_zeros() / 8;
-        let bits = 8 * digits;
-        // The two bytes after the digits (8 digits: the shift wraps, to a digit).
-        let tail = d.wrapping_shr(bits) as u16;
-        // 1 to 7 digits (0: no comma can follow digits; 8: the wrapped byte is a digit), a
-        // comma, no leading zero.
-        let bad = ((tail & 0xFF) != COMMA) | (digits == 0) | ((d as u8 == 0) & (digits > 1));
-        if bad {
+        // 8 * the number of digits; 0 for none and for 8 (no non-digit: 64 & 0x38).
+        let bits = not_digit.trailing_zeros() & 0x38;
+        // The two bytes after the digits.
+        let tail = d >> bits;
+        // A leading zero: the first byte is `0` and the second a digit.
+        let leading_zero = (d | not_digit) & 0x80FF == 0;
+        if (tail as u8 != COMMA) | (bits == 0) | leading_zero {
             break;
         }
         if let Some(slot) = out.get_mut(n) {
-            *slot = eight_digits(d.wrapping_shl(64 - bits));
+            *slot = eight_digits(d << (64 - bits));
         }
         n += 1;
         // Past the comma, and one space after it (`json.dumps` writes `, `); 7 digits: the
         // byte after the comma is not in the load (`tail >> 8` is 0), the next load sees it.
-        i += digits as usize + 1 + usize::from(tail >> 8 == SPACE);
+        i += (bits / 8) as usize + 1 + usize::from((tail >> 8) as u8 == SPACE);
     }
     (i, n)
 }
