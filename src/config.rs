@@ -165,7 +165,9 @@ pub struct BusyThresholds {
 pub enum PrefillLoadModel {
     /// Full value until the first token.
     None,
-    /// The oldest prefill per slot decays linearly over `predicted_prefill_ms(prefill_time_ms_poly)`.
+    /// The oldest prefill per slot decays linearly over its predicted compute time:
+    /// `prefill_time_ms_poly` per engine step of at most the worker's `max_num_batched_tokens`
+    /// (else `ttft.chunk_tokens` when `ttft` is set; else the polynomial of the whole prompt).
     Polynomial,
 }
 

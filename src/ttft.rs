@@ -68,6 +68,27 @@ fn chunked_prefill_ms(poly: &[f64], tokens: f64, chunk: f64) -> f64 {
     full_chunks * step_prefill_ms(poly, chunk) + step_prefill_ms(poly, rest)
 }
 
+/// How long the engine computes `tokens` uncached prompt tokens alone (ms): in steps of at most
+/// `chunk` tokens (the worker's `max_num_batched_tokens`, or `ttft.chunk_tokens`), each step
+/// paying `poly` of its own tokens, as [`predicted_ttft`] prices them; the whole prompt through
+/// `poly` at once when no step size is known. This is the decay time of a booked prefill
+/// (`load.prefill_load_model: polynomial`): a 112k-token prompt is ~14 steps of 8,192 tokens
+/// (~2.3 s with the mocker's polynomial), not `poly(112k)` (~7.1 s, the quadratic term applied
+/// to the whole prompt), which kept a worker's queue looking full long after its engine had
+/// computed most of it. Finite and `>= 0`.
+pub fn prefill_duration_ms(poly: &[f64], tokens: u32, chunk: Option<u32>) -> f64 {
+    let t = f64::from(tokens);
+    let ms = match chunk {
+        Some(c) if c > 0 => chunked_prefill_ms(poly, t, f64::from(c)),
+        _ => step_prefill_ms(poly, t),
+    };
+    if ms.is_finite() {
+        ms.max(0.0)
+    } else {
+        0.0
+    }
+}
+
 /// A polynomial (lowest degree first) at `x`.
 fn horner(poly: &[f64], x: f64) -> f64 {
     poly.iter().rev().fold(0.0, |acc, c| acc * x + c)
@@ -208,6 +229,30 @@ mod tests {
         i.kv_capacity_blocks = Some(8192);
         let step = -25.74 * 0.25 + 54.01 * 0.5 + 5.74;
         assert!((ttft(&i).decode_ms - 3.0 * step).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_long_prompt_decays_over_its_steps_not_the_whole_polynomial() {
+        // 112,941 tokens in 8,192-token steps: 13 full steps + 6,445 tokens, ~2.3 s.
+        let chunked = prefill_duration_ms(&POLY, 112_941, Some(8192));
+        let expect = 13.0 * mocker_prefill(8192.0) + mocker_prefill(112_941.0 - 13.0 * 8192.0);
+        assert!(close(chunked, expect), "{chunked}");
+        assert!(chunked < 2_400.0, "{chunked}");
+        // Without a step size: the polynomial of the whole prompt (~7.1 s), as before.
+        let whole = prefill_duration_ms(&POLY, 112_941, None);
+        assert!(close(whole, mocker_prefill(112_941.0)), "{whole}");
+        assert!(whole > 7_000.0, "{whole}");
+        // A prompt within one step is priced the same either way; nothing to compute is 0.
+        assert!(close(
+            prefill_duration_ms(&POLY, 4096, Some(8192)),
+            mocker_prefill(4096.0)
+        ));
+        assert_eq!(prefill_duration_ms(&POLY, 0, Some(8192)), 0.0);
+        assert_eq!(prefill_duration_ms(&POLY, 0, None), 0.0);
+        // A negative or broken polynomial never yields a negative or non-finite duration.
+        assert_eq!(prefill_duration_ms(&[-5.0], 10, Some(8)), 0.0);
+        assert_eq!(prefill_duration_ms(&[f64::NAN], 10, None), 0.0);
+        assert_eq!(prefill_duration_ms(&[], 10, Some(0)), 0.0);
     }
 
     #[test]

@@ -12,7 +12,7 @@ use super::vm::{worker_id, VmState};
 use crate::approx::Record;
 use crate::config::{ClientHints, Config, DestinationFormat, PrefillLoadModel, RoutingMode};
 use crate::lazy_hash::PromptHasher;
-use crate::load::{output_milli_blocks, predicted_prefill_ms, Ticket};
+use crate::load::{output_milli_blocks, Ticket};
 use crate::load_store::{self, Release};
 use crate::prompt_text::{prompt_text, render_cache_key, text_prefix_hashes};
 use crate::render::{classify, parse_reply, RenderFailure};
@@ -22,6 +22,7 @@ use crate::request::{
 };
 use crate::router::{decide, prompt_blocks, Decision, RouteError, RouteInput};
 use crate::text::{excerpt, MAX_EXCERPT_BYTES};
+use crate::ttft::prefill_duration_ms;
 use crate::types::SequenceHash;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
@@ -561,10 +562,15 @@ impl RequestContext {
         }
 
         let key = vm.new_request_key();
+        // The booked prefill decays over the engine's steps: the worker's step size, else the
+        // `ttft` policy's (the same steps its score prices).
         let expected_ms = match config.load.prefill_load_model {
-            PrefillLoadModel::Polynomial => Some(predicted_prefill_ms(
+            PrefillLoadModel::Polynomial => Some(prefill_duration_ms(
                 &config.load.prefill_time_ms_poly,
                 decision.prefill_tokens,
+                worker
+                    .max_num_batched_tokens
+                    .or(config.ttft.as_ref().map(|t| t.chunk_tokens)),
             )),
             PrefillLoadModel::None => None,
         };

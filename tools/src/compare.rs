@@ -43,6 +43,9 @@ pub struct Fleet {
     /// Merged into the filter configuration of every mode (e.g. cost knobs).
     pub filter_extra: Value,
     pub events_via: EventsVia,
+    /// Filter builds by tag: an arm `<mode>@<tag>` runs `<mode>` with that build's .wasm
+    /// (before/after comparisons in one run).
+    pub arm_wasm: Vec<(String, std::path::PathBuf)>,
 }
 
 impl Fleet {
@@ -54,6 +57,21 @@ impl Fleet {
             envoy_threads: 2,
             filter_extra: json!({}),
             events_via: EventsVia::Bridge,
+            arm_wasm: Vec::new(),
+        }
+    }
+
+    /// `(mode, .wasm)` of an arm `<mode>[@<tag>]`; the default build without a tag.
+    fn arm_build<'a>(&self, arm: &'a str) -> io::Result<(&'a str, Option<std::path::PathBuf>)> {
+        let Some((mode, tag)) = arm.rsplit_once('@') else {
+            return Ok((arm, None));
+        };
+        match self.arm_wasm.iter().find(|(t, _)| t == tag) {
+            Some((_, path)) => Ok((mode, Some(path.clone()))),
+            None => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{arm}: no build tagged {tag:?} (--arm-wasm {tag}=PATH)"),
+            )),
         }
     }
 
@@ -61,6 +79,9 @@ impl Fleet {
     pub fn check(&self, modes: &[&str]) -> io::Result<()> {
         if modes.iter().any(|m| vllm_router_policy(m).is_some()) {
             require_vllm_router()?;
+        }
+        for m in modes.iter().filter(|m| vllm_router_policy(m).is_none()) {
+            self.arm_build(m)?;
         }
         let filter_arms = modes.iter().any(|m| vllm_router_policy(m).is_none());
         if filter_arms && self.events_via == EventsVia::Bridge {
@@ -140,6 +161,8 @@ pub fn run_mode(
     if let Some(policy) = vllm_router_policy(mode) {
         return run_vllm_router(mode, policy, fleet, workload, opts);
     }
+    let arm = mode;
+    let (mode, wasm) = fleet.arm_build(arm)?;
     let workers = fleet.spawn_workers()?;
     let mut opts = opts.clone();
     // Text arms: the filter mode is `kv` with a text feature switched on.
@@ -166,7 +189,9 @@ pub fn run_mode(
             let bad = || {
                 io::Error::new(
                     io::ErrorKind::InvalidInput,
-                    format!("{m}: expected kv+ttft[+approx][+decay][+compute:W][+fit]"),
+                    format!(
+                        "{m}: expected kv+ttft[+approx][+decay][+compute:W][+affinity[:T]][+fit]"
+                    ),
                 )
             };
             let mut extra = json!({"ttft": {}});
@@ -181,6 +206,16 @@ pub fn run_mode(
                             json!(defaults.0.iter().map(|c| c * k).collect::<Vec<f64>>());
                         extra["ttft"]["decode_step_ms_poly"] =
                             json!(defaults.1.iter().map(|c| c * k).collect::<Vec<f64>>());
+                    }
+                    // Load-gated affinity in front of the TTFT score (`affinity` at its
+                    // defaults, or `affinity:T` with `max_extra_prefill_tokens` T).
+                    "affinity" => extra["affinity"] = json!({}),
+                    o if o.starts_with("affinity:") => {
+                        let t: u64 = o
+                            .trim_start_matches("affinity:")
+                            .parse()
+                            .map_err(|_| bad())?;
+                        extra["affinity"] = json!({"max_extra_prefill_tokens": t});
                     }
                     o if o.starts_with("compute:") => {
                         let w: f64 = o
@@ -250,6 +285,9 @@ pub fn run_mode(
     let mut envoy_opts =
         EnvoyOptions::new(config, workers.iter().map(|w| w.addr.clone()).collect());
     envoy_opts.concurrency = fleet.envoy_threads;
+    if wasm.is_some() {
+        envoy_opts.wasm = wasm;
+    }
     // No deadline, as in the shipped configs.
     envoy_opts.route_timeout = Duration::ZERO;
     envoy_opts.log_level = "warning";
@@ -257,8 +295,9 @@ pub fn run_mode(
     // Let the poller take every worker's (empty) dump before traffic starts.
     std::thread::sleep(Duration::from_millis(300));
     opts.worker_addrs = workers.iter().map(|w| w.addr.clone()).collect();
-    opts.label = mode.to_string();
+    opts.label = arm.to_string();
     let stats = run_workload(&envoy.listener, workload, &opts);
+    print_filter_stats(arm, &envoy);
     if tokenizer.is_some() {
         print_tokenizer_stats(&envoy);
     }
@@ -266,6 +305,36 @@ pub fn run_mode(
     drop(tokenizer);
     drop(workers);
     Ok(stats)
+}
+
+/// The filter's counters behind the affinity diagnostics (summed over the Envoy threads):
+/// predictions published / applied / skipped, index evictions, event gaps and re-syncs.
+fn print_filter_stats(mode: &str, envoy: &Envoy) {
+    let stats = envoy.stats();
+    let names = [
+        "approx.published",
+        "approx.publish_failed",
+        "approx.applied",
+        "approx.skipped",
+        "approx.entries",
+        "index.evicted",
+        "events.applied",
+        "events.gaps",
+        "events.resyncs",
+        "workers.marked_stale",
+        "log.lost_sync",
+    ];
+    let line: Vec<String> = names
+        .iter()
+        .map(|n| {
+            let v = stats
+                .get(&format!("wasmcustom.kv_router.{n}"))
+                .copied()
+                .unwrap_or(0);
+            format!("{n}={v}")
+        })
+        .collect();
+    eprintln!("filter stats [{mode}]: {}", line.join(" "));
 }
 
 /// The render call's added latency and the render cache's hit rate, from the filter's stats.
@@ -488,6 +557,21 @@ fn mock_timing_polys() -> ([f64; 3], [f64; 3]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tagged_arms_run_their_own_build() {
+        let mut fleet = Fleet::new(2, 64, &[]);
+        fleet
+            .arm_wasm
+            .push(("before".into(), std::path::PathBuf::from("/tmp/b.wasm")));
+        let (mode, wasm) = fleet.arm_build("kv+ttft+decay@before").unwrap();
+        assert_eq!(mode, "kv+ttft+decay");
+        assert_eq!(wasm, Some(std::path::PathBuf::from("/tmp/b.wasm")));
+        assert_eq!(fleet.arm_build("kv").unwrap(), ("kv", None));
+        // An unknown tag fails before any arm runs, naming the flag to set.
+        let e = fleet.check(&["kv", "kv@after"]).unwrap_err().to_string();
+        assert!(e.contains("--arm-wasm after=PATH"), "{e}");
+    }
 
     #[test]
     fn worker_speedup_reads_the_fleet_arguments() {

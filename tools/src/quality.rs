@@ -54,14 +54,19 @@ pub fn affinity_table(
          earlier in the run; {}; blocks of {block_size} tokens)",
         match capacity_blocks {
             Some(n) => format!("each worker keeps its {n} most recently used blocks (LRU)"),
-            None => "evictions not modelled".to_string(),
+            // The workers evict (their caches are bounded), the index follows their "removed"
+            // events: here "behind" counts those evicted prefixes too.
+            None => "evictions not modelled, so \"behind\" also counts prefixes the workers \
+                     had evicted (the index dropped them on their events)"
+                .to_string(),
         }
     );
     let _ = writeln!(
         out,
         "(misses by cause, from the filter's response headers: load = the index knew a longer \
          prefix but the cost or the affinity gate chose a less loaded worker; behind = the index \
-         did not hold the prefix yet (event lag) or any more; disagr = the index credited the \
+         did not hold the prefix yet (event lag, or a burst decided in another order than \
+         sent) or any more (evicted); disagr = the index credited the \
          chosen worker with the longest prefix; n/a = no filter headers, e.g. peer arms)"
     );
     out

@@ -30,9 +30,10 @@ CHAT: conversations=C,turns=T,system_prompts=S,system_chars=X,user_chars=U,reply
 Text arms (--modes): kv+text (approximate mode: text prefix hashes and predicted blocks), \
 kv+render (exact ids from a render service: an extra mock worker serving \
 /v1/chat/completions/render), kv+ids (the same chat prompts sent as token ids: the baseline).\n\
-Policy arms: kv+affinity[:R] (load-gated affinity), kv+ttft[+approx][+decay][+compute:W][+fit] \
+Policy arms: kv+affinity[:R] (load-gated affinity), kv+ttft[+approx][+decay][+compute:W][+affinity[:T]][+fit] \
 (the predicted-TTFT policy; +approx: predictions bridging the event lag; +decay: booked prefills \
-decay; +compute:W: ttft.compute_weight W; +fit: timing polynomials divided by the workers' --speedup).\n\
+decay; +compute:W: ttft.compute_weight W; +affinity[:T]: the load-gated affinity in front of it, \
+max_extra_prefill_tokens T; +fit: timing polynomials divided by the workers' --speedup).\n\
 --modes: start a fresh fleet of --fleet mock workers (engine mode, --worker-args; each with a \
 kv-event-bridge fed over ZMQ unless --events-via http) and a fresh Envoy with the filter for \
 each routing mode in turn, run the same workload through each, and \
@@ -114,9 +115,14 @@ struct Args {
     /// Write a TTFT chart (SVG) here.
     #[arg(long)]
     svg: Option<PathBuf>,
-    /// Write every request's measurements here, one JSON object a line.
+    /// Write every request's measurements here, one JSON object a line (with --modes: every
+    /// arm's, each line tagged with its "arm").
     #[arg(long)]
     requests_jsonl: Option<PathBuf>,
+    /// A filter build for arms tagged `<mode>@TAG` (repeatable; TAG=PATH to a .wasm), e.g. to
+    /// compare a change against the build before it in one run.
+    #[arg(long = "arm-wasm")]
+    arm_wasm: Vec<String>,
     /// An extra request header 'name: value' (repeatable).
     #[arg(long = "header")]
     headers: Vec<String>,
@@ -217,6 +223,12 @@ fn main() {
             &args.worker_args.split_whitespace().collect::<Vec<_>>(),
         );
         fleet.events_via = args.events_via;
+        for spec in &args.arm_wasm {
+            let Some((tag, path)) = spec.split_once('=') else {
+                fail(&format!("--arm-wasm {spec}: expected TAG=PATH"));
+            };
+            fleet.arm_wasm.push((tag.to_string(), PathBuf::from(path)));
+        }
         if let Some(extra) = &args.filter_json {
             fleet.filter_extra = serde_json::from_str(extra)
                 .unwrap_or_else(|e| fail(&format!("--filter-json: {e}")));
@@ -229,6 +241,23 @@ fn main() {
         let results = compare_modes(&modes, &fleet, &workload, &opts)
             .unwrap_or_else(|e| fail(&e.to_string()));
         report_comparison(&results, args.svg.as_deref(), args.json.as_deref());
+        if let Some(p) = &args.requests_jsonl {
+            // Every arm's requests in one file, each line tagged with its arm.
+            let mut lines = String::new();
+            for (arm, stats) in &results {
+                for r in &stats.results {
+                    let mut v = serde_json::to_value(r).unwrap_or_default();
+                    if let Some(o) = v.as_object_mut() {
+                        o.insert("arm".to_string(), Value::String(arm.clone()));
+                    }
+                    lines.push_str(&v.to_string());
+                    lines.push('\n');
+                }
+            }
+            if let Err(e) = std::fs::write(p, lines) {
+                eprintln!("loadgen: cannot write {}: {e}", p.display());
+            }
+        }
         print!("{}", quality_table(&results, args.fleet));
         print!(
             "{}",
