@@ -134,7 +134,7 @@ fn cas_loop<R>(
     mut edit: impl FnMut(&mut LoadTable) -> Option<R>,
 ) -> Result<R, UpdateFailure> {
     for _ in 0..CAS_ATTEMPTS {
-        let (bytes, cas, offsets) = match first.take() {
+        let (mut bytes, cas, offsets) = match first.take() {
             Some(snapshot) if snapshot.num_slots == num_slots => {
                 (snapshot.bytes, snapshot.cas, snapshot.offsets)
             }
@@ -154,7 +154,9 @@ fn cas_loop<R>(
         let encoded = match windowed {
             Some(mut w) => {
                 let result = edit(&mut w.table).ok_or(UpdateFailure::Declined)?;
-                (w.encode(&bytes), result)
+                // In place: the other slots' bytes are not copied (the set copies them once).
+                w.encode_into(&mut bytes);
+                (bytes, result)
             }
             None => {
                 let mut table = LoadTable::decode_or_fresh(&bytes, num_slots).0;

@@ -25,7 +25,7 @@
 
 use crate::affinity::{affine_slot, AffinityCandidate};
 use crate::config::{Config, RoutingMode, TtftConfig};
-use crate::cost::{self, CostInputs};
+use crate::cost;
 use crate::filters;
 use crate::load::SlotLoad;
 use crate::request::{LlmRequest, Pin};
@@ -177,9 +177,12 @@ pub fn decide(
     let chosen = match config.mode {
         RoutingMode::Kv => {
             scores.reserve(candidates.len());
+            // Per-request terms hoisted out of the per-slot loop (at 1,000 slots it dominates).
+            let kv = cost::KvCost::new(&config.cost, config.block_size, isl, input.prompt_blocks);
+            let no_taints = request.preferred_taints.is_empty();
             for &slot in &candidates {
                 // The slot's worker is looked up only when a preference needs it.
-                let multiplier = if request.preferred_taints.is_empty() {
+                let multiplier = if no_taints {
                     1.0
                 } else {
                     config.worker_of_slot(slot).map_or(1.0, |w| {
@@ -188,22 +191,21 @@ pub fn decide(
                 };
                 let score = match &config.ttft {
                     Some(t) => ttft_score(config, t, slot, isl, overlap_of(slot), load_of(slot))
-                        .map(|p| p.score_ms * multiplier),
-                    None => {
-                        let inputs = CostInputs {
-                            isl_tokens: isl,
-                            prompt_blocks: input.prompt_blocks,
-                            overlap: overlap_of(slot),
-                            load: load_of(slot),
-                            preferred_multiplier: multiplier,
-                        };
-                        cost::slot_cost(&config.cost, config.block_size, &inputs).map(|c| c.cost)
-                    }
+                        .map_err(|e| e.cost)
+                        .and_then(|p| {
+                            let score = p.score_ms * multiplier;
+                            if score.is_finite() {
+                                Ok(score)
+                            } else {
+                                Err(score)
+                            }
+                        }),
+                    None => match input.load.get(usize::from(slot)) {
+                        Some(load) => kv.cost(&overlap_of(slot), load, multiplier),
+                        None => kv.cost(&overlap_of(slot), &SlotLoad::default(), multiplier),
+                    },
                 };
-                let score = score.map_err(|e| RouteError::NonFiniteCost { slot, cost: e.cost })?;
-                if !score.is_finite() {
-                    return Err(RouteError::NonFiniteCost { slot, cost: score });
-                }
+                let score = score.map_err(|cost| RouteError::NonFiniteCost { slot, cost })?;
                 scores.push((slot, score));
             }
             let affine = match &config.affinity {

@@ -10,7 +10,7 @@
 
 use super::{
     read_slot, write_slot, Counters, LoadDecodeError, LoadTable, Queued, Reader, SlotLoad, BUCKETS,
-    COUNTERS_LEN, HEADER_LEN, PREFILL_QUEUE, QUEUED_LEN,
+    COUNTERS_LEN, HEADER_LEN, PREFILL_QUEUE, QUEUED_LEN, SLOT_FIXED_LEN,
 };
 use crate::types::SlotIdx;
 
@@ -49,44 +49,80 @@ pub fn view_bytes_at(
     if let Some(o) = offsets.as_deref_mut() {
         o.reserve(num_slots + 1);
     }
-    let mut pos = r.pos;
-    for _ in 0..num_slots {
-        if let Some(o) = offsets.as_deref_mut() {
-            o.push(pos);
-        }
-        match view_slot(bytes, pos, table.bucket_ms, &live, now_epoch, now_ms) {
-            Some((load, next)) => {
-                out.push(load);
-                pos = next;
-            }
-            None => {
-                out.clear();
-                if let Some(o) = offsets {
-                    o.clear();
-                }
-                return Err(LoadDecodeError::Malformed);
-            }
-        }
-    }
-    if pos != bytes.len() {
+    let (start, width) = (r.pos, table.bucket_ms);
+    let end = match offsets.as_deref_mut() {
+        Some(o) => view_slots(
+            bytes,
+            start,
+            num_slots,
+            &live,
+            (now_epoch, now_ms),
+            width,
+            out,
+            |pos| o.push(pos),
+        ),
+        None => view_slots(
+            bytes,
+            start,
+            num_slots,
+            &live,
+            (now_epoch, now_ms),
+            width,
+            out,
+            |_| {},
+        ),
+    };
+    let fail = |out: &mut Vec<SlotLoad>, offsets: Option<&mut Vec<usize>>| {
         out.clear();
         if let Some(o) = offsets {
             o.clear();
         }
-        return Err(LoadDecodeError::Truncated {
-            len: bytes.len(),
-            needed: pos,
-        });
-    }
-    if let Some(o) = offsets {
-        o.push(pos);
+    };
+    match end {
+        None => {
+            fail(out, offsets);
+            return Err(LoadDecodeError::Malformed);
+        }
+        Some(pos) if pos != bytes.len() => {
+            fail(out, offsets);
+            return Err(LoadDecodeError::Truncated {
+                len: bytes.len(),
+                needed: pos,
+            });
+        }
+        Some(_) => {}
     }
     Ok(())
 }
 
+/// Views `num_slots` slots from `pos` into `out`, telling `record` where each starts (and where
+/// the last ends); the end, or `None` on bad framing.
+#[allow(clippy::too_many_arguments)]
+fn view_slots(
+    bytes: &[u8],
+    mut pos: usize,
+    num_slots: usize,
+    live: &[bool; BUCKETS],
+    (now_epoch, now_ms): (u64, u64),
+    bucket_ms: u64,
+    out: &mut Vec<SlotLoad>,
+    mut record: impl FnMut(usize),
+) -> Option<usize> {
+    for _ in 0..num_slots {
+        record(pos);
+        let (load, next) = view_slot(bytes, pos, bucket_ms, live, now_epoch, now_ms)?;
+        out.push(load);
+        pos = next;
+    }
+    record(pos);
+    Some(pos)
+}
+
 /// The load of the slot encoded at `pos`, and where the next slot starts; `None` if the bytes
-/// there are not a slot (same checks as `read_slot`). Reads only what the view needs: no
-/// [`super::Slot`] is built.
+/// there are not a slot (same checks as `read_slot`). Reads only what the view needs, in place:
+/// no [`super::Slot`] is built, each field is read from one bounds-checked fixed-size record
+/// (the request path runs this once per slot, so it is kept branch-light).
+#[inline(always)]
 fn view_slot(
     bytes: &[u8],
     pos: usize,
@@ -95,48 +131,61 @@ fn view_slot(
     now_epoch: u64,
     now_ms: u64,
 ) -> Option<(SlotLoad, usize)> {
-    let anchor_since_ms = le_u64(bytes, pos + 4)?;
-    let queued = usize::from(*bytes.get(pos + 12)?);
+    let fixed: &[u8; SLOT_FIXED_LEN] = bytes
+        .get(pos..pos.checked_add(SLOT_FIXED_LEN)?)?
+        .try_into()
+        .ok()?;
+    let [_, _, _, _, a0, a1, a2, a3, a4, a5, a6, a7, queued, _] = *fixed;
+    let anchor_since_ms = u64::from_le_bytes([a0, a1, a2, a3, a4, a5, a6, a7]);
+    let queued = usize::from(queued);
     if queued > PREFILL_QUEUE {
         return None;
     }
     let queue_at = pos + 13;
     let mask_at = queue_at + queued * QUEUED_LEN;
     let mut anchor = None;
-    for i in 0..queued {
-        let at = queue_at + i * QUEUED_LEN;
-        let admitted_ms = le_u64(bytes, at + 16)?;
-        let epoch = admitted_ms / bucket_ms.max(1);
-        if LoadTable::alive(epoch, now_epoch) {
-            anchor = Some(Queued {
-                key: 0,
-                epoch,
-                prefill_tokens: le_u32(bytes, at + 8)?,
-                expected_prefill_ms: le_u32(bytes, at + 12)?,
-                admitted_ms,
-            });
-            break;
+    if queued > 0 {
+        let queue = bytes.get(queue_at..mask_at)?;
+        for q in queue.chunks_exact(QUEUED_LEN) {
+            let q: &[u8; QUEUED_LEN] = q.try_into().ok()?;
+            let admitted_ms = u64::from_le_bytes(field(q, 16));
+            let epoch = admitted_ms / bucket_ms.max(1);
+            if LoadTable::alive(epoch, now_epoch) {
+                anchor = Some(Queued {
+                    key: 0,
+                    epoch,
+                    prefill_tokens: u32::from_le_bytes(field(q, 8)),
+                    expected_prefill_ms: u32::from_le_bytes(field(q, 12)),
+                    admitted_ms,
+                });
+                break;
+            }
         }
     }
     let mask = *bytes.get(mask_at)?;
     if usize::from(mask) >> BUCKETS != 0 {
         return None;
     }
+    let live_mask = live
+        .iter()
+        .enumerate()
+        .fold(0u8, |m, (i, l)| m | (u8::from(*l) << i));
     let mut total = Counters::default();
     let mut at = mask_at + 1;
-    for (i, alive) in live.iter().enumerate() {
-        if mask & (1 << i) == 0 {
-            continue;
-        }
+    let mut rest = mask;
+    while rest != 0 {
+        let bit = rest & rest.wrapping_neg();
+        rest &= !bit;
+        let c: &[u8; COUNTERS_LEN] = bytes.get(at..at + COUNTERS_LEN)?.try_into().ok()?;
         let c = Counters {
-            prefill_tokens: le_u64(bytes, at)?,
-            decode_milli: le_u64(bytes, at + 8)?,
-            active: le_u32(bytes, at + 16)?,
+            prefill_tokens: u64::from_le_bytes(field(c, 0)),
+            decode_milli: u64::from_le_bytes(field(c, 8)),
+            active: u32::from_le_bytes(field(c, 16)),
         };
         if c == Counters::default() {
             return None;
         }
-        if *alive {
+        if live_mask & bit != 0 {
             total.add(&c);
         }
         at += COUNTERS_LEN;
@@ -145,14 +194,15 @@ fn view_slot(
     Some((load, at))
 }
 
-fn le_u64(bytes: &[u8], at: usize) -> Option<u64> {
-    let b: [u8; 8] = bytes.get(at..at.checked_add(8)?)?.try_into().ok()?;
-    Some(u64::from_le_bytes(b))
-}
-
-fn le_u32(bytes: &[u8], at: usize) -> Option<u32> {
-    let b: [u8; 4] = bytes.get(at..at.checked_add(4)?)?.try_into().ok()?;
-    Some(u32::from_le_bytes(b))
+/// `N` bytes of a fixed-size record at `at` (`at + N <= M`: callers pass constants in range;
+/// out of range reads zeros rather than panicking).
+#[inline(always)]
+fn field<const M: usize, const N: usize>(record: &[u8; M], at: usize) -> [u8; N] {
+    let mut out = [0u8; N];
+    if let Some(s) = record.get(at..at + N) {
+        out.copy_from_slice(s);
+    }
+    out
 }
 
 /// Whether a reap at `now_ms` has anything to do: a time bucket due, a table of another bucket
@@ -252,6 +302,32 @@ impl Window {
         Ok(Some(Window { table, start, end }))
     }
 
+    /// [`Window::encode`] in place: `bytes` (what [`Window::decode`] read) becomes the whole
+    /// table after the edit. Only the header and this slot's bytes are written (and the slots
+    /// after it moved when its length changed), instead of copying every slot.
+    pub fn encode_into(&self, bytes: &mut Vec<u8>) {
+        let mut header = Vec::with_capacity(HEADER_LEN);
+        self.table.write_header(&mut header);
+        let mut slot = Vec::with_capacity(
+            SLOT_FIXED_LEN + PREFILL_QUEUE * QUEUED_LEN + BUCKETS * COUNTERS_LEN,
+        );
+        for s in &self.table.slots {
+            write_slot(&mut slot, s);
+        }
+        let fits = header.len() == HEADER_LEN
+            && HEADER_LEN <= self.start
+            && self.start <= self.end
+            && self.end <= bytes.len();
+        match bytes.get_mut(..HEADER_LEN) {
+            Some(h) if fits => {
+                h.copy_from_slice(&header);
+                bytes.splice(self.start..self.end, slot);
+            }
+            // Not the bytes this window was decoded from: the copying path.
+            _ => *bytes = self.encode(bytes),
+        }
+    }
+
     /// The whole table's bytes after the edit: `bytes` (what [`Window::decode`] read) with the
     /// header and this slot rewritten.
     pub fn encode(&self, bytes: &[u8]) -> Vec<u8> {
@@ -336,6 +412,55 @@ mod tests {
     }
 
     #[test]
+    fn the_in_place_view_equals_decode_then_view_over_random_tables() {
+        // Bookings over several time buckets (so slots hold 1 to 4 of them), some decaying,
+        // some past their first token or released: the in-place reader must agree on each.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        for round in 0..20 {
+            let slots = 1 + next(40) as usize;
+            let mut t = LoadTable::with_timeout(slots, 3_000);
+            let mut tickets = Vec::new();
+            for k in 0..next(200) {
+                let now = k * 20;
+                let slot = next(slots as u64) as SlotIdx;
+                let model = (next(2) == 0).then_some(next(5_000) as f64);
+                let tokens = next(5_000) as u32;
+                if let Some(ticket) = t.admit(k, slot, tokens, next(64) as u32, model, now) {
+                    tickets.push(ticket);
+                }
+                match (next(4), tickets.len()) {
+                    (0, n) if n > 0 => {
+                        let i = next(n as u64) as usize;
+                        t.release_at(&tickets.swap_remove(i), now);
+                    }
+                    (1, n) if n > 0 => {
+                        let i = next(n as u64) as usize;
+                        if let Some(done) = t.first_token(&tickets[i], now) {
+                            tickets[i] = done;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            let bytes = t.encode();
+            let mut out = Vec::new();
+            let mut offsets = Vec::new();
+            for now in [0, 1_000, 2_500, 4_000, 5_200, 9_000] {
+                view_bytes_at(&bytes, slots, now, &mut out, Some(&mut offsets)).unwrap();
+                assert_eq!(out, t.view(now), "round {round}, now {now}");
+                assert_eq!(offsets.len(), slots + 1);
+                assert_eq!(offsets.last(), Some(&bytes.len()));
+            }
+        }
+    }
+
+    #[test]
     fn an_edit_through_a_window_writes_what_the_whole_table_would() {
         let (t, tickets) = busy(6);
         let bytes = t.encode();
@@ -354,6 +479,9 @@ mod tests {
             let mut window = Window::decode(&bytes, 6, slot, now).unwrap().unwrap();
             assert_eq!(edit(&mut whole), edit(&mut window.table), "ticket {i}");
             assert_eq!(window.encode(&bytes), whole.encode(), "ticket {i}");
+            let mut in_place = bytes.clone();
+            window.encode_into(&mut in_place);
+            assert_eq!(in_place, whole.encode(), "ticket {i}, in place");
         }
     }
 
