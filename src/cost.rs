@@ -78,8 +78,8 @@ pub fn preferred_taint_multiplier(worker_taints: &[String], preferred: &[(String
     (-sum.tanh()).exp()
 }
 
-/// [`slot_cost`]'s per-request terms, computed once for every slot of a decision. `cost` is
-/// exactly `slot_cost(..).cost` (same operations in the same order), without building the terms.
+/// The cost's per-request terms, computed once for every slot of a decision (the one place the
+/// formula above is written).
 #[derive(Clone, Copy, Debug)]
 pub struct KvCost<'a> {
     weights: &'a CostWeights,
@@ -103,14 +103,15 @@ impl<'a> KvCost<'a> {
         }
     }
 
-    /// The slot's cost; `Err(cost)` when it is not finite.
+    /// The slot's cost and its terms. Inlined into the decision's loop, where only `cost` is
+    /// read: the other terms are not kept.
     #[inline]
-    pub fn cost(
+    pub fn terms(
         &self,
         o: &Overlap,
         load: &SlotLoad,
         preferred_multiplier: f64,
-    ) -> Result<f64, f64> {
+    ) -> Result<SlotCost, NonFiniteCost> {
         let w = self.weights;
         let raw_prefill_blocks = (load.prefill_tokens + self.isl) / self.bs;
         let shared_beyond_device_blocks = 0.0;
@@ -118,6 +119,7 @@ impl<'a> KvCost<'a> {
             + w.host_cache_hit_weight * f64::from(o.host_blocks)
             + w.disk_cache_hit_weight * f64::from(o.disk_blocks)
             + w.shared_cache_multiplier * shared_beyond_device_blocks;
+        // `f64::max` would turn a NaN into 0 and hide corrupt inputs: keep NaN for the check below.
         let diff = raw_prefill_blocks - credit_blocks;
         let adjusted_prefill_blocks = if diff.is_nan() { diff } else { diff.max(0.0) };
         let decode_blocks =
@@ -126,11 +128,29 @@ impl<'a> KvCost<'a> {
             + decode_blocks
             + w.decode_active_request_weight * f64::from(load.active_requests))
             * preferred_multiplier;
-        if cost.is_finite() {
-            Ok(cost)
-        } else {
-            Err(cost)
+        if !cost.is_finite() {
+            return Err(NonFiniteCost { cost });
         }
+        Ok(SlotCost {
+            raw_prefill_blocks,
+            credit_blocks,
+            adjusted_prefill_blocks,
+            decode_blocks,
+            cost,
+        })
+    }
+
+    /// The slot's cost; `Err(cost)` when it is not finite.
+    #[inline]
+    pub fn cost(
+        &self,
+        o: &Overlap,
+        load: &SlotLoad,
+        preferred_multiplier: f64,
+    ) -> Result<f64, f64> {
+        self.terms(o, load, preferred_multiplier)
+            .map(|t| t.cost)
+            .map_err(|e| e.cost)
     }
 }
 
@@ -140,33 +160,11 @@ pub fn slot_cost(
     block_size: u32,
     inputs: &CostInputs,
 ) -> Result<SlotCost, NonFiniteCost> {
-    let bs = f64::from(block_size.max(1));
-    let o = &inputs.overlap;
-    let raw_prefill_blocks = (inputs.load.prefill_tokens + f64::from(inputs.isl_tokens)) / bs;
-    let shared_beyond_device_blocks = 0.0;
-    let credit_blocks = weights.overlap_score_credit * f64::from(o.device_blocks)
-        + weights.host_cache_hit_weight * f64::from(o.host_blocks)
-        + weights.disk_cache_hit_weight * f64::from(o.disk_blocks)
-        + weights.shared_cache_multiplier * shared_beyond_device_blocks;
-    // `f64::max` would turn a NaN into 0 and hide corrupt inputs: keep NaN for the check below.
-    let diff = raw_prefill_blocks - credit_blocks;
-    let adjusted_prefill_blocks = if diff.is_nan() { diff } else { diff.max(0.0) };
-    let decode_blocks =
-        inputs.load.decode_blocks + f64::from(new_decode_blocks(inputs.prompt_blocks, o));
-    let cost = (weights.prefill_load_scale * adjusted_prefill_blocks
-        + decode_blocks
-        + weights.decode_active_request_weight * f64::from(inputs.load.active_requests))
-        * inputs.preferred_multiplier;
-    if !cost.is_finite() {
-        return Err(NonFiniteCost { cost });
-    }
-    Ok(SlotCost {
-        raw_prefill_blocks,
-        credit_blocks,
-        adjusted_prefill_blocks,
-        decode_blocks,
-        cost,
-    })
+    KvCost::new(weights, block_size, inputs.isl_tokens, inputs.prompt_blocks).terms(
+        &inputs.overlap,
+        &inputs.load,
+        inputs.preferred_multiplier,
+    )
 }
 
 #[cfg(test)]
@@ -276,56 +274,6 @@ mod tests {
         i.preferred_multiplier = m;
         let c = slot_cost(&CostWeights::default(), 16, &i).unwrap();
         assert!((c.cost - 10.0 * m).abs() < 1e-12);
-    }
-
-    #[test]
-    fn the_hoisted_cost_equals_slot_cost_bit_for_bit() {
-        let weights = [
-            CostWeights::default(),
-            CostWeights {
-                prefill_load_scale: 1.7,
-                decode_active_request_weight: 0.3,
-                overlap_score_credit: 0.9,
-                host_cache_hit_weight: 0.6,
-                disk_cache_hit_weight: 0.1,
-                ..CostWeights::default()
-            },
-        ];
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let mut next = |m: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % m
-        };
-        for w in &weights {
-            for _ in 0..5_000 {
-                let bs = [0, 1, 16, 64][next(4) as usize];
-                let isl = next(10_000) as u32;
-                let mut i = inputs(
-                    next(200) as u32,
-                    next(50) as u32,
-                    next(50) as u32,
-                    next(100_000) as f64,
-                    next(1_000_000) as f64 / 1000.0,
-                );
-                i.isl_tokens = isl;
-                i.prompt_blocks = isl.div_ceil(bs.max(1));
-                i.load.active_requests = next(100) as u32;
-                i.preferred_multiplier = [1.0, 0.466_921, 2.5][next(3) as usize];
-                match next(20) {
-                    0 => i.load.prefill_tokens = f64::NAN,
-                    1 => i.load.decode_blocks = f64::INFINITY,
-                    _ => {}
-                }
-                let kv = KvCost::new(w, bs, i.isl_tokens, i.prompt_blocks);
-                let hoisted = kv.cost(&i.overlap, &i.load, i.preferred_multiplier);
-                match slot_cost(w, bs, &i) {
-                    Ok(c) => assert_eq!(hoisted.map(f64::to_bits), Ok(c.cost.to_bits()), "{i:?}"),
-                    Err(e) => assert!(hoisted.is_err_and(|c| c.to_bits() == e.cost.to_bits())),
-                }
-            }
-        }
     }
 
     #[test]
