@@ -53,7 +53,12 @@ pub fn affinity_table(
         "(replay in send order: max-overlap worker = the one sent the longest prefix of the request \
          earlier in the run; {}; blocks of {block_size} tokens)",
         match capacity_blocks {
-            Some(n) => format!("each worker keeps its {n} most recently used blocks (LRU)"),
+            Some(n) => format!(
+                "each worker's cache modelled like the engine's: {n} blocks, a running request's \
+                 blocks pinned from its send to its end plus its partial and output blocks, a 1% \
+                 watermark, blocks stamped when sent and when freed, least recently used \
+                 evicted first"
+            ),
             // The workers evict (their caches are bounded), the index follows their "removed"
             // events: here "behind" counts those evicted prefixes too.
             None => "evictions not modelled, so \"behind\" also counts prefixes the workers \

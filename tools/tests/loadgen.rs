@@ -133,3 +133,66 @@ fn closed_loop_over_a_fleet_reports_concurrency_and_server_ttft() {
     );
     assert!(stats.ttft_overhead_ms().unwrap() > 0.0);
 }
+
+/// `loadgen --report-from` re-reads a saved `--requests-jsonl` of `--modes` and prints the
+/// affinity replay per arm, without running anything.
+#[test]
+fn report_from_replays_a_saved_comparison() {
+    let dir = std::env::temp_dir().join(format!("loadgen-report-from-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Two requests sharing their first 512-token block (8 blocks of 64), then one more like them.
+    let trace = dir.join("trace.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"timestamp\": 0, \"input_length\": 1024, \"output_length\": 4, \"hash_ids\": [1, 2]}\n\
+         {\"timestamp\": 10, \"input_length\": 1024, \"output_length\": 4, \"hash_ids\": [1, 3]}\n",
+    )
+    .unwrap();
+    let line = |arm: &str, index: usize, at: f64, worker: &str| {
+        json!({"arm": arm, "index": index, "ok": true, "sent_at_ms": at, "e2e_ms": 1.0,
+               "worker_id": worker})
+        .to_string()
+    };
+    let saved = dir.join("requests.jsonl");
+    let lines = [
+        line("sticky", 0, 0.0, "1"),
+        line("sticky", 1, 10.0, "1"),
+        line("spread", 0, 0.0, "1"),
+        line("spread", 1, 10.0, "2"),
+    ];
+    std::fs::write(&saved, lines.join("\n") + "\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_loadgen"))
+        .args(["--report-from", saved.to_str().unwrap()])
+        .args(["--trace", trace.to_str().unwrap()])
+        .args(["--worker-args", "--kv-blocks 64"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let row = |arm: &str| -> Vec<String> {
+        text.lines()
+            .find(|l| l.starts_with(arm))
+            .unwrap_or_else(|| panic!("no row for {arm} in\n{text}"))
+            .split_whitespace()
+            .map(str::to_string)
+            .collect()
+    };
+    // arm, requests, with prefix, to max-overlap, given up: the second request shared 8 blocks.
+    assert_eq!(row("sticky")[1..5], ["2", "1", "100.0%", "0.0%"]);
+    assert_eq!(row("spread")[1..5], ["2", "1", "0.0%", "100.0%"]);
+
+    // A file that is not a --modes file is refused, naming the line.
+    std::fs::write(&saved, "{\"index\": 0}\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_loadgen"))
+        .args(["--report-from", saved.to_str().unwrap()])
+        .args(["--trace", trace.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("requests.jsonl:1: no \"arm\""));
+    let _ = std::fs::remove_dir_all(&dir);
+}

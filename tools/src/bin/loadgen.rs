@@ -3,7 +3,7 @@
 //! ITL, end-to-end latency, throughput, errors, achieved concurrency, its own CPU use and the
 //! workers' cache hit rate and server-side TTFT.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{ArgGroup, Parser};
@@ -12,7 +12,7 @@ use envoy_kv_router_tools::compare::{
 };
 use envoy_kv_router_tools::loadgen::{
     chat, format_stats, load_mooncake, run_workload_on, synthetic, write_svg_chart, ChatSpec,
-    RunOptions, SyntheticSpec,
+    RequestResult, RunOptions, RunStats, SyntheticSpec, Workload,
 };
 use envoy_kv_router_tools::quality::{affinity_table, load_miss_table};
 use envoy_kv_router_tools::sys::raise_fd_limit;
@@ -23,7 +23,7 @@ use serde_json::Value;
     name = "loadgen",
     about = "Replays a Mooncake trace or a synthetic shared-prefix workload and measures it",
     group(ArgGroup::new("workload").required(true).args(["trace", "synthetic", "chat"])),
-    group(ArgGroup::new("where").required(true).args(["target", "modes"])),
+    group(ArgGroup::new("where").required(true).args(["target", "modes", "report_from"])),
     after_help = "SPEC: groups=G,prefix=P,isl=I,osl=O,requests=N,(rate=R|concurrency=C)[,seed=S]\n\
 CHAT: conversations=C,turns=T,system_prompts=S,system_chars=X,user_chars=U,reply_chars=R,osl=O,\
 (rate=Q|concurrency=N)[,seed=E]\n\
@@ -119,6 +119,10 @@ struct Args {
     /// arm's, each line tagged with its "arm").
     #[arg(long)]
     requests_jsonl: Option<PathBuf>,
+    /// Run nothing: print the affinity replay and the load-miss tables of a saved
+    /// `--requests-jsonl` file of `--modes` (give the same workload and `--worker-args`).
+    #[arg(long)]
+    report_from: Option<PathBuf>,
     /// A filter build for arms tagged `<mode>@TAG` (repeatable; TAG=PATH to a .wasm), e.g. to
     /// compare a change against the build before it in one run.
     #[arg(long = "arm-wasm")]
@@ -213,6 +217,11 @@ fn main() {
         }
         synthetic(&spec)
     };
+    if let Some(path) = &args.report_from {
+        let results = load_arm_results(path).unwrap_or_else(|e| fail(&e));
+        print_routing_diagnostics(&results, &workload, &args);
+        return;
+    }
     if workload.is_chat() && opts.path == "/v1/completions" {
         opts.path = "/v1/chat/completions".to_string();
     }
@@ -259,18 +268,7 @@ fn main() {
             }
         }
         print!("{}", quality_table(&results, args.fleet));
-        print!(
-            "{}",
-            affinity_table(&results, &workload, args.block_size, None)
-        );
-        // Again with the workers' caches bounded (LRU), so a max-overlap worker is one that
-        // plausibly still holds the prefix.
-        let capacity = kv_blocks_of(&args.worker_args);
-        print!(
-            "{}",
-            affinity_table(&results, &workload, args.block_size, Some(capacity))
-        );
-        print!("{}", load_miss_table(&results, args.block_size));
+        print_routing_diagnostics(&results, &workload, &args);
         return;
     }
     let targets: Vec<String> = args
@@ -319,6 +317,52 @@ fn main() {
     if stats.completed() == 0 {
         std::process::exit(1);
     }
+}
+
+/// The affinity replay (unbounded, then with the workers' caches modelled at their capacity, so
+/// a max-overlap worker is one that still holds the prefix) and the filter's load misses.
+fn print_routing_diagnostics(results: &[(String, RunStats)], workload: &Workload, args: &Args) {
+    print!(
+        "{}",
+        affinity_table(results, workload, args.block_size, None)
+    );
+    let capacity = kv_blocks_of(&args.worker_args);
+    print!(
+        "{}",
+        affinity_table(results, workload, args.block_size, Some(capacity))
+    );
+    print!("{}", load_miss_table(results, args.block_size));
+}
+
+/// A `--requests-jsonl` file of `--modes`: every arm's requests, arms in file order.
+fn load_arm_results(path: &Path) -> Result<Vec<(String, RunStats)>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut arms: Vec<(String, RunStats)> = Vec::new();
+    for (n, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let bad = |e: String| format!("{}:{}: {e}", path.display(), n + 1);
+        let v: Value = serde_json::from_str(line).map_err(|e| bad(e.to_string()))?;
+        let arm = v
+            .get("arm")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad("no \"arm\" (not a --modes file?)".into()))?
+            .to_string();
+        let r: RequestResult = serde_json::from_value(v).map_err(|e| bad(e.to_string()))?;
+        match arms.iter_mut().find(|(a, _)| *a == arm) {
+            Some((_, stats)) => stats.results.push(r),
+            None => arms.push((
+                arm,
+                RunStats {
+                    results: vec![r],
+                    ..RunStats::default()
+                },
+            )),
+        }
+    }
+    Ok(arms)
 }
 
 /// The fleet's KV capacity per worker: `--kv-blocks N` in the worker arguments, else the mock's

@@ -7,13 +7,19 @@
 //! to it earlier (full `block_size` blocks, chained like KV block hashes). The request's
 //! "max-overlap worker" is the one holding the longest prefix of it; it "went to" that worker
 //! when its own worker's overlap equals the maximum. Blocks given up = max overlap minus the
-//! overlap of the worker it went to. With `capacity_blocks` each worker keeps at most that many
-//! blocks, evicting the least recently used first (leaf blocks before their prefix, as vLLM and
-//! the mock do), so "max-overlap worker" means one that plausibly still holds the prefix; without
-//! it a worker keeps all it was sent (the affinity a router could have had with unbounded caches).
-//! Not modelled: blocks pinned by running requests, output blocks, the engine's block ids.
+//! overlap of the worker it went to. Without `capacity_blocks` a worker keeps all it was sent
+//! (the affinity a router could have had with unbounded caches). With it each worker's cache is
+//! modelled like the mock engine's (and vLLM's): at most that many blocks; a running request
+//! (from its send to its end, `sent_at_ms + e2e_ms`) pins its prompt blocks and also occupies
+//! its partial last prompt block and its output blocks; 1% of the capacity is kept free while
+//! requests run (the engine's watermark); blocks are stamped when their request is sent and again
+//! when it ends (when the engine frees them), and the least recently stamped unpinned block is
+//! evicted first (leaf blocks before their prefix). So "max-overlap worker" means one that still
+//! holds the prefix as far as the client can tell. Not modelled: when the engine admitted a
+//! request (the send stands for it), preemption, the engine's block ids.
 
-use std::collections::{BTreeMap, HashMap};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
 use super::runner::RequestResult;
 use super::Workload;
@@ -83,17 +89,26 @@ pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
         .collect()
 }
 
-/// One worker's cached blocks, least recently used evicted first beyond a capacity.
+/// The engine's watermark: free blocks it keeps while requests run (the mock's and vLLM's 1%).
+const WATERMARK: f64 = 0.01;
+
+/// One worker's cache as the engine keeps it: cached blocks stamped by last use, the blocks its
+/// running requests pin, and the slots those requests occupy beyond their cached blocks.
 #[derive(Debug, Default)]
-struct LruBlocks {
+struct WorkerCache {
     /// Block -> stamp of its last use.
     last_use: HashMap<u64, u64>,
     /// Stamp -> block, oldest first.
     by_age: BTreeMap<u64, u64>,
+    /// Block -> running requests holding it (never evicted while held).
+    pins: HashMap<u64, u32>,
+    /// Slots of running requests not in the cache: partial last prompt blocks and output blocks.
+    private: usize,
+    running: usize,
     clock: u64,
 }
 
-impl LruBlocks {
+impl WorkerCache {
     /// Leading blocks of `hashes` held.
     fn overlap(&self, hashes: &[u64]) -> u64 {
         hashes
@@ -102,8 +117,8 @@ impl LruBlocks {
             .count() as u64
     }
 
-    /// A request's prompt blocks used now: touched leaf first, so a prefix outlives its tails.
-    fn touch(&mut self, hashes: &[u64], capacity: usize) {
+    /// Stamps `hashes` as used now, leaf first, so a prefix outlives its tails.
+    fn stamp(&mut self, hashes: &[u64]) {
         for h in hashes.iter().rev() {
             self.clock += 1;
             if let Some(old) = self.last_use.insert(*h, self.clock) {
@@ -111,12 +126,90 @@ impl LruBlocks {
             }
             self.by_age.insert(self.clock, *h);
         }
-        while self.last_use.len() > capacity {
-            let Some((_, h)) = self.by_age.pop_first() else {
-                break;
-            };
+    }
+
+    /// A request starts: its blocks are cached and pinned, its other slots taken, and the least
+    /// recently used unpinned blocks evicted until everything fits under `capacity` (as far as
+    /// unpinned blocks allow: the engine would queue the request instead).
+    fn start(&mut self, hashes: &[u64], private: usize, capacity: usize) {
+        self.stamp(hashes);
+        for h in hashes {
+            *self.pins.entry(*h).or_insert(0) += 1;
+        }
+        self.private += private;
+        self.running += 1;
+        // The engine keeps its watermark free only while other requests run.
+        let watermark = if self.running > 1 {
+            (WATERMARK * capacity as f64).ceil() as usize
+        } else {
+            0
+        };
+        let limit = capacity.saturating_sub(self.private + watermark);
+        let excess = self.last_use.len().saturating_sub(limit);
+        if excess == 0 {
+            return;
+        }
+        let victims: Vec<(u64, u64)> = self
+            .by_age
+            .iter()
+            .filter(|(_, h)| !self.pins.contains_key(*h))
+            .take(excess)
+            .map(|(stamp, h)| (*stamp, *h))
+            .collect();
+        for (stamp, h) in victims {
+            self.by_age.remove(&stamp);
             self.last_use.remove(&h);
         }
+    }
+
+    /// A request ends: the engine frees its blocks (stamping them) and its other slots.
+    fn end(&mut self, hashes: &[u64], private: usize) {
+        for h in hashes {
+            if let Some(n) = self.pins.get_mut(h) {
+                *n -= 1;
+                if *n == 0 {
+                    self.pins.remove(h);
+                }
+            }
+        }
+        let held: Vec<u64> = hashes
+            .iter()
+            .copied()
+            .filter(|h| self.last_use.contains_key(h))
+            .collect();
+        self.stamp(&held);
+        self.private = self.private.saturating_sub(private);
+        self.running = self.running.saturating_sub(1);
+    }
+
+    /// Unbounded: every block sent stays.
+    fn keep(&mut self, hashes: &[u64]) {
+        self.stamp(hashes);
+    }
+}
+
+/// A running request's end, for the bounded replay: (end time, worker, blocks, private slots).
+struct Running<'a> {
+    end_ms: f64,
+    worker: &'a str,
+    hashes: Vec<u64>,
+    private: usize,
+}
+
+impl PartialEq for Running<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.end_ms.total_cmp(&other.end_ms).is_eq()
+    }
+}
+impl Eq for Running<'_> {}
+impl PartialOrd for Running<'_> {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Running<'_> {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.end_ms.total_cmp(&other.end_ms)
     }
 }
 
@@ -127,19 +220,24 @@ pub fn affinity_replay(
     block_size: u32,
     capacity_blocks: Option<usize>,
 ) -> Affinity {
-    let capacity = capacity_blocks.unwrap_or(usize::MAX);
     let mut order: Vec<&RequestResult> = results
         .iter()
         .filter(|r| r.ok && r.worker_id.is_some())
         .collect();
     order.sort_by(|a, b| a.sent_at_ms.total_cmp(&b.sent_at_ms));
-    let mut held: HashMap<&str, LruBlocks> = HashMap::new();
+    let mut held: HashMap<&str, WorkerCache> = HashMap::new();
+    let mut running: BinaryHeap<Reverse<Running>> = BinaryHeap::new();
     let mut a = Affinity::default();
     for r in order {
         let (Some(spec), Some(worker)) = (workload.requests.get(r.index), r.worker_id.as_deref())
         else {
             continue;
         };
+        while running.peek().is_some_and(|e| e.0.end_ms <= r.sent_at_ms) {
+            if let Some(Reverse(e)) = running.pop() {
+                held.entry(e.worker).or_default().end(&e.hashes, e.private);
+            }
+        }
         let hashes = block_hashes(&spec.tokens, block_size as usize);
         let best = held.values().map(|h| h.overlap(&hashes)).max().unwrap_or(0);
         let mine = held.get(worker).map_or(0, |h| h.overlap(&hashes));
@@ -160,7 +258,23 @@ pub fn affinity_replay(
                 }
             }
         }
-        held.entry(worker).or_default().touch(&hashes, capacity);
+        let cache = held.entry(worker).or_default();
+        match capacity_blocks {
+            None => cache.keep(&hashes),
+            Some(capacity) => {
+                let bs = block_size.max(1) as usize;
+                // Slots beyond the cached blocks: the partial last prompt block and the output.
+                let private =
+                    spec.tokens.len().div_ceil(bs) - hashes.len() + r.output_tokens.div_ceil(bs);
+                cache.start(&hashes, private, capacity);
+                running.push(Reverse(Running {
+                    end_ms: r.sent_at_ms + r.e2e_ms,
+                    worker,
+                    hashes,
+                    private,
+                }));
+            }
+        }
     }
     a
 }
@@ -264,6 +378,52 @@ mod tests {
         // 3 blocks: A is gone entirely; nobody held a prefix of the third request.
         let r = affinity_replay(&w, &results, 4, Some(3));
         assert_eq!((r.with_prefix, r.available_blocks), (0, 0));
+    }
+
+    fn timed(index: usize, at: f64, e2e: f64, worker: &str) -> RequestResult {
+        RequestResult {
+            e2e_ms: e2e,
+            ..result(index, at, worker)
+        }
+    }
+
+    #[test]
+    fn running_requests_pin_their_blocks_and_ends_restamp_them() {
+        // 4-token blocks: A, B, C three blocks each, nothing shared.
+        let [a, b, c]: [Vec<u32>; 3] = [0, 100, 200].map(|base| (base..base + 12).collect());
+        let w = Workload {
+            name: "t".into(),
+            requests: vec![spec(a.clone()), spec(b.clone()), spec(c), spec(a), spec(b)],
+            arrival: Arrival::Timed,
+        };
+        // A runs 10..110 on w1; B runs 20..25; C starts at 30: 9 blocks, capacity 7 less the
+        // watermark of 1 (A still runs): 3 unpinned blocks go, and those are B's (finished),
+        // not A's (older but running). A again on w2 at 40 gives up w1's 3 blocks; B again on
+        // w2 at 50 finds nobody holding it.
+        let results = vec![
+            timed(0, 10.0, 100.0, "w1"),
+            timed(1, 20.0, 5.0, "w1"),
+            timed(2, 30.0, 100.0, "w1"),
+            timed(3, 40.0, 1.0, "w2"),
+            timed(4, 50.0, 1.0, "w2"),
+        ];
+        let r = affinity_replay(&w, &results, 4, Some(7));
+        assert_eq!((r.with_prefix, r.to_max_overlap), (1, 0));
+        assert_eq!((r.available_blocks, r.given_up_blocks), (3, 3));
+
+        // Ends restamp: A runs 10..40, B 20..25, both done when C starts at 50 with room for 6
+        // blocks: B (last used at 25) goes, not A (freed at 40, though sent first). B again on
+        // w2 finds nobody holding it; A again on w1 finds its whole prefix there.
+        let results = vec![
+            timed(0, 10.0, 30.0, "w1"),
+            timed(1, 20.0, 5.0, "w1"),
+            timed(2, 50.0, 1.0, "w1"),
+            timed(4, 60.0, 1.0, "w2"),
+            timed(3, 70.0, 1.0, "w1"),
+        ];
+        let r = affinity_replay(&w, &results, 4, Some(6));
+        assert_eq!((r.with_prefix, r.to_max_overlap), (1, 1));
+        assert_eq!((r.available_blocks, r.given_up_blocks), (3, 0));
     }
 
     #[test]

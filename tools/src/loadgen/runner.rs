@@ -73,7 +73,8 @@ impl Default for RunOptions {
 }
 
 /// What happened to one request.
-#[derive(Debug, Clone, Default, serde::Serialize)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct RequestResult {
     pub index: usize,
     pub ok: bool,
