@@ -180,7 +180,30 @@ pub fn decide(
             // Per-request terms hoisted out of the per-slot loop (at 1,000 slots it dominates).
             let kv = cost::KvCost::new(&config.cost, config.block_size, isl, input.prompt_blocks);
             let no_taints = request.preferred_taints.is_empty();
-            for &slot in &candidates {
+            // The minimum as the argmin's fold over the costs would find it.
+            let mut min = f64::INFINITY;
+            if no_taints && config.ttft.is_none() {
+                // The usual case in a loop of its own: nothing per slot but its inputs and cost
+                // (the same values and the same cost as the general loop below).
+                let overlaps = if has_prefix { input.overlaps } else { &[] };
+                let idle = SlotLoad::default();
+                for &slot in &candidates {
+                    let i = usize::from(slot);
+                    let overlap = match input.stale_slots.get(i) {
+                        Some(true) => Overlap::default(),
+                        _ => overlaps.get(i).copied().unwrap_or_default(),
+                    };
+                    let load = input.load.get(i).unwrap_or(&idle);
+                    let score = kv
+                        .cost(&overlap, load, 1.0)
+                        .map_err(|cost| RouteError::NonFiniteCost { slot, cost })?;
+                    min = min.min(score);
+                    scores.push((slot, score));
+                }
+            }
+            // Otherwise (preferred taints, TTFT scores): the general loop.
+            let general = !(no_taints && config.ttft.is_none());
+            for &slot in candidates.iter().filter(|_| general) {
                 // The slot's worker is looked up only when a preference needs it.
                 let multiplier = if no_taints {
                     1.0
@@ -206,6 +229,7 @@ pub fn decide(
                     },
                 };
                 let score = score.map_err(|cost| RouteError::NonFiniteCost { slot, cost })?;
+                min = min.min(score);
                 scores.push((slot, score));
             }
             let affine = match &config.affinity {
@@ -223,10 +247,15 @@ pub fn decide(
                 }
                 _ => None,
             };
-            let costs: Vec<f64> = scores.iter().map(|(_, c)| *c).collect();
             affine.or_else(|| {
-                select::pick_by_cost(&costs, config.router_temperature, rng)
-                    .and_then(|i| scores.get(i).map(|(s, _)| *s))
+                let picked = if config.router_temperature > 0.0 {
+                    let costs: Vec<f64> = scores.iter().map(|(_, c)| *c).collect();
+                    select::pick_by_cost(&costs, config.router_temperature, rng)
+                } else {
+                    // `pick_by_cost`'s argmin, on the minimum kept while scoring.
+                    select::argmin_random_ties_from_min(scores.iter().map(|s| s.1), min, rng)
+                };
+                picked.and_then(|i| scores.get(i).map(|(s, _)| *s))
             })
         }
         RoutingMode::Random => select::random(&candidates, rng),
@@ -362,7 +391,13 @@ fn fallbacks(
     if total > head {
         // One pass keeping the best `head`, sorted (most items lose to the worst kept at once).
         let mut best: Vec<(SlotIdx, f64)> = Vec::with_capacity(head + 1);
+        // The worst kept score once `head` are kept (infinity before): an item scoring more
+        // (a float comparison, cheaper than `order`) loses to it at once.
+        let mut worst = f64::INFINITY;
         let mut offer = |item: (SlotIdx, f64)| {
+            if item.1 > worst {
+                return;
+            }
             if best.len() >= head
                 && best
                     .last()
@@ -373,6 +408,9 @@ fn fallbacks(
             let at = best.partition_point(|x| order(x, &item) == std::cmp::Ordering::Less);
             best.insert(at, item);
             best.truncate(head);
+            if best.len() >= head {
+                worst = best.last().map_or(f64::INFINITY, |w| w.1);
+            }
         };
         if scores.is_empty() {
             candidates.iter().map(by_load).for_each(&mut offer);
