@@ -180,8 +180,8 @@ pub fn decide(
             // Per-request terms hoisted out of the per-slot loop (at 1,000 slots it dominates).
             let kv = cost::KvCost::new(&config.cost, config.block_size, isl, input.prompt_blocks);
             let no_taints = request.preferred_taints.is_empty();
-            // The minimum as the argmin's fold over the costs would find it.
-            let mut min = f64::INFINITY;
+            // The scores' costs alone, contiguous for the pick.
+            let mut costs: Vec<f64> = Vec::with_capacity(candidates.len());
             if no_taints && config.ttft.is_none() {
                 // The usual case in a loop of its own: nothing per slot but its inputs and cost
                 // (the same values and the same cost as the general loop below).
@@ -197,7 +197,7 @@ pub fn decide(
                     let score = kv
                         .cost(&overlap, load, 1.0)
                         .map_err(|cost| RouteError::NonFiniteCost { slot, cost })?;
-                    min = min.min(score);
+                    costs.push(score);
                     scores.push((slot, score));
                 }
             }
@@ -229,7 +229,7 @@ pub fn decide(
                     },
                 };
                 let score = score.map_err(|cost| RouteError::NonFiniteCost { slot, cost })?;
-                min = min.min(score);
+                costs.push(score);
                 scores.push((slot, score));
             }
             let affine = match &config.affinity {
@@ -248,14 +248,8 @@ pub fn decide(
                 _ => None,
             };
             affine.or_else(|| {
-                let picked = if config.router_temperature > 0.0 {
-                    let costs: Vec<f64> = scores.iter().map(|(_, c)| *c).collect();
-                    select::pick_by_cost(&costs, config.router_temperature, rng)
-                } else {
-                    // `pick_by_cost`'s argmin, on the minimum kept while scoring.
-                    select::argmin_random_ties_from_min(scores.iter().map(|s| s.1), min, rng)
-                };
-                picked.and_then(|i| scores.get(i).map(|(s, _)| *s))
+                select::pick_by_cost(&costs, config.router_temperature, rng)
+                    .and_then(|i| scores.get(i).map(|(s, _)| *s))
             })
         }
         RoutingMode::Random => select::random(&candidates, rng),
@@ -391,31 +385,40 @@ fn fallbacks(
     if total > head {
         // One pass keeping the best `head`, sorted (most items lose to the worst kept at once).
         let mut best: Vec<(SlotIdx, f64)> = Vec::with_capacity(head + 1);
-        // The worst kept score once `head` are kept (infinity before): an item scoring more
-        // (a float comparison, cheaper than `order`) loses to it at once.
-        let mut worst = f64::INFINITY;
-        let mut offer = |item: (SlotIdx, f64)| {
-            if item.1 > worst {
-                return;
-            }
-            if best.len() >= head
-                && best
+        // Keeps `item` if it beats the worst kept; returns the worst kept score once `head` are
+        // kept (infinity before): an item scoring more (a float comparison, cheaper than
+        // `order`) loses at once, without a call.
+        let mut offer = |item: (SlotIdx, f64)| -> f64 {
+            let full = best.len() >= head;
+            if !full
+                || best
                     .last()
-                    .is_some_and(|worst| order(&item, worst) != std::cmp::Ordering::Less)
+                    .is_some_and(|worst| order(&item, worst) == std::cmp::Ordering::Less)
             {
-                return;
+                let at = best.partition_point(|x| order(x, &item) == std::cmp::Ordering::Less);
+                best.insert(at, item);
+                best.truncate(head);
             }
-            let at = best.partition_point(|x| order(x, &item) == std::cmp::Ordering::Less);
-            best.insert(at, item);
-            best.truncate(head);
-            if best.len() >= head {
-                worst = best.last().map_or(f64::INFINITY, |w| w.1);
+            match best.last() {
+                Some(worst) if best.len() >= head => worst.1,
+                _ => f64::INFINITY,
             }
         };
+        let mut worst = f64::INFINITY;
         if scores.is_empty() {
-            candidates.iter().map(by_load).for_each(&mut offer);
+            for item in candidates.iter().map(by_load) {
+                if item.1 > worst {
+                    continue;
+                }
+                worst = offer(item);
+            }
         } else {
-            scores.iter().copied().for_each(&mut offer);
+            for &item in scores {
+                if item.1 > worst {
+                    continue;
+                }
+                worst = offer(item);
+            }
         }
         let out = pick(&best);
         if out.len() >= config.fallback_count {

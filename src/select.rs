@@ -30,32 +30,6 @@ pub fn argmin_random_ties(costs: &[f64], rng: &mut Rng) -> Option<usize> {
         .map(|(i, _)| i)
 }
 
-/// [`argmin_random_ties`] over `costs` whose minimum `min` the caller kept (the fold of the
-/// costs with `f64::min` from infinity, in order): the same index from the same draw, in one
-/// pass over the costs when one of them is the minimum (the usual case), two otherwise.
-pub fn argmin_random_ties_from_min<I>(costs: I, min: f64, rng: &mut Rng) -> Option<usize>
-where
-    I: Iterator<Item = f64> + Clone,
-{
-    let mut ties = 0usize;
-    let mut first = None;
-    for (i, c) in costs.clone().enumerate() {
-        if tied(c, min) {
-            first = first.or(Some(i));
-            ties += 1;
-        }
-    }
-    let nth = rng.index(ties);
-    if nth == 0 {
-        return first;
-    }
-    costs
-        .enumerate()
-        .filter(|(_, c)| tied(*c, min))
-        .nth(nth)
-        .map(|(i, _)| i)
-}
-
 /// Softmax probabilities over min-max normalised costs:
 /// `p_i ∝ exp(-(c_i - c_min) / ((c_max - c_min) * temperature))`; uniform when all costs are
 /// equal. `temperature` must be `> 0`.
@@ -218,36 +192,6 @@ mod tests {
             assert!((9_000..11_000).contains(&counts[i]), "{counts:?}");
         }
         assert_eq!(argmin_random_ties(&[], &mut rng), None);
-    }
-
-    #[test]
-    fn argmin_from_a_kept_minimum_draws_as_the_argmin() {
-        // Random costs with many ties (a few distinct values, some within the tie epsilon):
-        // the same index and the same random stream as `argmin_random_ties`.
-        let mut x = 0x853c_49e6_748f_ea9bu64;
-        let mut next = |m: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % m
-        };
-        for round in 0..3_000 {
-            let n = next(40) as usize;
-            let costs: Vec<f64> = (0..n)
-                .map(|_| match next(4) {
-                    0 => next(5) as f64,
-                    1 => next(5) as f64 * (1.0 + 1e-12),
-                    2 => -(next(3) as f64),
-                    _ => next(1_000) as f64 / 7.0,
-                })
-                .collect();
-            let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
-            let (mut a, mut b) = (Rng::new(round), Rng::new(round));
-            let want = argmin_random_ties(&costs, &mut a);
-            let got = argmin_random_ties_from_min(costs.iter().copied(), min, &mut b);
-            assert_eq!(got, want, "round {round}: {costs:?}");
-            assert_eq!(a.next_u64(), b.next_u64(), "round {round}: same draws");
-        }
     }
 
     #[test]
