@@ -385,12 +385,9 @@ fn fallbacks(
     if total > head {
         // One pass keeping the best `head`, sorted (most items lose to the worst kept at once).
         let mut best: Vec<(SlotIdx, f64)> = Vec::with_capacity(head + 1);
-        // Keeps `item` if it beats the worst kept; returns the worst kept score once `head` are
-        // kept (infinity before): an item scoring more (a float comparison, cheaper than
-        // `order`) loses at once, without a call.
-        let mut offer = |item: (SlotIdx, f64)| -> f64 {
-            let full = best.len() >= head;
-            if !full
+        // Keeps `item` if it beats the worst kept; returns the worst kept once `head` are kept.
+        let mut offer = |item: (SlotIdx, f64)| -> Option<(SlotIdx, f64)> {
+            if best.len() < head
                 || best
                     .last()
                     .is_some_and(|worst| order(&item, worst) == std::cmp::Ordering::Less)
@@ -399,25 +396,28 @@ fn fallbacks(
                 best.insert(at, item);
                 best.truncate(head);
             }
-            match best.last() {
-                Some(worst) if best.len() >= head => worst.1,
-                _ => f64::INFINITY,
-            }
+            best.last().copied().filter(|_| best.len() >= head)
         };
-        let mut worst = f64::INFINITY;
+        // An item that is not `order`-less than the worst kept loses at once, without a call:
+        // a higher score, or the same score (bit for bit) on a higher slot. (Anything else, such
+        // as -0 against +0, is left to `offer`'s `order`.)
+        let loses = |item: &(SlotIdx, f64), worst: Option<(SlotIdx, f64)>| {
+            worst.is_some_and(|w| {
+                item.1 > w.1 || (item.1.to_bits() == w.1.to_bits() && item.0 > w.0)
+            })
+        };
+        let mut worst = None;
         if scores.is_empty() {
             for item in candidates.iter().map(by_load) {
-                if item.1 > worst {
-                    continue;
+                if !loses(&item, worst) {
+                    worst = offer(item);
                 }
-                worst = offer(item);
             }
         } else {
-            for &item in scores {
-                if item.1 > worst {
-                    continue;
+            for item in scores {
+                if !loses(item, worst) {
+                    worst = offer(*item);
                 }
-                worst = offer(item);
             }
         }
         let out = pick(&best);
