@@ -165,7 +165,7 @@ fn view_slot(
     let mut anchor = None;
     if queued > 0 || ctx.live_mask.is_some() {
         let details = ctx.bytes.get(pos..end)?;
-        let (queue, buckets) = details.split_at(queued * QUEUED_LEN);
+        let (queue, buckets) = details.split_at_checked(queued * QUEUED_LEN)?;
         for q in queue.chunks_exact(QUEUED_LEN) {
             let q: &[u8; QUEUED_LEN] = q.try_into().ok()?;
             let admitted_ms = u64::from_le_bytes(field(q, 16));
@@ -366,7 +366,9 @@ impl Window {
             write_details(&mut details, s);
         }
         let at = self.summary_at();
-        let (head, summary) = header.split_at(HEADER_LEN.min(header.len()));
+        let (head, summary) = header
+            .split_at_checked(HEADER_LEN)
+            .unwrap_or((header.as_slice(), &[]));
         let fits = head.len() == HEADER_LEN
             && summary.len() == SLOT_FIXED_LEN
             && at + SLOT_FIXED_LEN <= self.start
