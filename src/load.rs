@@ -42,12 +42,34 @@ pub const PREFILL_QUEUE: usize = 4;
 pub const DEFAULT_TIMEOUT_MS: u64 = 900_000;
 
 const MAGIC: &[u8; 4] = b"EKLT";
-const VERSION: u8 = 2;
+/// 3: every slot's fixed-size summary first, then the slots' variable details (2 interleaved
+/// them, so reading slot `i` walked every slot before it). A table of another version is
+/// refused and replaced by a fresh one, as any undecodable table (bookings in flight across
+/// the upgrade are forgotten: their releases find nothing to subtract).
+const VERSION: u8 = 3;
 const HEADER_LEN: usize = 4 + 1 + 4 + 8 + 8 + 8 * BUCKETS;
 const QUEUED_LEN: usize = 8 + 4 + 4 + 8;
 const COUNTERS_LEN: usize = 8 + 8 + 4;
-/// Generation, anchor time, queue length, mask of the non-zero buckets that follow.
-const SLOT_FIXED_LEN: usize = 4 + 8 + 1 + 1;
+/// A slot's summary: generation, anchor time, queue length, mask of its non-zero buckets, and
+/// the sum of those buckets (prefill tokens, decode milli-blocks, active requests).
+const SLOT_FIXED_LEN: usize = 4 + 8 + 1 + 1 + COUNTERS_LEN;
+/// Where the counters' sum starts in a slot's summary.
+const TOTALS_AT: usize = 4 + 8 + 1 + 1;
+
+/// Bytes of a slot's details with `queued` prefills and the non-zero buckets of `mask`: the
+/// queue, then the buckets' counters only when there are two or more (one bucket equals the
+/// summary's sum, so it is not written again).
+/// `mask` must be below `1 << BUCKETS` (callers check it).
+#[inline(always)]
+fn details_len(queued: usize, mask: u8) -> usize {
+    let buckets = BUCKETS_LEN.get(usize::from(mask)).copied().unwrap_or(0);
+    queued * QUEUED_LEN + usize::from(buckets)
+}
+
+/// Bytes of a slot's buckets in its details, by mask (two or more set bits: 20 bytes each, else
+/// none): a table, as x86-64's baseline has no popcount instruction and its software version
+/// costs more than the rest of a slot's view (`details_len_counts_the_buckets_of_two_or_more`).
+const BUCKETS_LEN: [u8; 1 << BUCKETS] = [0, 0, 0, 40, 0, 40, 40, 60, 0, 40, 40, 60, 40, 60, 60, 80];
 
 /// Booked load of one slot at one instant.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -177,6 +199,26 @@ struct Slot {
     buckets: [Counters; BUCKETS],
 }
 
+impl Slot {
+    /// Which buckets are non-zero (bit `i` = ring position `i`).
+    fn mask(&self) -> u8 {
+        self.buckets
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| **c != Counters::default())
+            .fold(0u8, |m, (i, _)| m | (1 << i))
+    }
+
+    /// The sum of every bucket (saturating, in ring order).
+    fn totals(&self) -> Counters {
+        let mut t = Counters::default();
+        for c in &self.buckets {
+            t.add(c);
+        }
+        t
+    }
+}
+
 /// See the module docs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LoadTable {
@@ -288,18 +330,23 @@ impl LoadTable {
         if bytes.is_empty() {
             return Ok(LoadTable::new(num_slots));
         }
-        let (mut table, mut r) = LoadTable::decode_header(bytes, num_slots)?;
+        let (mut table, mut fixed) = LoadTable::decode_header(bytes, num_slots)?;
+        // decode_header checked that every summary fits.
+        let mut details = Reader {
+            bytes,
+            pos: HEADER_LEN + num_slots * SLOT_FIXED_LEN,
+        };
         let mut slots = Vec::with_capacity(num_slots);
         for _ in 0..num_slots {
-            slots.push(read_slot(&mut r, table.bucket_ms)?);
+            slots.push(read_slot(&mut fixed, &mut details, &table)?);
         }
-        r.finish()?;
+        details.finish()?;
         table.slots = slots;
         Ok(table)
     }
 
     /// The header (and a length check) of [`LoadTable::decode`]: a table with no slots decoded
-    /// yet, and the reader positioned at slot 0.
+    /// yet, and the reader positioned at slot 0's summary.
     fn decode_header(
         bytes: &[u8],
         num_slots: usize,
@@ -328,7 +375,7 @@ impl LoadTable {
         for e in ring.iter_mut() {
             *e = r.u64()?;
         }
-        // Every slot needs at least its fixed part: refuse short input before allocating.
+        // Every slot needs its summary: refuse short input before allocating.
         let needed = num_slots
             .saturating_mul(SLOT_FIXED_LEN)
             .saturating_add(HEADER_LEN);
@@ -358,30 +405,24 @@ impl LoadTable {
         }
     }
 
-    /// Little-endian binary: header, ring epochs, then per slot its generation, anchor time,
-    /// prefill queue and its non-zero bucket counters (a mask says which). At most
-    /// `HEADER_LEN + slots * (14 + 4 * 24 + 4 * 20)` bytes, whatever the requests in flight.
+    /// Little-endian binary: header, ring epochs, then every slot's summary (fixed size: its
+    /// generation, anchor time, queue length, a mask of its non-zero buckets and their sum),
+    /// then every slot's details (its prefill queue, and its non-zero buckets' counters when
+    /// there are two or more). At most `HEADER_LEN + slots * (34 + 4 * 24 + 4 * 20)` bytes,
+    /// whatever the requests in flight.
     pub fn encode(&self) -> Vec<u8> {
-        let queued: usize = self.slots.iter().map(|s| s.queue.len()).sum();
-        let buckets: usize = self
+        let details: usize = self
             .slots
             .iter()
-            .map(|s| {
-                s.buckets
-                    .iter()
-                    .filter(|c| **c != Counters::default())
-                    .count()
-            })
+            .map(|s| details_len(s.queue.len(), s.mask()))
             .sum();
-        let mut out = Vec::with_capacity(
-            HEADER_LEN
-                + self.slots.len() * SLOT_FIXED_LEN
-                + queued * QUEUED_LEN
-                + buckets * COUNTERS_LEN,
-        );
+        let mut out = Vec::with_capacity(HEADER_LEN + self.slots.len() * SLOT_FIXED_LEN + details);
         self.write_header(&mut out);
         for slot in &self.slots {
-            write_slot(&mut out, slot);
+            write_summary(&mut out, slot);
+        }
+        for slot in &self.slots {
+            write_details(&mut out, slot);
         }
         out
     }
@@ -712,77 +753,102 @@ fn load_of(
     }
 }
 
-/// One slot of [`LoadTable::decode`].
-fn read_slot(r: &mut Reader<'_>, bucket_ms: u64) -> Result<Slot, LoadDecodeError> {
-    let generation = r.u32()?;
-    let anchor_since_ms = r.u64()?;
-    let queued = usize::from(r.u8()?);
-    if queued > PREFILL_QUEUE {
+/// One slot of [`LoadTable::decode`]: its summary from `fixed`, its details from `details`.
+/// The summary's sum must be its buckets' (one encoding per table), and no bucket may be set
+/// in a ring position that holds no epoch (the in-place view counts every bucket of the sum
+/// when no epoch is dead, see `load/window.rs`).
+fn read_slot(
+    fixed: &mut Reader<'_>,
+    details: &mut Reader<'_>,
+    table: &LoadTable,
+) -> Result<Slot, LoadDecodeError> {
+    let generation = fixed.u32()?;
+    let anchor_since_ms = fixed.u64()?;
+    let queued = usize::from(fixed.u8()?);
+    let mask = fixed.u8()?;
+    let totals = Counters {
+        prefill_tokens: fixed.u64()?,
+        decode_milli: fixed.u64()?,
+        active: fixed.u32()?,
+    };
+    if queued > PREFILL_QUEUE || usize::from(mask) >> BUCKETS != 0 {
         return Err(LoadDecodeError::Malformed);
     }
     let mut queue = PrefillQueue::default();
     for _ in 0..queued {
-        let key = r.u64()?;
-        let prefill_tokens = r.u32()?;
-        let expected_prefill_ms = r.u32()?;
-        let admitted_ms = r.u64()?;
+        let key = details.u64()?;
+        let prefill_tokens = details.u32()?;
+        let expected_prefill_ms = details.u32()?;
+        let admitted_ms = details.u64()?;
         // queued <= PREFILL_QUEUE: every push lands.
         queue.push(Queued {
             key,
-            epoch: admitted_ms / bucket_ms.max(1),
+            epoch: admitted_ms / table.bucket_ms.max(1),
             prefill_tokens,
             expected_prefill_ms,
             admitted_ms,
         });
     }
-    let mask = r.u8()?;
-    if usize::from(mask) >> BUCKETS != 0 {
-        return Err(LoadDecodeError::Malformed);
-    }
     let mut buckets = [Counters::default(); BUCKETS];
+    let several = mask.count_ones() >= 2;
     for (i, c) in buckets.iter_mut().enumerate() {
         if mask & (1 << i) == 0 {
             continue;
         }
-        *c = Counters {
-            prefill_tokens: r.u64()?,
-            decode_milli: r.u64()?,
-            active: r.u32()?,
+        if table.ring.get(i) == Some(&u64::MAX) {
+            return Err(LoadDecodeError::Malformed);
+        }
+        *c = if several {
+            Counters {
+                prefill_tokens: details.u64()?,
+                decode_milli: details.u64()?,
+                active: details.u32()?,
+            }
+        } else {
+            totals
         };
         if *c == Counters::default() {
             // Zero buckets are left out: one encoding per table.
             return Err(LoadDecodeError::Malformed);
         }
     }
-    Ok(Slot {
+    let slot = Slot {
         generation,
         anchor_since_ms,
         queue,
         buckets,
-    })
+    };
+    if slot.totals() != totals {
+        return Err(LoadDecodeError::Malformed);
+    }
+    Ok(slot)
 }
 
-/// One slot of [`LoadTable::encode`].
-fn write_slot(out: &mut Vec<u8>, s: &Slot) {
+/// One slot's summary in [`LoadTable::encode`] (`SLOT_FIXED_LEN` bytes).
+fn write_summary(out: &mut Vec<u8>, s: &Slot) {
     out.extend_from_slice(&s.generation.to_le_bytes());
     out.extend_from_slice(&s.anchor_since_ms.to_le_bytes());
     // At most PREFILL_QUEUE by construction (admit) and decode.
     out.push(s.queue.len().min(PREFILL_QUEUE) as u8);
+    out.push(s.mask());
+    let t = s.totals();
+    out.extend_from_slice(&t.prefill_tokens.to_le_bytes());
+    out.extend_from_slice(&t.decode_milli.to_le_bytes());
+    out.extend_from_slice(&t.active.to_le_bytes());
+}
+
+/// One slot's details in [`LoadTable::encode`] (`details_len` bytes).
+fn write_details(out: &mut Vec<u8>, s: &Slot) {
     for q in s.queue.iter().take(PREFILL_QUEUE) {
         out.extend_from_slice(&q.key.to_le_bytes());
         out.extend_from_slice(&q.prefill_tokens.to_le_bytes());
         out.extend_from_slice(&q.expected_prefill_ms.to_le_bytes());
         out.extend_from_slice(&q.admitted_ms.to_le_bytes());
     }
-    let zero = Counters::default();
-    let mask = s
-        .buckets
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| **c != zero)
-        .fold(0u8, |m, (i, _)| m | (1 << i));
-    out.push(mask);
-    for c in s.buckets.iter().filter(|c| **c != zero) {
+    if s.mask().count_ones() < 2 {
+        return;
+    }
+    for c in s.buckets.iter().filter(|c| **c != Counters::default()) {
         out.extend_from_slice(&c.prefill_tokens.to_le_bytes());
         out.extend_from_slice(&c.decode_milli.to_le_bytes());
         out.extend_from_slice(&c.active.to_le_bytes());
@@ -1107,6 +1173,19 @@ mod tests {
         assert_eq!(t.encode().len(), one_each + 64 * 3 * QUEUED_LEN);
         assert!(one_each < HEADER_LEN + 64 * (SLOT_FIXED_LEN + QUEUED_LEN + COUNTERS_LEN) + 1);
         assert_eq!(t.active_requests(10_000), 10_000);
+    }
+
+    #[test]
+    fn details_len_counts_the_buckets_of_two_or_more() {
+        for mask in 0..1u8 << BUCKETS {
+            let n = mask.count_ones() as usize;
+            let buckets = if n >= 2 { n * COUNTERS_LEN } else { 0 };
+            assert_eq!(
+                details_len(3, mask),
+                3 * QUEUED_LEN + buckets,
+                "mask {mask:04b}"
+            );
+        }
     }
 
     #[test]

@@ -52,9 +52,9 @@ pub struct Snapshot {
     bytes: Vec<u8>,
     cas: Option<u32>,
     num_slots: usize,
-    /// Where each slot starts in `bytes` (and where the last ends), recorded by
-    /// [`Snapshot::view_into`]: the booking on these bytes then finds its slot without walking
-    /// the others (at 1,000 slots that walk costs about as much as the edit). Empty until then.
+    /// Where each slot's details start in `bytes` (and where the last ends), recorded by
+    /// [`Snapshot::view_into`]: the booking on these bytes then finds its slot without a pass
+    /// over the others' summaries. Empty until then.
     offsets: Vec<usize>,
 }
 

@@ -180,7 +180,30 @@ pub fn decide(
             // Per-request terms hoisted out of the per-slot loop (at 1,000 slots it dominates).
             let kv = cost::KvCost::new(&config.cost, config.block_size, isl, input.prompt_blocks);
             let no_taints = request.preferred_taints.is_empty();
-            for &slot in &candidates {
+            // The scores' costs alone, contiguous for the pick.
+            let mut costs: Vec<f64> = Vec::with_capacity(candidates.len());
+            if no_taints && config.ttft.is_none() {
+                // The usual case in a loop of its own: nothing per slot but its inputs and cost
+                // (the same values and the same cost as the general loop below).
+                let overlaps = if has_prefix { input.overlaps } else { &[] };
+                let idle = SlotLoad::default();
+                for &slot in &candidates {
+                    let i = usize::from(slot);
+                    let overlap = match input.stale_slots.get(i) {
+                        Some(true) => Overlap::default(),
+                        _ => overlaps.get(i).copied().unwrap_or_default(),
+                    };
+                    let load = input.load.get(i).unwrap_or(&idle);
+                    let score = kv
+                        .cost(&overlap, load, 1.0)
+                        .map_err(|cost| RouteError::NonFiniteCost { slot, cost })?;
+                    costs.push(score);
+                    scores.push((slot, score));
+                }
+            }
+            // Otherwise (preferred taints, TTFT scores): the general loop.
+            let general = !(no_taints && config.ttft.is_none());
+            for &slot in candidates.iter().filter(|_| general) {
                 // The slot's worker is looked up only when a preference needs it.
                 let multiplier = if no_taints {
                     1.0
@@ -206,6 +229,7 @@ pub fn decide(
                     },
                 };
                 let score = score.map_err(|cost| RouteError::NonFiniteCost { slot, cost })?;
+                costs.push(score);
                 scores.push((slot, score));
             }
             let affine = match &config.affinity {
@@ -223,7 +247,6 @@ pub fn decide(
                 }
                 _ => None,
             };
-            let costs: Vec<f64> = scores.iter().map(|(_, c)| *c).collect();
             affine.or_else(|| {
                 select::pick_by_cost(&costs, config.router_temperature, rng)
                     .and_then(|i| scores.get(i).map(|(s, _)| *s))
@@ -362,22 +385,40 @@ fn fallbacks(
     if total > head {
         // One pass keeping the best `head`, sorted (most items lose to the worst kept at once).
         let mut best: Vec<(SlotIdx, f64)> = Vec::with_capacity(head + 1);
-        let mut offer = |item: (SlotIdx, f64)| {
-            if best.len() >= head
-                && best
+        // Keeps `item` if it beats the worst kept; returns the worst kept once `head` are kept.
+        let mut offer = |item: (SlotIdx, f64)| -> Option<(SlotIdx, f64)> {
+            if best.len() < head
+                || best
                     .last()
-                    .is_some_and(|worst| order(&item, worst) != std::cmp::Ordering::Less)
+                    .is_some_and(|worst| order(&item, worst) == std::cmp::Ordering::Less)
             {
-                return;
+                let at = best.partition_point(|x| order(x, &item) == std::cmp::Ordering::Less);
+                best.insert(at, item);
+                best.truncate(head);
             }
-            let at = best.partition_point(|x| order(x, &item) == std::cmp::Ordering::Less);
-            best.insert(at, item);
-            best.truncate(head);
+            best.last().copied().filter(|_| best.len() >= head)
         };
+        // An item that is not `order`-less than the worst kept loses at once, without a call:
+        // a higher score, or the same score (bit for bit) on a higher slot. (Anything else, such
+        // as -0 against +0, is left to `offer`'s `order`.)
+        let loses = |item: &(SlotIdx, f64), worst: Option<(SlotIdx, f64)>| {
+            worst.is_some_and(|w| {
+                item.1 > w.1 || (item.1.to_bits() == w.1.to_bits() && item.0 > w.0)
+            })
+        };
+        let mut worst = None;
         if scores.is_empty() {
-            candidates.iter().map(by_load).for_each(&mut offer);
+            for item in candidates.iter().map(by_load) {
+                if !loses(&item, worst) {
+                    worst = offer(item);
+                }
+            }
         } else {
-            scores.iter().copied().for_each(&mut offer);
+            for item in scores {
+                if !loses(item, worst) {
+                    worst = offer(*item);
+                }
+            }
         }
         let out = pick(&best);
         if out.len() >= config.fallback_count {

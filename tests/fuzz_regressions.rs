@@ -167,7 +167,7 @@ fn a_version_1_load_table_is_refused_and_replaced_by_a_fresh_one() {
 
 #[test]
 fn a_load_table_declaring_four_billion_slots_is_refused_before_allocating() {
-    let mut bytes = b"EKLT\x02".to_vec();
+    let mut bytes = b"EKLT\x03".to_vec();
     bytes.extend_from_slice(&u32::MAX.to_le_bytes());
     bytes.extend_from_slice(&1u64.to_le_bytes()); // bucket width
     bytes.extend_from_slice(&[0u8; 40]); // reaped total, ring epochs
