@@ -11,6 +11,8 @@
 //! Usage:
 //!   cargo bench --bench request_path --no-run   # builds target/release/deps/request_path-*
 //!   valgrind --tool=callgrind --callgrind-out-file=cg.out <binary> <tokens> <iters>
+//!     [<workers> <in flight> <held blocks>]
+//! (`<held blocks>`: only the prompt's first blocks in the index, default all of them.)
 //! Instructions per request = (Ir at iters N) - (Ir at iters 0), divided by N (the binary does
 //! its setup either way). Without valgrind it prints the wall time per request.
 
@@ -172,13 +174,17 @@ fn main() {
     let workers = nums.get(2).copied().unwrap_or(WORKERS);
     // Requests held in flight while the loop runs (booked round-robin, never released).
     let in_flight = nums.get(3).copied().unwrap_or(0);
+    // Leading blocks of the prompt held in the index (default: all of them).
+    let held = nums.get(4).copied();
     let config = config(workers);
     let toks = tokens(n_tokens);
     let body = serde_json::json!({"model": "m", "prompt": toks, "max_tokens": 1}).to_string();
-    // Every block held by slot 0: lazy hashing hashes the whole prompt.
+    // Every block held by slot 0 (unless `held` says fewer): lazy hashing hashes the whole
+    // prompt (the worst case), else the held blocks and the first one nobody holds.
     let mut index = KvIndex::new(workers, 1 << 20);
-    let locals = local_block_hashes(&toks, BLOCK_SIZE, DYNAMO_HASH_SEED);
+    let mut locals = local_block_hashes(&toks, BLOCK_SIZE, DYNAMO_HASH_SEED);
     let seqs = prompt_sequence_hashes(&toks, BLOCK_SIZE, None);
+    locals.truncate(held.unwrap_or(usize::MAX));
     let stored = IndexEvent::Stored {
         dp_rank: 0,
         tier: StorageTier::Device,
@@ -189,7 +195,9 @@ fn main() {
             .map(|(s, l)| (ExternalBlockHash(s.0 ^ 0x5555), *l))
             .collect(),
     };
-    index.apply(0, &stored).unwrap();
+    if !locals.is_empty() {
+        index.apply(0, &stored).unwrap();
+    }
     let store = Store::default();
     load_store::init(&store, config.slots.len(), 900_000);
     for k in 0..in_flight {
