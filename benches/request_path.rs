@@ -95,17 +95,23 @@ fn tokens(n: usize) -> Vec<u32> {
 
 #[inline(never)]
 fn stage_parse(body: &[u8]) -> LlmRequest {
+    // As the filter parses: ids left in the body, read as blocks are hashed.
     let opts = ParseOptions {
         read_hints: false,
+        lazy_token_ids: true,
         ..ParseOptions::default()
     };
     parse_request_with(body, Endpoint::Completions, &opts).unwrap()
 }
 
 #[inline(never)]
-fn stage_hash(req: &LlmRequest, index: &KvIndex) -> Vec<SequenceHash> {
-    let ids = req.token_ids.as_deref().unwrap_or_default();
-    let mut h = PromptHasher::new(ids, BLOCK_SIZE, req.lora_name.as_deref());
+fn stage_hash(req: &LlmRequest, body: &[u8], index: &KvIndex) -> Vec<SequenceHash> {
+    let lora = req.lora_name.as_deref();
+    let mut h = match (&req.token_ids, &req.token_span) {
+        (Some(ids), _) => PromptHasher::new(ids, BLOCK_SIZE, lora),
+        (None, Some(span)) => PromptHasher::from_span(body, span, BLOCK_SIZE, lora),
+        (None, None) => PromptHasher::new(&[], BLOCK_SIZE, lora),
+    };
     h.hash_while_held(|s| index.holds_anywhere(s));
     h.into_hashes()
 }
@@ -215,7 +221,7 @@ fn main() {
     for i in 0..iters {
         let now = 1_000 + i as u64;
         let req = stage_parse(black_box(body.as_bytes()));
-        let hashes = stage_hash(&req, &index);
+        let hashes = stage_hash(&req, body.as_bytes(), &index);
         stage_lookup(&index, &hashes, &mut overlaps);
         let snapshot = stage_load(&store, config.slots.len(), now, &mut load);
         let d = stage_decide(&config, &req, &overlaps, &load, &mut selector);

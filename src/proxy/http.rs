@@ -182,6 +182,8 @@ impl RequestContext {
         let options = ParseOptions {
             read_hints: honor,
             max_hint_items: config.client_routing_hints_max_items,
+            // Ids are read from the body only as far as blocks are hashed (lazy_hash).
+            lazy_token_ids: true,
         };
         let request = match parse_request_with(body, endpoint, &options) {
             Ok(request) => request,
@@ -228,7 +230,7 @@ impl RequestContext {
         // them), else its text prefix hashes (approximate mode).
         let text_routing = config.tokenizer.is_some() || config.approximate.is_some();
         if config.mode == RoutingMode::Kv
-            && request.token_ids.is_none()
+            && !request.has_token_ids()
             && request.text_chars > 0
             && text_routing
         {
@@ -236,7 +238,7 @@ impl RequestContext {
                 return self.route_text(vm, &config, request, text, endpoint, body);
             }
         }
-        self.decide_and_steer(vm, &config, request, None, None)
+        self.decide_and_steer(vm, &config, request, body, None, None)
     }
 
     /// A text request: the cached render, else a tokenizer call (pauses), else text hashes.
@@ -262,7 +264,7 @@ impl RequestContext {
             vm.metrics.inc("tokenizer.cache_hit");
             request.token_ids = Some(ids.as_ref().clone());
             request.rendered = true;
-            return self.decide_and_steer(vm, config, request, None, None);
+            return self.decide_and_steer(vm, config, request, &[], None, None);
         }
         vm.metrics.inc("tokenizer.cache_miss");
         let path = match endpoint {
@@ -334,6 +336,7 @@ impl RequestContext {
             vm,
             config,
             request,
+            &[],
             hashes,
             failure.map(RenderFailure::as_str),
         )
@@ -389,7 +392,7 @@ impl RequestContext {
                 request.token_ids = Some(ids.as_ref().clone());
                 request.rendered = true;
                 vm.render_cache.insert(pending.cache_key, ids);
-                self.decide_and_steer(vm, &config, request, None, None)
+                self.decide_and_steer(vm, &config, request, &[], None, None)
             }
             Err(f) => {
                 log::debug!(
@@ -407,24 +410,28 @@ impl RequestContext {
     }
 
     /// Hashes (unless `text_hashes` are given), looks up overlaps, decides and steers. `note`
-    /// is appended to the reason (`kv-text:render_timeout`).
+    /// is appended to the reason (`kv-text:render_timeout`). `body` is the parsed body (where
+    /// `request.token_span`'s ids are; empty when the request has none).
     fn decide_and_steer(
         &mut self,
         vm: &mut VmState,
         config: &Config,
         request: LlmRequest,
+        body: &[u8],
         text_hashes: Option<Vec<SequenceHash>>,
         note: Option<&str>,
     ) -> Action {
         let now = host::now_ms();
         // Only KV mode scores prefix overlap; the basic modes skip hashing and the index.
         let from_text = text_hashes.is_some();
-        let mut hasher = match (&request.token_ids, &text_hashes) {
-            (Some(tokens), None) if config.mode == RoutingMode::Kv => Some(PromptHasher::new(
-                tokens,
-                config.block_size,
-                request.lora_name.as_deref(),
-            )),
+        let lora = request.lora_name.as_deref();
+        let mut hasher = match (&request.token_ids, &request.token_span, &text_hashes) {
+            (Some(tokens), _, None) if config.mode == RoutingMode::Kv => {
+                Some(PromptHasher::new(tokens, config.block_size, lora))
+            }
+            (None, Some(span), None) if config.mode == RoutingMode::Kv => {
+                Some(PromptHasher::from_span(body, span, config.block_size, lora))
+            }
             _ => None,
         };
         // Events, stale flags and reported load the poller published since this thread's last
@@ -598,9 +605,8 @@ impl RequestContext {
                 stream: request.stream,
                 first_token_seen: false,
                 isl_tokens: request
-                    .token_ids
-                    .as_ref()
-                    .map_or(0, |t| u32::try_from(t.len()).unwrap_or(u32::MAX)),
+                    .token_count()
+                    .map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX)),
                 osl_hint: request.osl_hint_tokens,
                 generated_tokens: 0,
                 output_milli_blocks: 0,

@@ -4,8 +4,8 @@
 
 use std::cell::Cell;
 
-use super::visitors::{parse_object, Prefill};
-use super::{Endpoint, LlmRequest, ParseOptions};
+use super::visitors::{parse_object, Prefill, Tokens};
+use super::{Endpoint, LlmRequest, ParseOptions, TokenSpan};
 
 /// The fast pass. `None` = use the serde pass on the original body (nothing to gain, or the
 /// fast pass failed; never a different answer).
@@ -24,6 +24,7 @@ pub(super) fn parse_fast(
         body,
         pos: 0,
         endpoint,
+        lazy: opts.lazy_token_ids,
         cuts: Vec::new(),
         prompts: Vec::new(),
         token_data: Vec::new(),
@@ -204,6 +205,304 @@ fn eight_digits(v: u64) -> u32 {
     v as u32
 }
 
+/// Where a valid token array's ids are, for reading them on demand ([`super::TokenSpan`]):
+/// `(first, close, count)`, the offset of the first id's first digit, of the closing `]`, and
+/// the number of ids, all relative to `text` (which starts at the array's `[`).
+///
+/// Only the common shape is accepted: `[`, optional whitespace, then ids of 1 to 7 digits (no
+/// leading zero) separated by exactly `,` or `, `, and `]` right after the last id. Every such
+/// array is one [`scan_token_ids`] reads (the same ids: [`TokenReader`] reads them); `None` for
+/// anything else, valid or not (then the caller reads the array with [`scan_token_ids`], which
+/// gives every answer it always did), and for an empty array.
+///
+/// No id's value is computed: 64 bytes at a time, vector compares give bit masks of the digits,
+/// commas, spaces and zeros, and a few mask operations check the shape (a comma only after a
+/// digit, a space only after a comma, an id only after a comma or a space, no `0` followed by a
+/// digit at an id's start, no run of 8 digits); the commas are counted. Masks carry their last
+/// bits into the next 64 bytes.
+pub(crate) fn count_token_ids(text: &[u8]) -> Option<(usize, usize, usize)> {
+    if text.first() != Some(&b'[') {
+        return None;
+    }
+    let first = skip_ws(text, 1);
+    if !text.get(first)?.is_ascii_digit() {
+        return None;
+    }
+    // The previous 64 bytes' masks (before the first id: a separator, nothing else).
+    let mut prev = Carry {
+        digit: 0,
+        comma: 0,
+        sep: 1 << 63,
+        zero_start: 0,
+        run2: 0,
+        run4: 0,
+    };
+    let mut commas = 0usize;
+    let mut at = first;
+    loop {
+        let mut padded = [0u8; 64];
+        let chunk = match text.get(at..).and_then(<[u8]>::first_chunk::<64>) {
+            Some(chunk) => chunk,
+            None => {
+                // The last bytes, padded with NULs (not a digit, comma or space).
+                let rest = text.get(at..)?;
+                padded.get_mut(..rest.len())?.copy_from_slice(rest);
+                &padded
+            }
+        };
+        let m = masks64(chunk);
+        let other = !(m.digit | m.comma | m.space);
+        // Only the bytes before the first other byte count (all if there is none).
+        let valid = (other & other.wrapping_neg()).wrapping_sub(1);
+        let digit = m.digit & valid;
+        let comma = m.comma & valid;
+        let space = m.space & valid;
+        let sep = comma | space;
+        let digit_before = digit << 1 | prev.digit >> 63;
+        let comma_before = comma << 1 | prev.comma >> 63;
+        let start = digit & !digit_before;
+        let zero_start = start & m.zero;
+        let run2 = digit & digit_before;
+        let run4 = run2 & (run2 << 2 | prev.run2 >> 62);
+        let run8 = run4 & (run4 << 4 | prev.run4 >> 60);
+        let bad = (comma & !digit_before)
+            | (space & !comma_before)
+            | (start & !(sep << 1 | prev.sep >> 63))
+            | (digit & (zero_start << 1 | prev.zero_start >> 63))
+            | run8;
+        if bad != 0 {
+            return None;
+        }
+        commas += comma.count_ones() as usize;
+        if other != 0 {
+            // The first other byte must be the `]` right after the last id's digits.
+            let p = other.trailing_zeros();
+            let close = at + p as usize;
+            let closes = text.get(close) == Some(&b']') && (digit_before >> p) & 1 == 1;
+            return closes.then_some((first, close, commas + 1));
+        }
+        prev = Carry {
+            digit,
+            comma,
+            sep,
+            zero_start,
+            run2,
+            run4,
+        };
+        at += 64;
+    }
+}
+
+/// The masks of the previous 64 bytes that [`count_token_ids`] carries over (their top bits).
+struct Carry {
+    digit: u64,
+    comma: u64,
+    sep: u64,
+    zero_start: u64,
+    run2: u64,
+    run4: u64,
+}
+
+/// Bit `k` set iff byte `k` is a digit, a comma, a space, a `0`.
+#[derive(Clone, Copy, Default)]
+struct Masks {
+    digit: u64,
+    comma: u64,
+    space: u64,
+    zero: u64,
+}
+
+/// [`Masks`] of 64 bytes, 16 at a time.
+#[inline(always)]
+fn masks64(chunk: &[u8; 64]) -> Masks {
+    let mut out = Masks::default();
+    for (k, part) in chunk.chunks_exact(16).enumerate() {
+        let Some(part) = part.first_chunk::<16>() else {
+            continue;
+        };
+        let m = masks16(part);
+        let shift = 16 * k as u32;
+        out.digit |= m.digit << shift;
+        out.comma |= m.comma << shift;
+        out.space |= m.space << shift;
+        out.zero |= m.zero << shift;
+    }
+    out
+}
+
+/// [`Masks`] of 16 bytes (the low 16 bits) with Wasm SIMD128 (V8 lowers each step to one or
+/// two SSE instructions).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+fn masks16(chunk: &[u8; 16]) -> Masks {
+    use core::arch::wasm32::{
+        i8x16_eq, u8x16_bitmask, u8x16_lt, u8x16_splat, u8x16_sub, v128, v128_load,
+    };
+    // SAFETY: `simd128` is enabled for this build (the `cfg` above), and the load reads the 16
+    // bytes of `chunk` (`v128_load` has no alignment requirement).
+    let v = unsafe { v128_load(chunk.as_ptr().cast::<v128>()) };
+    Masks {
+        digit: u64::from(u8x16_bitmask(u8x16_lt(
+            u8x16_sub(v, u8x16_splat(b'0')),
+            u8x16_splat(10),
+        ))),
+        comma: u64::from(u8x16_bitmask(i8x16_eq(v, u8x16_splat(b',')))),
+        space: u64::from(u8x16_bitmask(i8x16_eq(v, u8x16_splat(b' ')))),
+        zero: u64::from(u8x16_bitmask(i8x16_eq(v, u8x16_splat(b'0')))),
+    }
+}
+
+/// [`Masks`] of 16 bytes with SSE2 (every x86_64 CPU has it): the same steps as the Wasm SIMD
+/// version, so that native instruction counts (callgrind) measure what the filter runs.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn masks16(chunk: &[u8; 16]) -> Masks {
+    use core::arch::x86_64::{
+        __m128i, _mm_cmpeq_epi8, _mm_cmpgt_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_set1_epi8,
+        _mm_sub_epi8,
+    };
+    // SAFETY: SSE2 is part of the x86_64 baseline (every x86_64 CPU has it), and the load reads
+    // the 16 bytes of `chunk` (`_mm_loadu_si128` has no alignment requirement).
+    unsafe {
+        let v = _mm_loadu_si128(chunk.as_ptr().cast::<__m128i>());
+        // Digits become -128..=-119 (signed), every other byte something larger.
+        let shifted = _mm_sub_epi8(v, _mm_set1_epi8((b'0' ^ 0x80) as i8));
+        let digit = _mm_cmpgt_epi8(_mm_set1_epi8(-118), shifted);
+        // `movemask` sets only the low 16 bits.
+        Masks {
+            digit: u64::from(_mm_movemask_epi8(digit) as u16),
+            comma: u64::from(
+                _mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8(b',' as i8))) as u16,
+            ),
+            space: u64::from(
+                _mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8(b' ' as i8))) as u16,
+            ),
+            zero: u64::from(_mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8(b'0' as i8))) as u16),
+        }
+    }
+}
+
+/// [`Masks`] of 16 bytes, one byte at a time (other targets; the reference for the SIMD ones).
+#[cfg_attr(
+    any(
+        target_arch = "x86_64",
+        all(target_arch = "wasm32", target_feature = "simd128")
+    ),
+    allow(dead_code)
+)]
+#[inline(always)]
+fn masks16_portable(chunk: &[u8; 16]) -> Masks {
+    let mut m = Masks::default();
+    for (k, &b) in chunk.iter().enumerate() {
+        m.digit |= u64::from(b.is_ascii_digit()) << k;
+        m.comma |= u64::from(b == b',') << k;
+        m.space |= u64::from(b == b' ') << k;
+        m.zero |= u64::from(b == b'0') << k;
+    }
+    m
+}
+
+#[cfg(not(any(
+    target_arch = "x86_64",
+    all(target_arch = "wasm32", target_feature = "simd128")
+)))]
+#[inline(always)]
+fn masks16(chunk: &[u8; 16]) -> Masks {
+    masks16_portable(chunk)
+}
+
+/// Reads the ids of an array [`count_token_ids`] accepted, in order, starting at its first id.
+/// Each id of up to 7 digits comes from one 8-byte load (its digits, value and the byte after
+/// its comma); the rest (the last bytes of the body, a space after a 7-digit id's comma) one at
+/// a time. After `count` ids it yields `None`.
+#[derive(Clone, Debug)]
+pub struct TokenReader<'a> {
+    /// From the first id to the end of the body (8-byte loads may read past the `]`).
+    text: &'a [u8],
+    pos: usize,
+    left: usize,
+}
+
+impl<'a> TokenReader<'a> {
+    pub(super) fn new(text: &'a [u8], count: usize) -> Self {
+        TokenReader {
+            text,
+            pos: 0,
+            left: count,
+        }
+    }
+
+    /// Ids not read yet.
+    pub fn remaining(&self) -> usize {
+        self.left
+    }
+
+    /// The next id; `None` after the last (or, never for an accepted array, if the text is not
+    /// what [`count_token_ids`] accepted).
+    pub fn next_id(&mut self) -> Option<u32> {
+        let mut bytes = [0u8; 4];
+        self.read_le(&mut bytes)?;
+        Some(u32::from_le_bytes(bytes))
+    }
+
+    /// Writes the next `out.len() / 4` ids into `out` as little-endian u32s (the hashed form);
+    /// `None` if fewer are left (then nothing is consumed).
+    pub fn read_le(&mut self, out: &mut [u8]) -> Option<()> {
+        let want = out.len() / 4;
+        let left = self.left.checked_sub(want)?;
+        let mut pos = self.pos;
+        let mut done = 0;
+        loop {
+            (pos, done) = read_run(self.text, pos, out, done);
+            if done >= want {
+                break;
+            }
+            // An id the run does not read: after a space, or in the last 8 bytes of the body.
+            let i = skip_ws(self.text, pos);
+            let (id, len) = parse_token_id(self.text.get(i..)?)?;
+            out.get_mut(4 * done..)?
+                .first_chunk_mut::<4>()?
+                .copy_from_slice(&id.to_le_bytes());
+            done += 1;
+            // Past the comma (or the `]` after the last id).
+            pos = i + len + 1;
+        }
+        self.pos = pos;
+        self.left = left;
+        Some(())
+    }
+}
+
+/// Reads ids of an accepted array (see [`count_token_ids`]) from `text[i..]` into `out` (4 bytes
+/// each, from id `n`) while 8 bytes can be read and `out` has room: each id's digits, value,
+/// comma and the space after it from one 8-byte load, no other check. Returns where the first id
+/// it does not read starts (a space after a 7-digit id's comma, or fewer than 8 bytes left) and
+/// the new count. Not inlined: no call in the loop, so its constants stay in registers.
+#[inline(never)]
+fn read_run(text: &[u8], mut i: usize, out: &mut [u8], mut n: usize) -> (usize, usize) {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const SPACE: u8 = b' ' ^ b'0';
+    while let Some(dst) = out.get_mut(4 * n..).and_then(<[u8]>::first_chunk_mut::<4>) {
+        let Some(chunk) = text.get(i..).and_then(<[u8]>::first_chunk::<8>) else {
+            break;
+        };
+        let d = u64::from_le_bytes(*chunk) ^ (0x30 * ONES);
+        // As in `comma_run`: exact up to the first non-digit.
+        let not_digit = (d.wrapping_add(0x76 * ONES) | d) & (0x80 * ONES);
+        // 8 * the number of digits; 0 at a space.
+        let bits = not_digit.trailing_zeros() & 0x38;
+        if bits == 0 {
+            break;
+        }
+        *dst = eight_digits(d << (64 - bits)).to_le_bytes();
+        n += 1;
+        // Past the digits, the comma (or the `]` after the last id) and a space after it.
+        let tail = d >> bits;
+        i += (bits / 8) as usize + 1 + usize::from((tail >> 8) as u8 == SPACE);
+    }
+    (i, n)
+}
+
 /// Which object the structural scan is in.
 #[derive(Clone, Copy)]
 enum Level {
@@ -218,10 +517,12 @@ struct Scan<'a> {
     body: &'a [u8],
     pos: usize,
     endpoint: Endpoint,
+    /// Leave the ids of arrays [`count_token_ids`] accepts unread ([`TokenSpan`]s).
+    lazy: bool,
     /// Byte ranges of the cut arrays, in body order.
     cuts: Vec<(usize, usize)>,
-    prompts: Vec<Option<Vec<u32>>>,
-    token_data: Vec<Option<Vec<u32>>>,
+    prompts: Vec<Option<Tokens>>,
+    token_data: Vec<Option<Tokens>>,
 }
 
 impl<'a> Scan<'a> {
@@ -337,14 +638,26 @@ impl<'a> Scan<'a> {
         }
     }
 
-    /// A token field's value (after whitespace): cut out if [`scan_token_ids`] reads it.
-    fn token_array(&mut self) -> Option<Option<Vec<u32>>> {
+    /// A token field's value (after whitespace): cut out if [`count_token_ids`] (lazy) or
+    /// [`scan_token_ids`] reads it.
+    fn token_array(&mut self) -> Option<Option<Tokens>> {
         let start = self.pos;
-        match scan_token_ids(self.body.get(start..)?) {
+        let text = self.body.get(start..)?;
+        if self.lazy {
+            if let Some((first, close, count)) = count_token_ids(text) {
+                self.pos += close + 1;
+                self.cuts.push((start, self.pos));
+                return Some(Some(Tokens::Span(TokenSpan {
+                    first: start + first,
+                    count,
+                })));
+            }
+        }
+        match scan_token_ids(text) {
             Some((ids, len)) => {
                 self.pos += len;
                 self.cuts.push((start, self.pos));
-                Some(Some(ids))
+                Some(Some(Tokens::Ids(ids)))
             }
             None => {
                 self.value()?;
