@@ -9,7 +9,7 @@
 
 use crate::hashing::{chain_sequence_hash, hash_block, hash_seed, BlockHasher};
 use crate::request::{TokenReader, TokenSpan};
-use crate::types::{LocalBlockHash, SequenceHash};
+use crate::types::SequenceHash;
 
 /// Bytes per token id in the hashed representation (little-endian u32).
 const TOKEN_BYTES: usize = 4;
@@ -27,12 +27,10 @@ pub struct PromptHasher<'a> {
 enum Blocks<'a> {
     /// Ids already read.
     Ids(std::slice::ChunksExact<'a, u32>),
-    /// Ids in the body, read block by block as they are hashed, straight into the hashed
-    /// (little-endian) form; `left` full blocks of `bytes` bytes to go.
+    /// Ids in the body, read (and checked) block by block as they are hashed, into `block`.
     Text {
         reader: TokenReader<'a>,
-        left: usize,
-        bytes: usize,
+        block: Vec<u32>,
     },
 }
 
@@ -50,8 +48,9 @@ impl<'a> PromptHasher<'a> {
         Self::with_blocks(Blocks::Ids(blocks), count, size, lora_name)
     }
 
-    /// The ids of `span` in `body` (the parsed body), read only as far as blocks are hashed.
-    /// `block_size` 0 yields no blocks.
+    /// The ids of `span` in `body` (the parsed body), read and checked only as far as blocks
+    /// are hashed; [`PromptHasher::finish`] checks and counts the rest. `block_size` 0 yields
+    /// no blocks.
     pub fn from_span(
         body: &'a [u8],
         span: &TokenSpan,
@@ -59,13 +58,28 @@ impl<'a> PromptHasher<'a> {
         lora_name: Option<&str>,
     ) -> Self {
         let size = usize::try_from(block_size).unwrap_or(0);
-        let left = span.len().checked_div(size).unwrap_or(0);
+        // A block's ids, read in place; no block for size 0 or one longer than the body.
+        let room = if size == 0 || size > body.len() {
+            0
+        } else {
+            size
+        };
         let blocks = Blocks::Text {
             reader: span.reader(body),
-            left,
-            bytes: size.saturating_mul(TOKEN_BYTES),
+            block: vec![0; room],
         };
-        Self::with_blocks(blocks, left, size, lora_name)
+        Self::with_blocks(blocks, room, size, lora_name)
+    }
+
+    /// For ids from a [`TokenSpan`]: the number of ids in the whole array, the ids not read
+    /// checked too ([`crate::request::TokenReader::finish`]); `None` if it is not an array of
+    /// ids (the hashes then stop where the bad id is: the body must be parsed again, eagerly).
+    /// `None` for ids already read (nothing to check: use their number).
+    pub fn finish(&self) -> Option<usize> {
+        match &self.blocks {
+            Blocks::Ids(_) => None,
+            Blocks::Text { reader, .. } => reader.finish(),
+        }
     }
 
     fn with_blocks(blocks: Blocks<'a>, count: usize, size: usize, lora: Option<&str>) -> Self {
@@ -95,20 +109,12 @@ impl<'a> PromptHasher<'a> {
     fn step(&mut self) -> Option<SequenceHash> {
         let local = match &mut self.blocks {
             Blocks::Ids(blocks) => hash_block(blocks.next()?, &self.hasher, &mut self.scratch),
-            Blocks::Text {
-                reader,
-                left,
-                bytes,
-            } => {
-                *left = left.checked_sub(1)?;
-                // Sized once, then overwritten.
-                self.scratch.resize(*bytes, 0);
-                if reader.read_le(&mut self.scratch).is_none() {
-                    // Not for a span the parser produced (its ids are all there): no more blocks.
-                    *left = 0;
+            Blocks::Text { reader, block } => {
+                if block.is_empty() {
                     return None;
                 }
-                LocalBlockHash(self.hasher.hash(&self.scratch))
+                reader.read_block(block)?;
+                hash_block(block, &self.hasher, &mut self.scratch)
             }
         };
         let seq = chain_sequence_hash(self.hashes.last().copied(), local);
@@ -238,12 +244,9 @@ mod tests {
             }
             let block = [1u32, 3, 4, 16][round % 4];
             let (req, body) = lazy_request(&tokens, round % 2 == 0);
-            let Some(span) = req.token_span else {
-                assert!(tokens.is_empty());
-                continue;
-            };
-            from_body += 1;
-            assert_eq!(req.token_count(), Some(tokens.len()));
+            let span = req.token_span.unwrap();
+            assert_eq!(span.check(&body), Some(tokens.len()));
+            from_body += usize::from(!tokens.is_empty());
             let full = prompt_sequence_hashes(&tokens, block, Some("a"));
             let mut lazy = PromptHasher::from_span(&body, &span, block, Some("a"));
             let stop = rng.below(8) as usize;
@@ -253,6 +256,7 @@ mod tests {
                 seen <= stop
             });
             assert_eq!(lazy.hashes(), &full[..full.len().min(stop + 1)]);
+            assert_eq!(lazy.finish(), Some(tokens.len()));
             lazy.extend_to(stop + 3);
             assert_eq!(lazy.hashes(), &full[..full.len().min(stop + 3)]);
             lazy.extend_to(usize::MAX);
@@ -332,12 +336,15 @@ mod tests {
                 };
                 let full = prompt_sequence_hashes(&tokens, BS, None);
                 // The filter's path: ids left in the body, read as blocks are hashed.
-                let (lazy_req, body) = lazy_request(&tokens, i % 2 == 0);
-                let mut lazy = match &lazy_req.token_span {
-                    Some(span) => PromptHasher::from_span(&body, span, BS, None),
-                    None => PromptHasher::new(&tokens, BS, None),
-                };
+                let (mut lazy_req, body) = lazy_request(&tokens, i % 2 == 0);
+                let span = lazy_req.token_span.unwrap();
+                let mut lazy = PromptHasher::from_span(&body, &span, BS, None);
                 lazy.hash_while_held(|h| index.holds_anywhere(h) || predicted.knows(h));
+                // The rest checked and counted, as the filter does before deciding.
+                if let Some(s) = lazy_req.token_span.as_mut() {
+                    s.set_count(lazy.finish().unwrap());
+                }
+                assert_eq!(lazy_req.token_count(), Some(tokens.len()));
                 if lazy.hashes().len() < full.len() {
                     stopped_early += 1;
                 }

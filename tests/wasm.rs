@@ -186,7 +186,8 @@ struct Vector {
     sequence_hashes: Vec<String>,
 }
 
-/// A parse with the ids left in the body (the filter's), its span's ids read back.
+/// A parse with the ids left in the body (the filter's), its span's ids read back (or, as the
+/// filter does when they are not ids, the body parsed again eagerly).
 fn lazy_parse(
     body: &str,
 ) -> Result<envoy_kv_router::request::LlmRequest, envoy_kv_router::request::RequestError> {
@@ -196,8 +197,11 @@ fn lazy_parse(
     };
     let mut r = parse_request_with(body.as_bytes(), Endpoint::Completions, &opts)?;
     if let Some(span) = r.token_span.take() {
-        r.token_ids = span.ids(body.as_bytes());
-        assert!(r.token_ids.is_some(), "{body}");
+        match span.ids(body.as_bytes()) {
+            Some(ids) => r.token_ids = Some(ids),
+            // Not an array of ids after all: the filter parses the body again, eagerly.
+            None => return parse_request(body.as_bytes(), Endpoint::Completions),
+        }
     }
     Ok(r)
 }

@@ -33,6 +33,15 @@ pub(super) fn parse_fast(
     if scan.cuts.is_empty() {
         return None;
     }
+    if scan.lazy && scan.prompts.len() + scan.token_data.len() > 1 {
+        // Several token fields: only one is used, but every one must be a valid array. Rare:
+        // all of them are read now.
+        let eager = ParseOptions {
+            lazy_token_ids: false,
+            ..*opts
+        };
+        return parse_fast(body, endpoint, &eager);
+    }
     let cut_bytes: usize = scan.cuts.iter().map(|&(start, end)| end - start).sum();
     let mut copy = Vec::with_capacity(body.len() - cut_bytes + 2 * scan.cuts.len());
     let mut at = 0;
@@ -205,26 +214,34 @@ fn eight_digits(v: u64) -> u32 {
     v as u32
 }
 
-/// Where a valid token array's ids are, for reading them on demand ([`super::TokenSpan`]):
-/// `(first, close, count)`, the offset of the first id's first digit, of the closing `]`, and
-/// the number of ids, all relative to `text` (which starts at the array's `[`).
+/// `(first, close, count)` of a token array in the common shape: the offset of the first id's
+/// first digit, of the closing `]`, and the number of ids, all relative to `text` (which starts
+/// at the array's `[`). See [`count_from`]; `None` also for an empty array.
+#[cfg(test)]
+pub(crate) fn count_token_ids(text: &[u8]) -> Option<(usize, usize, usize)> {
+    if text.first() != Some(&b'[') {
+        return None;
+    }
+    let first = skip_ws(text, 1);
+    let (close, count) = count_from(text, first)?;
+    Some((first, close, count))
+}
+
+/// Checks and counts the ids of a token array from `text[first..]` (an id's first digit, after
+/// `[` or a separator) to its `]`: `(close, count)`, the offset of the `]` and the number of ids
+/// from `first` on.
 ///
-/// Only the common shape is accepted: `[`, optional whitespace, then ids of 1 to 7 digits (no
-/// leading zero) separated by exactly `,` or `, `, and `]` right after the last id. Every such
-/// array is one [`scan_token_ids`] reads (the same ids: [`TokenReader`] reads them); `None` for
-/// anything else, valid or not (then the caller reads the array with [`scan_token_ids`], which
-/// gives every answer it always did), and for an empty array.
+/// Only the common shape is accepted: ids of 1 to 7 digits (no leading zero) separated by
+/// exactly `,` or `, `, and `]` right after the last id. Such an array is one
+/// [`scan_token_ids`] reads, with the same ids; `None` for anything else, valid or not (the
+/// caller then reads the array with [`scan_token_ids`], which gives every answer it always did).
 ///
 /// No id's value is computed: 64 bytes at a time, vector compares give bit masks of the digits,
 /// commas, spaces and zeros, and a few mask operations check the shape (a comma only after a
 /// digit, a space only after a comma, an id only after a comma or a space, no `0` followed by a
 /// digit at an id's start, no run of 8 digits); the commas are counted. Masks carry their last
 /// bits into the next 64 bytes.
-pub(crate) fn count_token_ids(text: &[u8]) -> Option<(usize, usize, usize)> {
-    if text.first() != Some(&b'[') {
-        return None;
-    }
-    let first = skip_ws(text, 1);
+pub(crate) fn count_from(text: &[u8], first: usize) -> Option<(usize, usize)> {
     if !text.get(first)?.is_ascii_digit() {
         return None;
     }
@@ -239,8 +256,8 @@ pub(crate) fn count_token_ids(text: &[u8]) -> Option<(usize, usize, usize)> {
     };
     let mut commas = 0usize;
     let mut at = first;
+    let mut padded = [0u8; 64];
     loop {
-        let mut padded = [0u8; 64];
         let chunk = match text.get(at..).and_then(<[u8]>::first_chunk::<64>) {
             Some(chunk) => chunk,
             None => {
@@ -279,7 +296,7 @@ pub(crate) fn count_token_ids(text: &[u8]) -> Option<(usize, usize, usize)> {
             let p = other.trailing_zeros();
             let close = at + p as usize;
             let closes = text.get(close) == Some(&b']') && (digit_before >> p) & 1 == 1;
-            return closes.then_some((first, close, commas + 1));
+            return closes.then_some((close, commas + 1));
         }
         prev = Carry {
             digit,
@@ -411,96 +428,193 @@ fn masks16(chunk: &[u8; 16]) -> Masks {
     masks16_portable(chunk)
 }
 
-/// Reads the ids of an array [`count_token_ids`] accepted, in order, starting at its first id.
-/// Each id of up to 7 digits comes from one 8-byte load (its digits, value and the byte after
-/// its comma); the rest (the last bytes of the body, a space after a 7-digit id's comma) one at
-/// a time. After `count` ids it yields `None`.
+/// The offset of the `]` that ends the token array `text` starts with (at its `[`), if nothing
+/// before it is a `"`, `[` or `{` (so that it is the array's end if the array is one of ids);
+/// 16 bytes at a time. Nothing else is checked: [`TokenReader`] checks the ids.
+pub(crate) fn array_end(text: &[u8]) -> Option<usize> {
+    if text.first() != Some(&b'[') {
+        return None;
+    }
+    let mut at = 1;
+    let mut padded = [0u8; 16];
+    loop {
+        let chunk = match text.get(at..).and_then(<[u8]>::first_chunk::<16>) {
+            Some(chunk) => chunk,
+            None => {
+                // The last bytes, padded with NULs (none of the bytes looked for).
+                let rest = text.get(at..)?;
+                padded.get_mut(..rest.len())?.copy_from_slice(rest);
+                &padded
+            }
+        };
+        let (close, nested) = brackets16(chunk);
+        if close | nested != 0 {
+            let p = (close | nested).trailing_zeros();
+            let end = at + p as usize;
+            return ((close >> p) & 1 == 1 && end < text.len()).then_some(end);
+        }
+        if at + 16 > text.len() {
+            return None;
+        }
+        at += 16;
+    }
+}
+
+/// Bits of the `]` bytes and of the `"`, `[` and `{` bytes of 16 bytes (Wasm SIMD128).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+fn brackets16(chunk: &[u8; 16]) -> (u32, u32) {
+    use core::arch::wasm32::{i8x16_eq, u8x16_bitmask, u8x16_splat, v128, v128_load, v128_or};
+    // SAFETY: `simd128` is enabled for this build (the `cfg` above), and the load reads the 16
+    // bytes of `chunk` (`v128_load` has no alignment requirement).
+    let v = unsafe { v128_load(chunk.as_ptr().cast::<v128>()) };
+    let nested = v128_or(
+        i8x16_eq(v, u8x16_splat(b'"')),
+        v128_or(
+            i8x16_eq(v, u8x16_splat(b'[')),
+            i8x16_eq(v, u8x16_splat(b'{')),
+        ),
+    );
+    (
+        u32::from(u8x16_bitmask(i8x16_eq(v, u8x16_splat(b']')))),
+        u32::from(u8x16_bitmask(nested)),
+    )
+}
+
+/// Bits of the `]` bytes and of the `"`, `[` and `{` bytes of 16 bytes (SSE2).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn brackets16(chunk: &[u8; 16]) -> (u32, u32) {
+    use core::arch::x86_64::{
+        __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_or_si128, _mm_set1_epi8,
+    };
+    // SAFETY: SSE2 is part of the x86_64 baseline, and the load reads the 16 bytes of `chunk`
+    // (`_mm_loadu_si128` has no alignment requirement).
+    unsafe {
+        let v = _mm_loadu_si128(chunk.as_ptr().cast::<__m128i>());
+        let eq = |b: u8| _mm_cmpeq_epi8(v, _mm_set1_epi8(b as i8));
+        let nested = _mm_or_si128(eq(b'"'), _mm_or_si128(eq(b'['), eq(b'{')));
+        (
+            u32::from(_mm_movemask_epi8(eq(b']')) as u16),
+            u32::from(_mm_movemask_epi8(nested) as u16),
+        )
+    }
+}
+
+/// Bits of the `]` bytes and of the `"`, `[` and `{` bytes of 16 bytes (other targets).
+#[cfg(not(any(
+    target_arch = "x86_64",
+    all(target_arch = "wasm32", target_feature = "simd128")
+)))]
+#[inline(always)]
+fn brackets16(chunk: &[u8; 16]) -> (u32, u32) {
+    let (mut close, mut nested) = (0, 0);
+    for (k, &b) in chunk.iter().enumerate() {
+        close |= u32::from(b == b']') << k;
+        nested |= u32::from(matches!(b, b'"' | b'[' | b'{')) << k;
+    }
+    (close, nested)
+}
+
+/// Reads a token array's ids on demand, checking them as [`scan_token_ids`] does (the same ids,
+/// and the same arrays refused), a block at a time; [`TokenReader::finish`] checks and counts
+/// the ids not read.
 #[derive(Clone, Debug)]
 pub struct TokenReader<'a> {
-    /// From the first id to the end of the body (8-byte loads may read past the `]`).
+    /// From the array's `[` to the end of the body.
     text: &'a [u8],
+    /// Where the next id starts (after whitespace, if any).
     pos: usize,
-    left: usize,
+    /// Ids read so far.
+    read: usize,
+    state: ReaderState,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ReaderState {
+    Open,
+    /// The `]` was read.
+    Ended,
+    /// Not an array [`scan_token_ids`] reads.
+    Failed,
 }
 
 impl<'a> TokenReader<'a> {
-    pub(super) fn new(text: &'a [u8], count: usize) -> Self {
-        TokenReader {
+    pub(super) fn new(text: &'a [u8]) -> Self {
+        let mut reader = TokenReader {
             text,
-            pos: 0,
-            left: count,
+            pos: skip_ws(text, 1),
+            read: 0,
+            state: ReaderState::Open,
+        };
+        if text.first() != Some(&b'[') {
+            reader.state = ReaderState::Failed;
+        } else if text.get(reader.pos) == Some(&b']') {
+            reader.state = ReaderState::Ended;
         }
+        reader
     }
 
-    /// Ids not read yet.
-    pub fn remaining(&self) -> usize {
-        self.left
-    }
-
-    /// The next id; `None` after the last (or, never for an accepted array, if the text is not
-    /// what [`count_token_ids`] accepted).
-    pub fn next_id(&mut self) -> Option<u32> {
-        let mut bytes = [0u8; 4];
-        self.read_le(&mut bytes)?;
-        Some(u32::from_le_bytes(bytes))
-    }
-
-    /// Writes the next `out.len() / 4` ids into `out` as little-endian u32s (the hashed form);
-    /// `None` if fewer are left (then nothing is consumed).
-    pub fn read_le(&mut self, out: &mut [u8]) -> Option<()> {
-        let want = out.len() / 4;
-        let left = self.left.checked_sub(want)?;
-        let mut pos = self.pos;
-        let mut done = 0;
-        loop {
-            (pos, done) = read_run(self.text, pos, out, done);
-            if done >= want {
+    /// Fills `out` with the next ids; `None` if fewer are left (the ids of a last partial block
+    /// are counted, not returned) or the array is not one of ids.
+    pub fn read_block(&mut self, out: &mut [u32]) -> Option<()> {
+        if self.state != ReaderState::Open {
+            return None;
+        }
+        let text = self.text;
+        let mut n = 0;
+        let mut i = self.pos;
+        while n < out.len() {
+            // The common case; it stops at an id's first byte or after a comma.
+            (i, n) = comma_run(text, i, out, n);
+            if n == out.len() {
                 break;
             }
-            // An id the run does not read: after a space, or in the last 8 bytes of the body.
-            let i = skip_ws(self.text, pos);
-            let (id, len) = parse_token_id(self.text.get(i..)?)?;
-            out.get_mut(4 * done..)?
-                .first_chunk_mut::<4>()?
-                .copy_from_slice(&id.to_le_bytes());
-            done += 1;
-            // Past the comma (or the `]` after the last id).
-            pos = i + len + 1;
+            // One id the general way (as `scan_token_ids`).
+            i = skip_ws(text, i);
+            let Some((id, len)) = text.get(i..).and_then(parse_token_id) else {
+                self.state = ReaderState::Failed;
+                return None;
+            };
+            if let Some(slot) = out.get_mut(n) {
+                *slot = id;
+            }
+            n += 1;
+            i = skip_ws(text, i + len);
+            match text.get(i) {
+                Some(b',') => i = skip_ws(text, i + 1),
+                Some(b']') => {
+                    self.state = ReaderState::Ended;
+                    self.read += n;
+                    return (n == out.len()).then_some(());
+                }
+                _ => {
+                    self.state = ReaderState::Failed;
+                    return None;
+                }
+            }
         }
-        self.pos = pos;
-        self.left = left;
+        self.pos = i;
+        self.read += n;
         Some(())
     }
-}
 
-/// Reads ids of an accepted array (see [`count_token_ids`]) from `text[i..]` into `out` (4 bytes
-/// each, from id `n`) while 8 bytes can be read and `out` has room: each id's digits, value,
-/// comma and the space after it from one 8-byte load, no other check. Returns where the first id
-/// it does not read starts (a space after a 7-digit id's comma, or fewer than 8 bytes left) and
-/// the new count. Not inlined: no call in the loop, so its constants stay in registers.
-#[inline(never)]
-fn read_run(text: &[u8], mut i: usize, out: &mut [u8], mut n: usize) -> (usize, usize) {
-    const ONES: u64 = 0x0101_0101_0101_0101;
-    const SPACE: u8 = b' ' ^ b'0';
-    while let Some(dst) = out.get_mut(4 * n..).and_then(<[u8]>::first_chunk_mut::<4>) {
-        let Some(chunk) = text.get(i..).and_then(<[u8]>::first_chunk::<8>) else {
-            break;
-        };
-        let d = u64::from_le_bytes(*chunk) ^ (0x30 * ONES);
-        // As in `comma_run`: exact up to the first non-digit.
-        let not_digit = (d.wrapping_add(0x76 * ONES) | d) & (0x80 * ONES);
-        // 8 * the number of digits; 0 at a space.
-        let bits = not_digit.trailing_zeros() & 0x38;
-        if bits == 0 {
-            break;
+    /// The number of ids in the whole array (read or not), checking the ids not read; `None` if
+    /// it is not an array [`scan_token_ids`] reads. Reading may go on afterwards.
+    pub fn finish(&self) -> Option<usize> {
+        match self.state {
+            ReaderState::Failed => None,
+            ReaderState::Ended => Some(self.read),
+            ReaderState::Open => {
+                let at = skip_ws(self.text, self.pos);
+                match count_from(self.text, at) {
+                    Some((_, rest)) => Some(self.read + rest),
+                    // Not the common shape: the whole array the exact way.
+                    None => scan_token_ids(self.text).map(|(ids, _)| ids.len()),
+                }
+            }
         }
-        *dst = eight_digits(d << (64 - bits)).to_le_bytes();
-        n += 1;
-        // Past the digits, the comma (or the `]` after the last id) and a space after it.
-        let tail = d >> bits;
-        i += (bits / 8) as usize + 1 + usize::from((tail >> 8) as u8 == SPACE);
     }
-    (i, n)
 }
 
 /// Which object the structural scan is in.
@@ -644,12 +758,12 @@ impl<'a> Scan<'a> {
         let start = self.pos;
         let text = self.body.get(start..)?;
         if self.lazy {
-            if let Some((first, close, count)) = count_token_ids(text) {
+            if let Some(close) = array_end(text) {
                 self.pos += close + 1;
                 self.cuts.push((start, self.pos));
                 return Some(Some(Tokens::Span(TokenSpan {
-                    first: start + first,
-                    count,
+                    open: start,
+                    count: None,
                 })));
             }
         }
