@@ -2,8 +2,9 @@
 //! callgrind (`benches/README` style: prints figures, asserts nothing timing-based).
 //!
 //! One iteration is what `decide_and_steer` computes for a completions request with token ids:
-//! parse the body, hash the prompt lazily (every block is held by one worker, so all of it is
-//! hashed: the worst case), look up overlaps, read the load table from a shared store (one
+//! parse the body (token ids left in it), hash the prompt lazily, reading ids as blocks are
+//! hashed (every block is held by one worker, so all of it is hashed: the worst case, unless
+//! `<held blocks>` says fewer), check and count the ids not hashed, look up overlaps, read the load table from a shared store (one
 //! `get` + decode + view into a reused buffer), decide, book (one CAS set on that read) and
 //! release. Each stage is its own
 //! `#[inline(never)]` function, so `callgrind_annotate --inclusive=yes` shows its share.
@@ -105,14 +106,18 @@ fn stage_parse(body: &[u8]) -> LlmRequest {
 }
 
 #[inline(never)]
-fn stage_hash(req: &LlmRequest, body: &[u8], index: &KvIndex) -> Vec<SequenceHash> {
-    let lora = req.lora_name.as_deref();
+fn stage_hash(req: &mut LlmRequest, body: &[u8], index: &KvIndex) -> Vec<SequenceHash> {
+    let lora = req.lora_name.clone();
     let mut h = match (&req.token_ids, &req.token_span) {
-        (Some(ids), _) => PromptHasher::new(ids, BLOCK_SIZE, lora),
-        (None, Some(span)) => PromptHasher::from_span(body, span, BLOCK_SIZE, lora),
-        (None, None) => PromptHasher::new(&[], BLOCK_SIZE, lora),
+        (Some(ids), _) => PromptHasher::new(ids, BLOCK_SIZE, lora.as_deref()),
+        (None, Some(span)) => PromptHasher::from_span(body, span, BLOCK_SIZE, lora.as_deref()),
+        (None, None) => PromptHasher::new(&[], BLOCK_SIZE, lora.as_deref()),
     };
     h.hash_while_held(|s| index.holds_anywhere(s));
+    // As the filter does: the ids not hashed are checked and counted before the decision.
+    if let Some(span) = req.token_span.as_mut() {
+        span.set_count(h.finish().unwrap());
+    }
     h.into_hashes()
 }
 
@@ -220,8 +225,8 @@ fn main() {
     let start = Instant::now();
     for i in 0..iters {
         let now = 1_000 + i as u64;
-        let req = stage_parse(black_box(body.as_bytes()));
-        let hashes = stage_hash(&req, body.as_bytes(), &index);
+        let mut req = stage_parse(black_box(body.as_bytes()));
+        let hashes = stage_hash(&mut req, body.as_bytes(), &index);
         stage_lookup(&index, &hashes, &mut overlaps);
         let snapshot = stage_load(&store, config.slots.len(), now, &mut load);
         let d = stage_decide(&config, &req, &overlaps, &load, &mut selector);

@@ -436,6 +436,13 @@ pub(crate) fn array_end(text: &[u8]) -> Option<usize> {
         return None;
     }
     let mut at = 1;
+    // 64 bytes at a time while none of them is one looked for (most of a long array).
+    while let Some(chunk) = text.get(at..).and_then(<[u8]>::first_chunk::<64>) {
+        if any_bracket64(chunk) {
+            break;
+        }
+        at += 64;
+    }
     let mut padded = [0u8; 16];
     loop {
         let chunk = match text.get(at..).and_then(<[u8]>::first_chunk::<16>) {
@@ -458,6 +465,62 @@ pub(crate) fn array_end(text: &[u8]) -> Option<usize> {
         }
         at += 16;
     }
+}
+
+/// Whether any of 64 bytes is a `]`, `"`, `[` or `{` (Wasm SIMD128).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+fn any_bracket64(chunk: &[u8; 64]) -> bool {
+    use core::arch::wasm32::{i8x16_eq, u8x16_splat, v128, v128_any_true, v128_load, v128_or};
+    let mut any = u8x16_splat(0);
+    for part in chunk.chunks_exact(16) {
+        // SAFETY: `simd128` is enabled for this build (the `cfg` above), and the load reads the
+        // 16 bytes of `part` (`v128_load` has no alignment requirement).
+        let v = unsafe { v128_load(part.as_ptr().cast::<v128>()) };
+        let eq = |b: u8| i8x16_eq(v, u8x16_splat(b));
+        any = v128_or(
+            any,
+            v128_or(v128_or(eq(b']'), eq(b'"')), v128_or(eq(b'['), eq(b'{'))),
+        );
+    }
+    v128_any_true(any)
+}
+
+/// Whether any of 64 bytes is a `]`, `"`, `[` or `{` (SSE2).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn any_bracket64(chunk: &[u8; 64]) -> bool {
+    use core::arch::x86_64::{
+        __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_or_si128, _mm_set1_epi8,
+        _mm_setzero_si128,
+    };
+    // SAFETY: SSE2 is part of the x86_64 baseline, and each load reads 16 bytes of `chunk`
+    // (`_mm_loadu_si128` has no alignment requirement).
+    unsafe {
+        let mut any = _mm_setzero_si128();
+        for part in chunk.chunks_exact(16) {
+            let v = _mm_loadu_si128(part.as_ptr().cast::<__m128i>());
+            let eq = |b: u8| _mm_cmpeq_epi8(v, _mm_set1_epi8(b as i8));
+            any = _mm_or_si128(
+                any,
+                _mm_or_si128(
+                    _mm_or_si128(eq(b']'), eq(b'"')),
+                    _mm_or_si128(eq(b'['), eq(b'{')),
+                ),
+            );
+        }
+        _mm_movemask_epi8(any) != 0
+    }
+}
+
+/// Whether any of 64 bytes is a `]`, `"`, `[` or `{` (other targets).
+#[cfg(not(any(
+    target_arch = "x86_64",
+    all(target_arch = "wasm32", target_feature = "simd128")
+)))]
+#[inline(always)]
+fn any_bracket64(chunk: &[u8; 64]) -> bool {
+    chunk.iter().any(|b| matches!(b, b']' | b'"' | b'[' | b'{'))
 }
 
 /// Bits of the `]` bytes and of the `"`, `[` and `{` bytes of 16 bytes (Wasm SIMD128).
