@@ -25,7 +25,8 @@
 //! * table 1: `ENVOY_CPU_SIZE_WASM=before=target/ab/before.wasm` adds Envoys running other builds
 //!   of this filter to the same interleaved rounds (`KV_ROUTER_WASM` picks the `kv` column's);
 //!   `ENVOY_CPU_SIZE_ROUNDS=60` more rounds (the machine is noisy), `ENVOY_CPU_TOKENS=4096,65536`
-//!   a subset of the prompt sizes;
+//!   a subset of the prompt sizes, `ENVOY_CPU_SIZE_HELD=1` only the prompt's first block(s) in
+//!   the index (a low overlap; default: every block);
 //! * table 2: `ENVOY_CPU_FLEET_WASM=before=a.wasm,after=b.wasm`, `ENVOY_CPU_REPEAT`,
 //!   `ENVOY_CPU_FLEET=8,1000`, `ENVOY_CPU_HELD=100,10000` (see `fleet_scale`);
 //! * `-- --only hostcalls`: host calls per request of `count-host-calls` builds
@@ -391,6 +392,10 @@ fn cpu_by_prompt_size(quick: bool) {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(if quick { 5 } else { 15 });
+    // `ENVOY_CPU_SIZE_HELD=1`: only the prompt's first blocks in the index (a low overlap).
+    let held: Option<usize> = std::env::var("ENVOY_CPU_SIZE_HELD")
+        .ok()
+        .and_then(|v| v.parse().ok());
     // `ENVOY_CPU_TOKENS=4096,65536`: a subset of the prompt sizes.
     let sizes: Vec<u32> = std::env::var("ENVOY_CPU_TOKENS")
         .ok()
@@ -423,7 +428,12 @@ fn cpu_by_prompt_size(quick: bool) {
             feed(
                 &envoys[k].1,
                 &worker,
-                &json!([stored_event(&prompt, (i as u64 + 1) << 32)]),
+                &json!([stored_event(
+                    prompt
+                        .get(..held.map_or(prompt.len(), |b| b * BLOCK_SIZE as usize))
+                        .unwrap_or(&prompt),
+                    (i as u64 + 1) << 32
+                )]),
             );
         }
         // ~0.1-0.3 s of Envoy time per Envoy and round.

@@ -2,8 +2,9 @@
 //! callgrind (`benches/README` style: prints figures, asserts nothing timing-based).
 //!
 //! One iteration is what `decide_and_steer` computes for a completions request with token ids:
-//! parse the body, hash the prompt lazily (every block is held by one worker, so all of it is
-//! hashed: the worst case), look up overlaps, read the load table from a shared store (one
+//! parse the body (token ids left in it), hash the prompt lazily, reading ids as blocks are
+//! hashed (every block is held by one worker, so all of it is hashed: the worst case, unless
+//! `<held blocks>` says fewer), check and count the ids not hashed, look up overlaps, read the load table from a shared store (one
 //! `get` + decode + view into a reused buffer), decide, book (one CAS set on that read) and
 //! release. Each stage is its own
 //! `#[inline(never)]` function, so `callgrind_annotate --inclusive=yes` shows its share.
@@ -11,6 +12,8 @@
 //! Usage:
 //!   cargo bench --bench request_path --no-run   # builds target/release/deps/request_path-*
 //!   valgrind --tool=callgrind --callgrind-out-file=cg.out <binary> <tokens> <iters>
+//!     [<workers> <in flight> <held blocks>]
+//! (`<held blocks>`: only the prompt's first blocks in the index, default all of them.)
 //! Instructions per request = (Ir at iters N) - (Ir at iters 0), divided by N (the binary does
 //! its setup either way). Without valgrind it prints the wall time per request.
 
@@ -93,18 +96,28 @@ fn tokens(n: usize) -> Vec<u32> {
 
 #[inline(never)]
 fn stage_parse(body: &[u8]) -> LlmRequest {
+    // As the filter parses: ids left in the body, read as blocks are hashed.
     let opts = ParseOptions {
         read_hints: false,
+        lazy_token_ids: true,
         ..ParseOptions::default()
     };
     parse_request_with(body, Endpoint::Completions, &opts).unwrap()
 }
 
 #[inline(never)]
-fn stage_hash(req: &LlmRequest, index: &KvIndex) -> Vec<SequenceHash> {
-    let ids = req.token_ids.as_deref().unwrap_or_default();
-    let mut h = PromptHasher::new(ids, BLOCK_SIZE, req.lora_name.as_deref());
+fn stage_hash(req: &mut LlmRequest, body: &[u8], index: &KvIndex) -> Vec<SequenceHash> {
+    let lora = req.lora_name.clone();
+    let mut h = match (&req.token_ids, &req.token_span) {
+        (Some(ids), _) => PromptHasher::new(ids, BLOCK_SIZE, lora.as_deref()),
+        (None, Some(span)) => PromptHasher::from_span(body, span, BLOCK_SIZE, lora.as_deref()),
+        (None, None) => PromptHasher::new(&[], BLOCK_SIZE, lora.as_deref()),
+    };
     h.hash_while_held(|s| index.holds_anywhere(s));
+    // As the filter does: the ids not hashed are checked and counted before the decision.
+    if let Some(span) = req.token_span.as_mut() {
+        span.set_count(h.finish().unwrap());
+    }
     h.into_hashes()
 }
 
@@ -172,13 +185,17 @@ fn main() {
     let workers = nums.get(2).copied().unwrap_or(WORKERS);
     // Requests held in flight while the loop runs (booked round-robin, never released).
     let in_flight = nums.get(3).copied().unwrap_or(0);
+    // Leading blocks of the prompt held in the index (default: all of them).
+    let held = nums.get(4).copied();
     let config = config(workers);
     let toks = tokens(n_tokens);
     let body = serde_json::json!({"model": "m", "prompt": toks, "max_tokens": 1}).to_string();
-    // Every block held by slot 0: lazy hashing hashes the whole prompt.
+    // Every block held by slot 0 (unless `held` says fewer): lazy hashing hashes the whole
+    // prompt (the worst case), else the held blocks and the first one nobody holds.
     let mut index = KvIndex::new(workers, 1 << 20);
-    let locals = local_block_hashes(&toks, BLOCK_SIZE, DYNAMO_HASH_SEED);
+    let mut locals = local_block_hashes(&toks, BLOCK_SIZE, DYNAMO_HASH_SEED);
     let seqs = prompt_sequence_hashes(&toks, BLOCK_SIZE, None);
+    locals.truncate(held.unwrap_or(usize::MAX));
     let stored = IndexEvent::Stored {
         dp_rank: 0,
         tier: StorageTier::Device,
@@ -189,7 +206,9 @@ fn main() {
             .map(|(s, l)| (ExternalBlockHash(s.0 ^ 0x5555), *l))
             .collect(),
     };
-    index.apply(0, &stored).unwrap();
+    if !locals.is_empty() {
+        index.apply(0, &stored).unwrap();
+    }
     let store = Store::default();
     load_store::init(&store, config.slots.len(), 900_000);
     for k in 0..in_flight {
@@ -206,8 +225,8 @@ fn main() {
     let start = Instant::now();
     for i in 0..iters {
         let now = 1_000 + i as u64;
-        let req = stage_parse(black_box(body.as_bytes()));
-        let hashes = stage_hash(&req, &index);
+        let mut req = stage_parse(black_box(body.as_bytes()));
+        let hashes = stage_hash(&mut req, body.as_bytes(), &index);
         stage_lookup(&index, &hashes, &mut overlaps);
         let snapshot = stage_load(&store, config.slots.len(), now, &mut load);
         let d = stage_decide(&config, &req, &overlaps, &load, &mut selector);

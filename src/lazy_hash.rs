@@ -8,6 +8,7 @@
 //! is made.
 
 use crate::hashing::{chain_sequence_hash, hash_block, hash_seed, BlockHasher};
+use crate::request::{TokenReader, TokenSpan};
 use crate::types::SequenceHash;
 
 /// Bytes per token id in the hashed representation (little-endian u32).
@@ -16,10 +17,21 @@ const TOKEN_BYTES: usize = 4;
 /// The prompt's sequence hashes, computed on demand (identical to
 /// [`crate::hashing::prompt_sequence_hashes`] for every block computed).
 pub struct PromptHasher<'a> {
-    blocks: std::slice::ChunksExact<'a, u32>,
+    blocks: Blocks<'a>,
     hasher: BlockHasher,
     scratch: Vec<u8>,
     hashes: Vec<SequenceHash>,
+}
+
+/// Where the blocks' tokens come from.
+enum Blocks<'a> {
+    /// Ids already read.
+    Ids(std::slice::ChunksExact<'a, u32>),
+    /// Ids in the body, read (and checked) block by block as they are hashed, into `block`.
+    Text {
+        reader: TokenReader<'a>,
+        block: Vec<u32>,
+    },
 }
 
 impl<'a> PromptHasher<'a> {
@@ -32,14 +44,53 @@ impl<'a> PromptHasher<'a> {
         } else {
             tokens.chunks_exact(size)
         };
-        let scratch = if blocks.len() == 0 {
+        let count = blocks.len();
+        Self::with_blocks(Blocks::Ids(blocks), count, size, lora_name)
+    }
+
+    /// The ids of `span` in `body` (the parsed body), read and checked only as far as blocks
+    /// are hashed; [`PromptHasher::finish`] checks and counts the rest. `block_size` 0 yields
+    /// no blocks.
+    pub fn from_span(
+        body: &'a [u8],
+        span: &TokenSpan,
+        block_size: u32,
+        lora_name: Option<&str>,
+    ) -> Self {
+        let size = usize::try_from(block_size).unwrap_or(0);
+        // A block's ids, read in place; no block for size 0 or one longer than the body.
+        let room = if size == 0 || size > body.len() {
+            0
+        } else {
+            size
+        };
+        let blocks = Blocks::Text {
+            reader: span.reader(body),
+            block: vec![0; room],
+        };
+        Self::with_blocks(blocks, room, size, lora_name)
+    }
+
+    /// For ids from a [`TokenSpan`]: the number of ids in the whole array, the ids not read
+    /// checked too ([`crate::request::TokenReader::finish`]); `None` if it is not an array of
+    /// ids (the hashes then stop where the bad id is: the body must be parsed again, eagerly).
+    /// `None` for ids already read (nothing to check: use their number).
+    pub fn finish(&self) -> Option<usize> {
+        match &self.blocks {
+            Blocks::Ids(_) => None,
+            Blocks::Text { reader, .. } => reader.finish(),
+        }
+    }
+
+    fn with_blocks(blocks: Blocks<'a>, count: usize, size: usize, lora: Option<&str>) -> Self {
+        let scratch = if count == 0 {
             Vec::new()
         } else {
             Vec::with_capacity(size.saturating_mul(TOKEN_BYTES))
         };
         PromptHasher {
             blocks,
-            hasher: BlockHasher::new(hash_seed(lora_name)),
+            hasher: BlockHasher::new(hash_seed(lora)),
             scratch,
             hashes: Vec::new(),
         }
@@ -56,8 +107,16 @@ impl<'a> PromptHasher<'a> {
 
     /// Computes the next block's hash; `None` past the last full block.
     fn step(&mut self) -> Option<SequenceHash> {
-        let block = self.blocks.next()?;
-        let local = hash_block(block, &self.hasher, &mut self.scratch);
+        let local = match &mut self.blocks {
+            Blocks::Ids(blocks) => hash_block(blocks.next()?, &self.hasher, &mut self.scratch),
+            Blocks::Text { reader, block } => {
+                if block.is_empty() {
+                    return None;
+                }
+                reader.read_block(block)?;
+                hash_block(block, &self.hasher, &mut self.scratch)
+            }
+        };
         let seq = chain_sequence_hash(self.hashes.last().copied(), local);
         self.hashes.push(seq);
         Some(seq)
@@ -93,7 +152,7 @@ mod tests {
     use crate::hashing::{local_block_hashes, prompt_sequence_hashes};
     use crate::index::KvIndex;
     use crate::load::SlotLoad;
-    use crate::request::LlmRequest;
+    use crate::request::{parse_request_with, Endpoint, LlmRequest, ParseOptions};
     use crate::router::SelectorState;
     use crate::router::{decide, prompt_blocks, RouteInput};
     use crate::types::{ExternalBlockHash, Overlap, SlotIdx, StorageTier};
@@ -152,6 +211,63 @@ mod tests {
             workers.join(",")
         );
         Config::from_json(json.as_bytes()).unwrap()
+    }
+
+    /// A completions body with `tokens` as its prompt (`, ` or `,` between ids), parsed as the
+    /// filter does: the request and the body (where its ids are).
+    fn lazy_request(tokens: &[u32], spaced: bool) -> (LlmRequest, Vec<u8>) {
+        let list: Vec<String> = tokens.iter().map(u32::to_string).collect();
+        let sep = if spaced { ", " } else { "," };
+        let body = format!(
+            r#"{{"model": "m", "prompt": [{}], "max_tokens": 4}}"#,
+            list.join(sep)
+        );
+        let opts = ParseOptions {
+            lazy_token_ids: true,
+            ..ParseOptions::default()
+        };
+        let req = parse_request_with(body.as_bytes(), Endpoint::Completions, &opts).unwrap();
+        (req, body.into_bytes())
+    }
+
+    /// The hasher over ids still in the body: the same hashes as over read ids, stopped early
+    /// and extended, for every block size.
+    #[test]
+    fn hashing_from_the_body_equals_hashing_read_ids() {
+        let mut rng = Lcg(5);
+        let mut from_body = 0;
+        for round in 0..300 {
+            let mut tokens = prompt(&mut rng);
+            // Ids of every length the lazy reader takes (1 to 7 digits).
+            for t in tokens.iter_mut() {
+                *t %= 10u32.pow(1 + (*t % 7));
+            }
+            let block = [1u32, 3, 4, 16][round % 4];
+            let (req, body) = lazy_request(&tokens, round % 2 == 0);
+            let span = req.token_span.unwrap();
+            assert_eq!(span.check(&body), Some(tokens.len()));
+            from_body += usize::from(!tokens.is_empty());
+            let full = prompt_sequence_hashes(&tokens, block, Some("a"));
+            let mut lazy = PromptHasher::from_span(&body, &span, block, Some("a"));
+            let stop = rng.below(8) as usize;
+            let mut seen = 0;
+            lazy.hash_while_held(|_| {
+                seen += 1;
+                seen <= stop
+            });
+            assert_eq!(lazy.hashes(), &full[..full.len().min(stop + 1)]);
+            assert_eq!(lazy.finish(), Some(tokens.len()));
+            lazy.extend_to(stop + 3);
+            assert_eq!(lazy.hashes(), &full[..full.len().min(stop + 3)]);
+            lazy.extend_to(usize::MAX);
+            assert_eq!(lazy.into_hashes(), full);
+        }
+        assert!(from_body > 250, "{from_body}");
+        let (req, body) = lazy_request(&[1, 2, 3], false);
+        let span = req.token_span.unwrap();
+        let mut none = PromptHasher::from_span(&body, &span, 0, None);
+        none.extend_to(5);
+        assert!(none.hashes().is_empty());
     }
 
     #[test]
@@ -219,8 +335,16 @@ mod tests {
                     corpus[rng.below(corpus.len() as u64) as usize].clone()
                 };
                 let full = prompt_sequence_hashes(&tokens, BS, None);
-                let mut lazy = PromptHasher::new(&tokens, BS, None);
+                // The filter's path: ids left in the body, read as blocks are hashed.
+                let (mut lazy_req, body) = lazy_request(&tokens, i % 2 == 0);
+                let span = lazy_req.token_span.unwrap();
+                let mut lazy = PromptHasher::from_span(&body, &span, BS, None);
                 lazy.hash_while_held(|h| index.holds_anywhere(h) || predicted.knows(h));
+                // The rest checked and counted, as the filter does before deciding.
+                if let Some(s) = lazy_req.token_span.as_mut() {
+                    s.set_count(lazy.finish().unwrap());
+                }
+                assert_eq!(lazy_req.token_count(), Some(tokens.len()));
                 if lazy.hashes().len() < full.len() {
                     stopped_early += 1;
                 }
@@ -240,11 +364,11 @@ mod tests {
                     token_ids: Some(tokens.clone()),
                     ..LlmRequest::default()
                 };
-                let route = |overlaps: &[Overlap]| {
+                let route = |request: &LlmRequest, overlaps: &[Overlap]| {
                     let input = RouteInput {
-                        request: &request,
+                        request,
                         header_pin: Default::default(),
-                        prompt_blocks: prompt_blocks(&config, &request),
+                        prompt_blocks: prompt_blocks(&config, request),
                         overlaps,
                         load: &load,
                         stale_slots: &[],
@@ -253,7 +377,10 @@ mod tests {
                     decide(&config, &input, &mut SelectorState::new(round))
                         .map(|d| (d.slot, d.reason, d.fallbacks))
                 };
-                assert_eq!(route(&overlaps_of(lazy.hashes())), route(&want));
+                assert_eq!(
+                    route(&lazy_req, &overlaps_of(lazy.hashes())),
+                    route(&request, &want)
+                );
             }
         }
         assert!(

@@ -37,6 +37,7 @@ mod visitors;
 
 use fast::parse_fast;
 pub(crate) use fast::scan_token_ids;
+pub use fast::TokenReader;
 use visitors::parse_object;
 
 /// Which OpenAI endpoint a body was sent to (decides whether `prompt` or `messages` is read).
@@ -136,6 +137,11 @@ pub struct ParseOptions {
     /// Most items accepted in each hint list (`allowed_worker_ids`, `required_taints`,
     /// `preferred_taints`); more is [`RequestError::TooManyItems`].
     pub max_hint_items: usize,
+    /// Leave token ids unread: a token array (up to its first `]`, with no string, array or
+    /// object before it) comes back as [`LlmRequest::token_span`] instead of
+    /// [`LlmRequest::token_ids`]; its ids are read and checked from the body on demand, see
+    /// [`TokenSpan`] (with a body of several token fields, they are all read now).
+    pub lazy_token_ids: bool,
 }
 
 impl Default for ParseOptions {
@@ -143,7 +149,54 @@ impl Default for ParseOptions {
         ParseOptions {
             read_hints: true,
             max_hint_items: DEFAULT_MAX_HINT_ITEMS,
+            lazy_token_ids: false,
         }
+    }
+}
+
+/// Where a token array is in the request body (a parse with [`ParseOptions::lazy_token_ids`]):
+/// its ids are read with [`TokenSpan::reader`] on that body, and are checked only as they are
+/// read and by [`TokenReader::finish`], which also counts them. Until then the parse's `Ok` is
+/// provisional: if `finish` says `None`, the body's answer is the eager parse's
+/// ([`parse_request_with`] without `lazy_token_ids`), an error or other ids.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TokenSpan {
+    /// Offset of the array's `[` in the body.
+    open: usize,
+    /// The number of ids, once checked ([`TokenSpan::set_count`]).
+    count: Option<usize>,
+}
+
+impl TokenSpan {
+    /// The number of ids, once [`TokenSpan::set_count`] recorded it.
+    pub fn count(&self) -> Option<usize> {
+        self.count
+    }
+
+    /// Records what [`TokenReader::finish`] said.
+    pub fn set_count(&mut self, count: usize) {
+        self.count = Some(count);
+    }
+
+    /// Reads (and checks) the ids, in order, from `body` (the body that was parsed).
+    pub fn reader<'a>(&self, body: &'a [u8]) -> TokenReader<'a> {
+        TokenReader::new(body.get(self.open..).unwrap_or_default())
+    }
+
+    /// Checks and counts the ids without reading them (see [`TokenReader::finish`]).
+    pub fn check(&self, body: &[u8]) -> Option<usize> {
+        self.reader(body).finish()
+    }
+
+    /// All the ids (`None` if they are not an array of ids).
+    pub fn ids(&self, body: &[u8]) -> Option<Vec<u32>> {
+        let count = self.check(body)?;
+        let mut ids = vec![0u32; count];
+        let mut reader = self.reader(body);
+        if count > 0 {
+            reader.read_block(&mut ids)?;
+        }
+        Some(ids)
     }
 }
 
@@ -153,6 +206,9 @@ pub struct LlmRequest {
     pub model: Option<String>,
     /// `nvext.token_data`, else `prompt` as token ids (completions).
     pub token_ids: Option<Vec<u32>>,
+    /// Instead of `token_ids` (a parse with [`ParseOptions::lazy_token_ids`]): where those ids
+    /// are in the body, not read (nor checked) yet. At most one of the two is set.
+    pub token_span: Option<TokenSpan>,
     /// `nvext.lora_name`.
     pub lora_name: Option<String>,
     pub stream: bool,
@@ -197,6 +253,22 @@ pub enum RequestError {
         field: &'static str,
         max: usize,
     },
+}
+
+impl LlmRequest {
+    /// The number of token ids (read or not), `None` without token ids.
+    pub fn token_count(&self) -> Option<usize> {
+        match (&self.token_ids, &self.token_span) {
+            (Some(ids), _) => Some(ids.len()),
+            (None, Some(span)) => span.count(),
+            (None, None) => None,
+        }
+    }
+
+    /// The request carries token ids (read or not).
+    pub fn has_token_ids(&self) -> bool {
+        self.token_ids.is_some() || self.token_span.is_some()
+    }
 }
 
 impl RequestError {
@@ -277,7 +349,7 @@ fn check_object_start(body: &[u8]) -> Result<(), RequestError> {
     clippy::indexing_slicing
 )]
 mod tests {
-    use super::fast::{parse_token_id, scan_token_ids};
+    use super::fast::{array_end, count_token_ids, parse_token_id, scan_token_ids};
     use super::*;
 
     fn completions(body: &str) -> Result<LlmRequest, RequestError> {
@@ -367,6 +439,7 @@ mod tests {
         let opts = ParseOptions {
             read_hints: true,
             max_hint_items: 3,
+            lazy_token_ids: false,
         };
         let parse =
             |body: String| parse_request_with(body.as_bytes(), Endpoint::Completions, &opts);
@@ -424,6 +497,7 @@ mod tests {
         let opts = ParseOptions {
             read_hints: false,
             max_hint_items: 3,
+            lazy_token_ids: false,
         };
         let parse =
             |body: &str| parse_request_with(body.as_bytes(), Endpoint::Completions, &opts).unwrap();
@@ -1212,5 +1286,210 @@ mod tests {
         }
         // The fast pass answered for a good part of the bodies (the rest went to serde).
         assert!(fast_answers > rounds / 4, "{fast_answers}");
+    }
+
+    /// A lazy parse (ids left in the body) with its span's ids read back into `token_ids`, or,
+    /// when they are not an array of ids, the body parsed again eagerly (as the filter does):
+    /// the eager parse's answer, field for field, error for error.
+    fn lazy_as_eager(body: &[u8], endpoint: Endpoint) -> Result<LlmRequest, RequestError> {
+        let opts = ParseOptions {
+            lazy_token_ids: true,
+            ..ParseOptions::default()
+        };
+        let mut r = parse_request_with(body, endpoint, &opts)?;
+        if let Some(span) = r.token_span.take() {
+            assert!(r.token_ids.is_none());
+            match span.ids(body) {
+                Some(ids) => {
+                    assert_eq!(span.check(body), Some(ids.len()));
+                    r.token_ids = Some(ids);
+                }
+                None => return parse_request(body, endpoint),
+            }
+        }
+        Ok(r)
+    }
+
+    fn lazy_agrees(body: &[u8]) -> bool {
+        let mut lazy = false;
+        for endpoint in [Endpoint::Completions, Endpoint::ChatCompletions] {
+            assert_eq!(
+                lazy_as_eager(body, endpoint),
+                parse_request(body, endpoint),
+                "{endpoint:?}: {}",
+                String::from_utf8_lossy(body)
+            );
+            let opts = ParseOptions {
+                lazy_token_ids: true,
+                ..ParseOptions::default()
+            };
+            lazy |= parse_request_with(body, endpoint, &opts)
+                .is_ok_and(|r| r.token_span.is_some_and(|s| s.check(body).is_some()));
+        }
+        lazy
+    }
+
+    /// The reader (in blocks of every size, then `finish`) and the counter agree with
+    /// `scan_token_ids` on `text` (an array at its `[`): the same ids, count and refusals.
+    /// Whether the counter took the array.
+    fn count_agrees(text: &[u8]) -> bool {
+        let want = scan_token_ids(text);
+        let span = TokenSpan {
+            open: 0,
+            count: None,
+        };
+        assert_eq!(
+            span.check(text),
+            want.as_ref().map(|(ids, _)| ids.len()),
+            "{}",
+            String::from_utf8_lossy(text)
+        );
+        assert_eq!(span.ids(text), want.as_ref().map(|(ids, _)| ids.clone()));
+        for block in [1, 3, 64] {
+            let mut reader = span.reader(text);
+            let mut got = Vec::new();
+            let mut buf = vec![0u32; block];
+            // Stop early, check the rest.
+            for _ in 0..2 {
+                if reader.read_block(&mut buf).is_some() {
+                    got.extend_from_slice(&buf);
+                }
+            }
+            let total = reader.finish();
+            assert_eq!(total, want.as_ref().map(|(ids, _)| ids.len()));
+            while reader.read_block(&mut buf).is_some() {
+                got.extend_from_slice(&buf);
+            }
+            if let Some((ids, _)) = &want {
+                assert_eq!(got.len(), ids.len() / block * block);
+                assert_eq!(got[..], ids[..got.len()]);
+            }
+        }
+        let Some((first, close, count)) = count_token_ids(text) else {
+            return false;
+        };
+        let (ids, len) = want.expect("an accepted array is a valid one");
+        assert_eq!((close + 1, count), (len, ids.len()));
+        assert_eq!(first, skip_ws_for_test(text));
+        assert_eq!(array_end(text), Some(close));
+        true
+    }
+
+    fn skip_ws_for_test(text: &[u8]) -> usize {
+        1 + text[1..]
+            .iter()
+            .take_while(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+            .count()
+    }
+
+    /// Random arrays (every BodyGen shape, cut short, damaged, with more body after them) and
+    /// whole bodies: the lazy parse's answer is the eager one, and the counter's is the scanner's.
+    #[test]
+    fn lazy_parse_agrees_with_the_eager_parse() {
+        let mut g = BodyGen(crate::rng::Rng::new(0x1a2e));
+        let mut counted = 0;
+        for round in 0..30_000 {
+            let mut text = g.token_array();
+            match round % 5 {
+                0 => text.truncate(g.pick(text.len() + 1)),
+                1 => {
+                    let at = g.pick(text.len());
+                    let by = ["[", "]", ",", " ", "0", "5", "-", ".", "e", "\\"][g.pick(10)];
+                    text.replace_range(at..at + 1, by);
+                }
+                2 => text.push_str([", \"max_tokens\": 1}", "]}", "", "1234567"][g.pick(4)]),
+                _ => {}
+            }
+            counted += usize::from(count_agrees(text.as_bytes()));
+        }
+        assert!(counted > 400, "{counted}");
+        let mut lazy = 0;
+        for round in 0..20_000 {
+            let body = g.body(round);
+            lazy += usize::from(lazy_agrees(body.as_bytes()));
+        }
+        assert!(lazy > 150, "{lazy}");
+    }
+
+    /// Long arrays in the shapes clients send (`,` and `, `, ids of 1 to 7 digits), shifted so
+    /// that every byte lands on every position of the 64-byte masks, with one odd spot (leading
+    /// zeros, 8-10-digit and over-u32 ids, whitespace variants, damage, the end early) at every
+    /// position: the lazy parse's answer is the eager one.
+    #[test]
+    fn lazy_parse_with_an_odd_spot_at_every_position() {
+        let mut rng = crate::rng::Rng::new(0x0dd5);
+        let odd = [
+            "",
+            " ",
+            "\t",
+            "\n",
+            "  ",
+            " ,",
+            ", ",
+            ",,",
+            "0",
+            "00",
+            "01",
+            "007",
+            "1234567",
+            "12345678",
+            "99999999",
+            "123456789",
+            "4294967295",
+            "4294967296",
+            "]",
+            "[",
+            "-",
+            "-0",
+            ".",
+            "e",
+            "x",
+            "\"",
+            "é",
+        ];
+        let mut lazy = 0;
+        for round in 0..60 {
+            let sep = [",", ", "][round % 2];
+            let n = 30 + rng.index(30);
+            let ids: Vec<String> = (0..n)
+                .map(|_| {
+                    let digits = 1 + rng.index(7);
+                    (rng.next_u64() % 10u64.pow(digits as u32)).to_string()
+                })
+                .collect();
+            let array = format!("[{}]", ids.join(sep));
+            let pad = "x".repeat(round % 64);
+            for at in 0..=array.len() {
+                let spot = odd[(round + at) % odd.len()];
+                let mut a = array.clone();
+                if !a.is_char_boundary(at) {
+                    continue;
+                }
+                a.insert_str(at, spot);
+                let tail = [", \"max_tokens\": 1}", "}", ""][at % 3];
+                let body = format!("{{\"model\": \"{pad}\", \"prompt\": {a}{tail}");
+                lazy += usize::from(lazy_agrees(body.as_bytes()));
+                let body = format!("{{\"nvext\": {{\"token_data\": {a}}}, \"model\": \"{pad}\"}}");
+                lazy += usize::from(lazy_agrees(body.as_bytes()));
+                // The array alone, ending where the body ends.
+                count_agrees(a.as_bytes());
+            }
+        }
+        assert!(lazy > 2_000, "{lazy}");
+        // Every length from empty to a few hundred ids, at the end of the body or not.
+        for digits in 1..=7u32 {
+            for sep in [",", ", "] {
+                for n in (0..300u32).step_by(7) {
+                    let ids: Vec<u32> = (0..n)
+                        .map(|k| 10u32.pow(digits - 1) + k * 7 % 10u32.pow(digits - 1).max(1))
+                        .collect();
+                    let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+                    let text = format!("[{}]", list.join(sep));
+                    assert_eq!(count_agrees(text.as_bytes()), n > 0, "{text}");
+                    let body = format!("{{\"prompt\": {text}}}");
+                    assert!(lazy_agrees(body.as_bytes()), "{body}");
+                }
+            }
+        }
     }
 }

@@ -129,8 +129,8 @@ pub struct Decision {
 
 /// Input tokens of a request: its token ids, else `ceil(text_chars / 4)`; saturates at u32::MAX.
 pub fn isl_tokens(request: &LlmRequest) -> u32 {
-    let n = match &request.token_ids {
-        Some(ids) => ids.len(),
+    let n = match request.token_count() {
+        Some(n) => n,
         None => request.text_chars.div_ceil(CHARS_PER_TOKEN_ESTIMATE),
     };
     u32::try_from(n).unwrap_or(u32::MAX)
@@ -154,7 +154,7 @@ pub fn decide(
     }
     let candidates = filters::eligible_slots(config, request, pin, input.load)?;
 
-    let has_tokens = request.token_ids.is_some();
+    let has_tokens = request.has_token_ids();
     let has_prefix = has_tokens || request.text_prefix;
     let isl = isl_tokens(request);
     let overlap_of = |slot: SlotIdx| -> Overlap {

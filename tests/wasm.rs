@@ -22,7 +22,7 @@ use envoy_kv_router::hashing::{
 };
 use envoy_kv_router::index::{IndexError, KvIndex};
 use envoy_kv_router::load::LoadTable;
-use envoy_kv_router::request::{parse_request, Endpoint, Pin};
+use envoy_kv_router::request::{parse_request, parse_request_with, Endpoint, ParseOptions, Pin};
 use envoy_kv_router::router::{decide, prompt_blocks, Reason, RouteInput, SelectorState};
 use envoy_kv_router::types::{
     ExternalBlockHash, LocalBlockHash, Overlap, SequenceHash, SlotIdx, StorageTier,
@@ -184,6 +184,26 @@ struct Vector {
     seed: String,
     local_hashes: Vec<String>,
     sequence_hashes: Vec<String>,
+}
+
+/// A parse with the ids left in the body (the filter's), its span's ids read back (or, as the
+/// filter does when they are not ids, the body parsed again eagerly).
+fn lazy_parse(
+    body: &str,
+) -> Result<envoy_kv_router::request::LlmRequest, envoy_kv_router::request::RequestError> {
+    let opts = ParseOptions {
+        lazy_token_ids: true,
+        ..ParseOptions::default()
+    };
+    let mut r = parse_request_with(body.as_bytes(), Endpoint::Completions, &opts)?;
+    if let Some(span) = r.token_span.take() {
+        match span.ids(body.as_bytes()) {
+            Some(ids) => r.token_ids = Some(ids),
+            // Not an array of ids after all: the filter parses the body again, eagerly.
+            None => return parse_request(body.as_bytes(), Endpoint::Completions),
+        }
+    }
+    Ok(r)
 }
 
 fn parse_u64s(values: &[String]) -> Vec<u64> {
@@ -593,6 +613,12 @@ fn token_id_scan_agrees_with_serde() {
         let body = format!(r#"{{"model": "m", "prompt": [{}], "stream": false}}"#, list.join(sep));
         let request = parse_request(body.as_bytes(), Endpoint::Completions).unwrap();
         assert_eq!(request.token_ids.as_deref(), Some(&ids[..]), "{sep:?}");
+        assert_eq!(lazy_parse(&body), Ok(request), "{sep:?}");
+        // Ids of 1 to 7 digits: the lazy parse leaves them in the body.
+        let short: Vec<String> = ids.iter().map(|i| (i % 10_000_000).to_string()).collect();
+        let body = format!(r#"{{"prompt": [{}]}}"#, short.join(sep));
+        let want: Vec<u32> = ids.iter().map(|i| i % 10_000_000).collect();
+        assert_eq!(lazy_parse(&body).unwrap().token_ids, Some(want), "{sep:?}");
     }
     for bad in ["[1,01]", "[1,2,]", "[1,-2]", "[1,2.0]", "[4294967296]", "[1 2]", "[1,2"] {
         let body = format!(r#"{{"prompt": {bad}}}"#);
@@ -600,6 +626,7 @@ fn token_id_scan_agrees_with_serde() {
             parse_request(body.as_bytes(), Endpoint::Completions).is_err(),
             "{bad}"
         );
+        assert!(lazy_parse(&body).is_err(), "{bad}");
     }
 }
 
@@ -631,8 +658,12 @@ fn token_id_scan_agrees_with_serde_at_every_offset() {
             (None, Err(_)) => {}
             _ => panic!("{body}: serde {want:?}, parser {got:?}"),
         }
+        // As the filter parses (64-byte simd128 masks, ids read from the body on demand): the
+        // same answer.
+        assert_eq!(lazy_parse(&body), got, "{body}");
     }
 }
+
 
 
 // ---------------------------------------------------------------------------------------------

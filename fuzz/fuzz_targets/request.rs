@@ -26,6 +26,27 @@ fuzz_target!(|data: &[u8]| {
     let opts = ParseOptions {
         read_hints: sel & 2 == 0,
         max_hint_items: usize::from(sel >> 4),
+        lazy_token_ids: false,
     };
-    let _ = parse_request_with(body, endpoint, &opts);
+    let eager = parse_request_with(body, endpoint, &opts);
+    // Ids left in the body (as the filter parses): the same answer once they are read.
+    let lazy = parse_request_with(
+        body,
+        endpoint,
+        &ParseOptions {
+            lazy_token_ids: true,
+            ..opts
+        },
+    )
+    .and_then(|mut r| {
+        if let Some(span) = r.token_span.take() {
+            match span.ids(body) {
+                Some(ids) => r.token_ids = Some(ids),
+                // Not an array of ids after all: the filter parses the body again, eagerly.
+                None => return parse_request_with(body, endpoint, &opts),
+            }
+        }
+        Ok(r)
+    });
+    assert_eq!(lazy, eager, "lazy and eager parses disagree");
 });

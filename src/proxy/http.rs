@@ -32,6 +32,10 @@ use std::time::Duration;
 
 const REASON_HEADER: &str = "x-kv-router-reason";
 
+/// A lazily parsed request's token array is not an array of ids (see `TokenSpan`): the body
+/// must be parsed again, eagerly.
+struct BadTokenIds;
+
 /// What the response headers report about the decision: the reason always (a short word from a
 /// fixed set, e.g. `kv` or `fallback:invalid_json`), the rest only with `response_headers`.
 struct Outcome {
@@ -163,6 +167,13 @@ impl RequestContext {
 
     /// Decides and steers. Returns the action for the body (or headers) callback.
     fn route(&mut self, body: &[u8]) -> Action {
+        self.route_parsed(body, true)
+    }
+
+    /// [`Self::route`], the token ids left in the body (`lazy`, see `TokenSpan`) or read now.
+    /// A lazy parse's `Ok` is provisional: if the ids turn out not to be an array of ids, the
+    /// body is parsed again eagerly, for the answer (or the error) it always had.
+    fn route_parsed(&mut self, body: &[u8], lazy: bool) -> Action {
         self.decided = true;
         let Some(endpoint) = self.endpoint else {
             return Action::Continue;
@@ -182,6 +193,8 @@ impl RequestContext {
         let options = ParseOptions {
             read_hints: honor,
             max_hint_items: config.client_routing_hints_max_items,
+            // Ids are read from the body only as far as blocks are hashed (lazy_hash).
+            lazy_token_ids: lazy,
         };
         let request = match parse_request_with(body, endpoint, &options) {
             Ok(request) => request,
@@ -222,13 +235,16 @@ impl RequestContext {
                 );
             }
             // Not read (the parser skipped them): the request is routed as if they were absent.
-            vm.metrics.inc("client_hints.ignored");
+            // (Counted once: a second parse of a lazy one sees them again.)
+            if lazy {
+                vm.metrics.inc("client_hints.ignored");
+            }
         }
         // A text request in KV mode: exact ids from the tokenizer service (the request waits for
         // them), else its text prefix hashes (approximate mode).
         let text_routing = config.tokenizer.is_some() || config.approximate.is_some();
         if config.mode == RoutingMode::Kv
-            && request.token_ids.is_none()
+            && !request.has_token_ids()
             && request.text_chars > 0
             && text_routing
         {
@@ -236,7 +252,18 @@ impl RequestContext {
                 return self.route_text(vm, &config, request, text, endpoint, body);
             }
         }
-        self.decide_and_steer(vm, &config, request, None, None)
+        match self.decide_and_steer(vm, &config, request, body, None, None) {
+            Ok(action) => action,
+            Err(BadTokenIds) if lazy => {
+                drop(vm_guard);
+                self.route_parsed(body, false)
+            }
+            Err(BadTokenIds) => {
+                // Not from an eager parse (no span): never happens.
+                self.fallback(vm, &config, "invalid_field");
+                Action::Continue
+            }
+        }
     }
 
     /// A text request: the cached render, else a tokenizer call (pauses), else text hashes.
@@ -262,7 +289,7 @@ impl RequestContext {
             vm.metrics.inc("tokenizer.cache_hit");
             request.token_ids = Some(ids.as_ref().clone());
             request.rendered = true;
-            return self.decide_and_steer(vm, config, request, None, None);
+            return self.decide_known_ids(vm, config, request, None, None);
         }
         vm.metrics.inc("tokenizer.cache_miss");
         let path = match endpoint {
@@ -330,7 +357,7 @@ impl RequestContext {
             )
         });
         request.text_prefix = hashes.is_some();
-        self.decide_and_steer(
+        self.decide_known_ids(
             vm,
             config,
             request,
@@ -389,7 +416,7 @@ impl RequestContext {
                 request.token_ids = Some(ids.as_ref().clone());
                 request.rendered = true;
                 vm.render_cache.insert(pending.cache_key, ids);
-                self.decide_and_steer(vm, &config, request, None, None)
+                self.decide_known_ids(vm, &config, request, None, None)
             }
             Err(f) => {
                 log::debug!(
@@ -406,9 +433,8 @@ impl RequestContext {
         }
     }
 
-    /// Hashes (unless `text_hashes` are given), looks up overlaps, decides and steers. `note`
-    /// is appended to the reason (`kv-text:render_timeout`).
-    fn decide_and_steer(
+    /// [`Self::decide_and_steer`] for a request whose ids (if any) are read already.
+    fn decide_known_ids(
         &mut self,
         vm: &mut VmState,
         config: &Config,
@@ -416,15 +442,38 @@ impl RequestContext {
         text_hashes: Option<Vec<SequenceHash>>,
         note: Option<&str>,
     ) -> Action {
+        self.decide_and_steer(vm, config, request, &[], text_hashes, note)
+            .unwrap_or_else(|BadTokenIds| {
+                // Only a span's ids are checked late, and these requests have none.
+                self.fallback(vm, config, "invalid_field");
+                Action::Continue
+            })
+    }
+
+    /// Hashes (unless `text_hashes` are given), looks up overlaps, decides and steers. `note`
+    /// is appended to the reason (`kv-text:render_timeout`). `body` is the parsed body (where
+    /// `request.token_span`'s ids are; empty when the request has none). `Err` (before anything
+    /// is decided or booked): the span is not an array of ids; parse the body again, eagerly.
+    fn decide_and_steer(
+        &mut self,
+        vm: &mut VmState,
+        config: &Config,
+        mut request: LlmRequest,
+        body: &[u8],
+        text_hashes: Option<Vec<SequenceHash>>,
+        note: Option<&str>,
+    ) -> Result<Action, BadTokenIds> {
         let now = host::now_ms();
         // Only KV mode scores prefix overlap; the basic modes skip hashing and the index.
         let from_text = text_hashes.is_some();
-        let mut hasher = match (&request.token_ids, &text_hashes) {
-            (Some(tokens), None) if config.mode == RoutingMode::Kv => Some(PromptHasher::new(
-                tokens,
-                config.block_size,
-                request.lora_name.as_deref(),
-            )),
+        let lora = request.lora_name.as_deref();
+        let mut hasher = match (&request.token_ids, &request.token_span, &text_hashes) {
+            (Some(tokens), _, None) if config.mode == RoutingMode::Kv => {
+                Some(PromptHasher::new(tokens, config.block_size, lora))
+            }
+            (None, Some(span), None) if config.mode == RoutingMode::Kv => {
+                Some(PromptHasher::from_span(body, span, config.block_size, lora))
+            }
             _ => None,
         };
         // Events, stale flags and reported load the poller published since this thread's last
@@ -446,6 +495,15 @@ impl RequestContext {
             h.hash_while_held(|seq| {
                 index.holds_anywhere(seq) || predicted.is_some_and(|p| p.knows(seq))
             });
+        }
+        // Ids left in the body: those not hashed are checked and counted now (the load terms
+        // need the prompt's length); not an array of ids after all: parsed again.
+        if let Some(span) = request.token_span.as_mut() {
+            let count = match &hasher {
+                Some(h) => h.finish(),
+                None => span.check(body),
+            };
+            span.set_count(count.ok_or(BadTokenIds)?);
         }
         let hashes: &[SequenceHash] = match (&text_hashes, &hasher) {
             (Some(t), _) => t,
@@ -480,7 +538,7 @@ impl RequestContext {
         let decided = decide(config, &input, &mut vm.selector);
         vm.overlaps = overlaps;
         vm.load_view = load;
-        match decided {
+        Ok(match decided {
             Ok(decision) => {
                 self.steer(vm, config, &decision, now, &request, note, snapshot);
                 // A record needs the leading blocks even past the first miss: hashed only now.
@@ -511,7 +569,7 @@ impl RequestContext {
                     err.retry_after_secs(),
                 )
             }
-        }
+        })
     }
 
     // The load snapshot rides along from the decision to the booking (one get, one decode).
@@ -598,9 +656,8 @@ impl RequestContext {
                 stream: request.stream,
                 first_token_seen: false,
                 isl_tokens: request
-                    .token_ids
-                    .as_ref()
-                    .map_or(0, |t| u32::try_from(t.len()).unwrap_or(u32::MAX)),
+                    .token_count()
+                    .map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX)),
                 osl_hint: request.osl_hint_tokens,
                 generated_tokens: 0,
                 output_milli_blocks: 0,

@@ -4,8 +4,8 @@
 
 use std::cell::Cell;
 
-use super::visitors::{parse_object, Prefill};
-use super::{Endpoint, LlmRequest, ParseOptions};
+use super::visitors::{parse_object, Prefill, Tokens};
+use super::{Endpoint, LlmRequest, ParseOptions, TokenSpan};
 
 /// The fast pass. `None` = use the serde pass on the original body (nothing to gain, or the
 /// fast pass failed; never a different answer).
@@ -24,6 +24,7 @@ pub(super) fn parse_fast(
         body,
         pos: 0,
         endpoint,
+        lazy: opts.lazy_token_ids,
         cuts: Vec::new(),
         prompts: Vec::new(),
         token_data: Vec::new(),
@@ -31,6 +32,15 @@ pub(super) fn parse_fast(
     scan.object(Level::Top)?;
     if scan.cuts.is_empty() {
         return None;
+    }
+    if scan.lazy && scan.prompts.len() + scan.token_data.len() > 1 {
+        // Several token fields: only one is used, but every one must be a valid array. Rare:
+        // all of them are read now.
+        let eager = ParseOptions {
+            lazy_token_ids: false,
+            ..*opts
+        };
+        return parse_fast(body, endpoint, &eager);
     }
     let cut_bytes: usize = scan.cuts.iter().map(|&(start, end)| end - start).sum();
     let mut copy = Vec::with_capacity(body.len() - cut_bytes + 2 * scan.cuts.len());
@@ -204,6 +214,472 @@ fn eight_digits(v: u64) -> u32 {
     v as u32
 }
 
+/// `(first, close, count)` of a token array in the common shape: the offset of the first id's
+/// first digit, of the closing `]`, and the number of ids, all relative to `text` (which starts
+/// at the array's `[`). See [`count_from`]; `None` also for an empty array.
+#[cfg(test)]
+pub(crate) fn count_token_ids(text: &[u8]) -> Option<(usize, usize, usize)> {
+    if text.first() != Some(&b'[') {
+        return None;
+    }
+    let first = skip_ws(text, 1);
+    let (close, count) = count_from(text, first)?;
+    Some((first, close, count))
+}
+
+/// Checks and counts the ids of a token array from `text[first..]` (an id's first digit, after
+/// `[` or a separator) to its `]`: `(close, count)`, the offset of the `]` and the number of ids
+/// from `first` on.
+///
+/// Only the common shape is accepted: ids of 1 to 7 digits (no leading zero) separated by
+/// exactly `,` or `, `, and `]` right after the last id. Such an array is one
+/// [`scan_token_ids`] reads, with the same ids; `None` for anything else, valid or not (the
+/// caller then reads the array with [`scan_token_ids`], which gives every answer it always did).
+///
+/// No id's value is computed: 64 bytes at a time, vector compares give bit masks of the digits,
+/// commas, spaces and zeros, and a few mask operations check the shape (a comma only after a
+/// digit, a space only after a comma, an id only after a comma or a space, no `0` followed by a
+/// digit at an id's start, no run of 8 digits); the commas are counted. Masks carry their last
+/// bits into the next 64 bytes.
+pub(crate) fn count_from(text: &[u8], first: usize) -> Option<(usize, usize)> {
+    if !text.get(first)?.is_ascii_digit() {
+        return None;
+    }
+    // The previous 64 bytes' masks (before the first id: a separator, nothing else).
+    let mut prev = Carry {
+        digit: 0,
+        comma: 0,
+        sep: 1 << 63,
+        zero_start: 0,
+        run2: 0,
+        run4: 0,
+    };
+    let mut commas = 0usize;
+    let mut at = first;
+    let mut padded = [0u8; 64];
+    loop {
+        let chunk = match text.get(at..).and_then(<[u8]>::first_chunk::<64>) {
+            Some(chunk) => chunk,
+            None => {
+                // The last bytes, padded with NULs (not a digit, comma or space).
+                let rest = text.get(at..)?;
+                padded.get_mut(..rest.len())?.copy_from_slice(rest);
+                &padded
+            }
+        };
+        let m = masks64(chunk);
+        let other = !(m.digit | m.comma | m.space);
+        // Only the bytes before the first other byte count (all if there is none).
+        let valid = (other & other.wrapping_neg()).wrapping_sub(1);
+        let digit = m.digit & valid;
+        let comma = m.comma & valid;
+        let space = m.space & valid;
+        let sep = comma | space;
+        let digit_before = digit << 1 | prev.digit >> 63;
+        let comma_before = comma << 1 | prev.comma >> 63;
+        let start = digit & !digit_before;
+        let zero_start = start & m.zero;
+        let run2 = digit & digit_before;
+        let run4 = run2 & (run2 << 2 | prev.run2 >> 62);
+        let run8 = run4 & (run4 << 4 | prev.run4 >> 60);
+        let bad = (comma & !digit_before)
+            | (space & !comma_before)
+            | (start & !(sep << 1 | prev.sep >> 63))
+            | (digit & (zero_start << 1 | prev.zero_start >> 63))
+            | run8;
+        if bad != 0 {
+            return None;
+        }
+        commas += comma.count_ones() as usize;
+        if other != 0 {
+            // The first other byte must be the `]` right after the last id's digits.
+            let p = other.trailing_zeros();
+            let close = at + p as usize;
+            let closes = text.get(close) == Some(&b']') && (digit_before >> p) & 1 == 1;
+            return closes.then_some((close, commas + 1));
+        }
+        prev = Carry {
+            digit,
+            comma,
+            sep,
+            zero_start,
+            run2,
+            run4,
+        };
+        at += 64;
+    }
+}
+
+/// The masks of the previous 64 bytes that [`count_token_ids`] carries over (their top bits).
+struct Carry {
+    digit: u64,
+    comma: u64,
+    sep: u64,
+    zero_start: u64,
+    run2: u64,
+    run4: u64,
+}
+
+/// Bit `k` set iff byte `k` is a digit, a comma, a space, a `0`.
+#[derive(Clone, Copy, Default)]
+struct Masks {
+    digit: u64,
+    comma: u64,
+    space: u64,
+    zero: u64,
+}
+
+/// [`Masks`] of 64 bytes, 16 at a time.
+#[inline(always)]
+fn masks64(chunk: &[u8; 64]) -> Masks {
+    let mut out = Masks::default();
+    for (k, part) in chunk.chunks_exact(16).enumerate() {
+        let Some(part) = part.first_chunk::<16>() else {
+            continue;
+        };
+        let m = masks16(part);
+        let shift = 16 * k as u32;
+        out.digit |= m.digit << shift;
+        out.comma |= m.comma << shift;
+        out.space |= m.space << shift;
+        out.zero |= m.zero << shift;
+    }
+    out
+}
+
+/// [`Masks`] of 16 bytes (the low 16 bits) with Wasm SIMD128 (V8 lowers each step to one or
+/// two SSE instructions).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+fn masks16(chunk: &[u8; 16]) -> Masks {
+    use core::arch::wasm32::{
+        i8x16_eq, u8x16_bitmask, u8x16_lt, u8x16_splat, u8x16_sub, v128, v128_load,
+    };
+    // SAFETY: `simd128` is enabled for this build (the `cfg` above), and the load reads the 16
+    // bytes of `chunk` (`v128_load` has no alignment requirement).
+    let v = unsafe { v128_load(chunk.as_ptr().cast::<v128>()) };
+    Masks {
+        digit: u64::from(u8x16_bitmask(u8x16_lt(
+            u8x16_sub(v, u8x16_splat(b'0')),
+            u8x16_splat(10),
+        ))),
+        comma: u64::from(u8x16_bitmask(i8x16_eq(v, u8x16_splat(b',')))),
+        space: u64::from(u8x16_bitmask(i8x16_eq(v, u8x16_splat(b' ')))),
+        zero: u64::from(u8x16_bitmask(i8x16_eq(v, u8x16_splat(b'0')))),
+    }
+}
+
+/// [`Masks`] of 16 bytes with SSE2 (every x86_64 CPU has it): the same steps as the Wasm SIMD
+/// version, so that native instruction counts (callgrind) measure what the filter runs.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn masks16(chunk: &[u8; 16]) -> Masks {
+    use core::arch::x86_64::{
+        __m128i, _mm_cmpeq_epi8, _mm_cmpgt_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_set1_epi8,
+        _mm_sub_epi8,
+    };
+    // SAFETY: SSE2 is part of the x86_64 baseline (every x86_64 CPU has it), and the load reads
+    // the 16 bytes of `chunk` (`_mm_loadu_si128` has no alignment requirement).
+    unsafe {
+        let v = _mm_loadu_si128(chunk.as_ptr().cast::<__m128i>());
+        // Digits become -128..=-119 (signed), every other byte something larger.
+        let shifted = _mm_sub_epi8(v, _mm_set1_epi8((b'0' ^ 0x80) as i8));
+        let digit = _mm_cmpgt_epi8(_mm_set1_epi8(-118), shifted);
+        // `movemask` sets only the low 16 bits.
+        Masks {
+            digit: u64::from(_mm_movemask_epi8(digit) as u16),
+            comma: u64::from(
+                _mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8(b',' as i8))) as u16,
+            ),
+            space: u64::from(
+                _mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8(b' ' as i8))) as u16,
+            ),
+            zero: u64::from(_mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8(b'0' as i8))) as u16),
+        }
+    }
+}
+
+/// [`Masks`] of 16 bytes, one byte at a time (other targets; the reference for the SIMD ones).
+#[cfg_attr(
+    any(
+        target_arch = "x86_64",
+        all(target_arch = "wasm32", target_feature = "simd128")
+    ),
+    allow(dead_code)
+)]
+#[inline(always)]
+fn masks16_portable(chunk: &[u8; 16]) -> Masks {
+    let mut m = Masks::default();
+    for (k, &b) in chunk.iter().enumerate() {
+        m.digit |= u64::from(b.is_ascii_digit()) << k;
+        m.comma |= u64::from(b == b',') << k;
+        m.space |= u64::from(b == b' ') << k;
+        m.zero |= u64::from(b == b'0') << k;
+    }
+    m
+}
+
+#[cfg(not(any(
+    target_arch = "x86_64",
+    all(target_arch = "wasm32", target_feature = "simd128")
+)))]
+#[inline(always)]
+fn masks16(chunk: &[u8; 16]) -> Masks {
+    masks16_portable(chunk)
+}
+
+/// The offset of the `]` that ends the token array `text` starts with (at its `[`), if nothing
+/// before it is a `"`, `[` or `{` (so that it is the array's end if the array is one of ids);
+/// 16 bytes at a time. Nothing else is checked: [`TokenReader`] checks the ids.
+pub(crate) fn array_end(text: &[u8]) -> Option<usize> {
+    if text.first() != Some(&b'[') {
+        return None;
+    }
+    let mut at = 1;
+    // 64 bytes at a time while none of them is one looked for (most of a long array).
+    while let Some(chunk) = text.get(at..).and_then(<[u8]>::first_chunk::<64>) {
+        if any_bracket64(chunk) {
+            break;
+        }
+        at += 64;
+    }
+    let mut padded = [0u8; 16];
+    loop {
+        let chunk = match text.get(at..).and_then(<[u8]>::first_chunk::<16>) {
+            Some(chunk) => chunk,
+            None => {
+                // The last bytes, padded with NULs (none of the bytes looked for).
+                let rest = text.get(at..)?;
+                padded.get_mut(..rest.len())?.copy_from_slice(rest);
+                &padded
+            }
+        };
+        let (close, nested) = brackets16(chunk);
+        if close | nested != 0 {
+            let p = (close | nested).trailing_zeros();
+            let end = at + p as usize;
+            return ((close >> p) & 1 == 1 && end < text.len()).then_some(end);
+        }
+        if at + 16 > text.len() {
+            return None;
+        }
+        at += 16;
+    }
+}
+
+/// Whether any of 64 bytes is a `]`, `"`, `[` or `{` (Wasm SIMD128).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+fn any_bracket64(chunk: &[u8; 64]) -> bool {
+    use core::arch::wasm32::{i8x16_eq, u8x16_splat, v128, v128_any_true, v128_load, v128_or};
+    let mut any = u8x16_splat(0);
+    for part in chunk.chunks_exact(16) {
+        // SAFETY: `simd128` is enabled for this build (the `cfg` above), and the load reads the
+        // 16 bytes of `part` (`v128_load` has no alignment requirement).
+        let v = unsafe { v128_load(part.as_ptr().cast::<v128>()) };
+        let eq = |b: u8| i8x16_eq(v, u8x16_splat(b));
+        any = v128_or(
+            any,
+            v128_or(v128_or(eq(b']'), eq(b'"')), v128_or(eq(b'['), eq(b'{'))),
+        );
+    }
+    v128_any_true(any)
+}
+
+/// Whether any of 64 bytes is a `]`, `"`, `[` or `{` (SSE2).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn any_bracket64(chunk: &[u8; 64]) -> bool {
+    use core::arch::x86_64::{
+        __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_or_si128, _mm_set1_epi8,
+        _mm_setzero_si128,
+    };
+    // SAFETY: SSE2 is part of the x86_64 baseline, and each load reads 16 bytes of `chunk`
+    // (`_mm_loadu_si128` has no alignment requirement).
+    unsafe {
+        let mut any = _mm_setzero_si128();
+        for part in chunk.chunks_exact(16) {
+            let v = _mm_loadu_si128(part.as_ptr().cast::<__m128i>());
+            let eq = |b: u8| _mm_cmpeq_epi8(v, _mm_set1_epi8(b as i8));
+            any = _mm_or_si128(
+                any,
+                _mm_or_si128(
+                    _mm_or_si128(eq(b']'), eq(b'"')),
+                    _mm_or_si128(eq(b'['), eq(b'{')),
+                ),
+            );
+        }
+        _mm_movemask_epi8(any) != 0
+    }
+}
+
+/// Whether any of 64 bytes is a `]`, `"`, `[` or `{` (other targets).
+#[cfg(not(any(
+    target_arch = "x86_64",
+    all(target_arch = "wasm32", target_feature = "simd128")
+)))]
+#[inline(always)]
+fn any_bracket64(chunk: &[u8; 64]) -> bool {
+    chunk.iter().any(|b| matches!(b, b']' | b'"' | b'[' | b'{'))
+}
+
+/// Bits of the `]` bytes and of the `"`, `[` and `{` bytes of 16 bytes (Wasm SIMD128).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+fn brackets16(chunk: &[u8; 16]) -> (u32, u32) {
+    use core::arch::wasm32::{i8x16_eq, u8x16_bitmask, u8x16_splat, v128, v128_load, v128_or};
+    // SAFETY: `simd128` is enabled for this build (the `cfg` above), and the load reads the 16
+    // bytes of `chunk` (`v128_load` has no alignment requirement).
+    let v = unsafe { v128_load(chunk.as_ptr().cast::<v128>()) };
+    let nested = v128_or(
+        i8x16_eq(v, u8x16_splat(b'"')),
+        v128_or(
+            i8x16_eq(v, u8x16_splat(b'[')),
+            i8x16_eq(v, u8x16_splat(b'{')),
+        ),
+    );
+    (
+        u32::from(u8x16_bitmask(i8x16_eq(v, u8x16_splat(b']')))),
+        u32::from(u8x16_bitmask(nested)),
+    )
+}
+
+/// Bits of the `]` bytes and of the `"`, `[` and `{` bytes of 16 bytes (SSE2).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn brackets16(chunk: &[u8; 16]) -> (u32, u32) {
+    use core::arch::x86_64::{
+        __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_or_si128, _mm_set1_epi8,
+    };
+    // SAFETY: SSE2 is part of the x86_64 baseline, and the load reads the 16 bytes of `chunk`
+    // (`_mm_loadu_si128` has no alignment requirement).
+    unsafe {
+        let v = _mm_loadu_si128(chunk.as_ptr().cast::<__m128i>());
+        let eq = |b: u8| _mm_cmpeq_epi8(v, _mm_set1_epi8(b as i8));
+        let nested = _mm_or_si128(eq(b'"'), _mm_or_si128(eq(b'['), eq(b'{')));
+        (
+            u32::from(_mm_movemask_epi8(eq(b']')) as u16),
+            u32::from(_mm_movemask_epi8(nested) as u16),
+        )
+    }
+}
+
+/// Bits of the `]` bytes and of the `"`, `[` and `{` bytes of 16 bytes (other targets).
+#[cfg(not(any(
+    target_arch = "x86_64",
+    all(target_arch = "wasm32", target_feature = "simd128")
+)))]
+#[inline(always)]
+fn brackets16(chunk: &[u8; 16]) -> (u32, u32) {
+    let (mut close, mut nested) = (0, 0);
+    for (k, &b) in chunk.iter().enumerate() {
+        close |= u32::from(b == b']') << k;
+        nested |= u32::from(matches!(b, b'"' | b'[' | b'{')) << k;
+    }
+    (close, nested)
+}
+
+/// Reads a token array's ids on demand, checking them as [`scan_token_ids`] does (the same ids,
+/// and the same arrays refused), a block at a time; [`TokenReader::finish`] checks and counts
+/// the ids not read.
+#[derive(Clone, Debug)]
+pub struct TokenReader<'a> {
+    /// From the array's `[` to the end of the body.
+    text: &'a [u8],
+    /// Where the next id starts (after whitespace, if any).
+    pos: usize,
+    /// Ids read so far.
+    read: usize,
+    state: ReaderState,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ReaderState {
+    Open,
+    /// The `]` was read.
+    Ended,
+    /// Not an array [`scan_token_ids`] reads.
+    Failed,
+}
+
+impl<'a> TokenReader<'a> {
+    pub(super) fn new(text: &'a [u8]) -> Self {
+        let mut reader = TokenReader {
+            text,
+            pos: skip_ws(text, 1),
+            read: 0,
+            state: ReaderState::Open,
+        };
+        if text.first() != Some(&b'[') {
+            reader.state = ReaderState::Failed;
+        } else if text.get(reader.pos) == Some(&b']') {
+            reader.state = ReaderState::Ended;
+        }
+        reader
+    }
+
+    /// Fills `out` with the next ids; `None` if fewer are left (the ids of a last partial block
+    /// are counted, not returned) or the array is not one of ids.
+    pub fn read_block(&mut self, out: &mut [u32]) -> Option<()> {
+        if self.state != ReaderState::Open {
+            return None;
+        }
+        let text = self.text;
+        let mut n = 0;
+        let mut i = self.pos;
+        while n < out.len() {
+            // The common case; it stops at an id's first byte or after a comma.
+            (i, n) = comma_run(text, i, out, n);
+            if n == out.len() {
+                break;
+            }
+            // One id the general way (as `scan_token_ids`).
+            i = skip_ws(text, i);
+            let Some((id, len)) = text.get(i..).and_then(parse_token_id) else {
+                self.state = ReaderState::Failed;
+                return None;
+            };
+            if let Some(slot) = out.get_mut(n) {
+                *slot = id;
+            }
+            n += 1;
+            i = skip_ws(text, i + len);
+            match text.get(i) {
+                Some(b',') => i = skip_ws(text, i + 1),
+                Some(b']') => {
+                    self.state = ReaderState::Ended;
+                    self.read += n;
+                    return (n == out.len()).then_some(());
+                }
+                _ => {
+                    self.state = ReaderState::Failed;
+                    return None;
+                }
+            }
+        }
+        self.pos = i;
+        self.read += n;
+        Some(())
+    }
+
+    /// The number of ids in the whole array (read or not), checking the ids not read; `None` if
+    /// it is not an array [`scan_token_ids`] reads. Reading may go on afterwards.
+    pub fn finish(&self) -> Option<usize> {
+        match self.state {
+            ReaderState::Failed => None,
+            ReaderState::Ended => Some(self.read),
+            ReaderState::Open => {
+                let at = skip_ws(self.text, self.pos);
+                match count_from(self.text, at) {
+                    Some((_, rest)) => Some(self.read + rest),
+                    // Not the common shape: the whole array the exact way.
+                    None => scan_token_ids(self.text).map(|(ids, _)| ids.len()),
+                }
+            }
+        }
+    }
+}
+
 /// Which object the structural scan is in.
 #[derive(Clone, Copy)]
 enum Level {
@@ -218,10 +694,12 @@ struct Scan<'a> {
     body: &'a [u8],
     pos: usize,
     endpoint: Endpoint,
+    /// Leave the ids of arrays [`count_token_ids`] accepts unread ([`TokenSpan`]s).
+    lazy: bool,
     /// Byte ranges of the cut arrays, in body order.
     cuts: Vec<(usize, usize)>,
-    prompts: Vec<Option<Vec<u32>>>,
-    token_data: Vec<Option<Vec<u32>>>,
+    prompts: Vec<Option<Tokens>>,
+    token_data: Vec<Option<Tokens>>,
 }
 
 impl<'a> Scan<'a> {
@@ -337,14 +815,26 @@ impl<'a> Scan<'a> {
         }
     }
 
-    /// A token field's value (after whitespace): cut out if [`scan_token_ids`] reads it.
-    fn token_array(&mut self) -> Option<Option<Vec<u32>>> {
+    /// A token field's value (after whitespace): cut out if [`count_token_ids`] (lazy) or
+    /// [`scan_token_ids`] reads it.
+    fn token_array(&mut self) -> Option<Option<Tokens>> {
         let start = self.pos;
-        match scan_token_ids(self.body.get(start..)?) {
+        let text = self.body.get(start..)?;
+        if self.lazy {
+            if let Some(close) = array_end(text) {
+                self.pos += close + 1;
+                self.cuts.push((start, self.pos));
+                return Some(Some(Tokens::Span(TokenSpan {
+                    open: start,
+                    count: None,
+                })));
+            }
+        }
+        match scan_token_ids(text) {
             Some((ids, len)) => {
                 self.pos += len;
                 self.cuts.push((start, self.pos));
-                Some(Some(ids))
+                Some(Some(Tokens::Ids(ids)))
             }
             None => {
                 self.value()?;

@@ -8,7 +8,7 @@ use std::fmt;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 
-use super::{Endpoint, LlmRequest, ParseOptions, RequestError};
+use super::{Endpoint, LlmRequest, ParseOptions, RequestError, TokenSpan};
 use crate::types::WorkerId;
 
 /// One serde pass over a body that starts with `{`. With `prefill`, the token arrays the fast
@@ -55,19 +55,25 @@ pub(super) fn parse_object(
     })
 }
 
+/// A token array's ids: read, or where they are in the body (a lazy parse).
+pub(super) enum Tokens {
+    Ids(Vec<u32>),
+    Span(TokenSpan),
+}
+
 /// Token arrays cut out by the fast scan, one entry per occurrence of the field in body order,
-/// stored reversed: `Some(ids)` = cut (the copy holds `[]`), `None` = left in the body.
+/// stored reversed: `Some(tokens)` = cut (the copy holds `[]`), `None` = left in the body.
 pub(super) struct Prefill {
-    pub(super) prompts: Cell<Vec<Option<Vec<u32>>>>,
-    pub(super) token_data: Cell<Vec<Option<Vec<u32>>>>,
+    pub(super) prompts: Cell<Vec<Option<Tokens>>>,
+    pub(super) token_data: Cell<Vec<Option<Tokens>>>,
 }
 
 /// Substitutes the next cut array of `queue` for the value the visitor just read. `is_cut_marker`
 /// says whether that value is `[]`; a cut must meet one (and only a cut is substituted).
 fn take_prefilled<E: de::Error>(
-    queue: &Cell<Vec<Option<Vec<u32>>>>,
+    queue: &Cell<Vec<Option<Tokens>>>,
     is_cut_marker: bool,
-) -> Result<Option<Vec<u32>>, E> {
+) -> Result<Option<Tokens>, E> {
     let mut q = queue.take();
     let next = q.pop();
     queue.set(q);
@@ -154,8 +160,8 @@ impl<'de> Visitor<'de> for TopSeed<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<LlmRequest, A::Error> {
         let ctx = self.ctx;
         let mut req = LlmRequest::default();
-        let mut prompt_tokens: Option<Vec<u32>> = None;
-        let mut nvext_tokens: Option<Vec<u32>> = None;
+        let mut prompt_tokens: Option<Tokens> = None;
+        let mut nvext_tokens: Option<Tokens> = None;
         while let Some(key) = map.next_key_seed(KeySeed(TOP_KEYS))? {
             match key {
                 Some(0) => {
@@ -164,17 +170,17 @@ impl<'de> Visitor<'de> for TopSeed<'_> {
                 }
                 Some(1) if self.endpoint == Endpoint::Completions => {
                     ctx.field.set("prompt");
-                    let mut prompt = map.next_value_seed(PromptSeed { ctx })?;
+                    let prompt = map.next_value_seed(PromptSeed { ctx })?;
+                    let mut cut = None;
                     if let Some(prefill) = ctx.prefill {
                         let marker = matches!(&prompt, Prompt::Tokens(ids) if ids.is_empty());
-                        if let Some(ids) = take_prefilled(&prefill.prompts, marker)? {
-                            prompt = Prompt::Tokens(ids);
-                        }
+                        cut = take_prefilled(&prefill.prompts, marker)?;
                     }
-                    match prompt {
-                        Prompt::Absent => {}
-                        Prompt::Text(chars) => req.text_chars = chars,
-                        Prompt::Tokens(ids) => prompt_tokens = Some(ids),
+                    match (cut, prompt) {
+                        (Some(tokens), _) => prompt_tokens = Some(tokens),
+                        (None, Prompt::Absent) => {}
+                        (None, Prompt::Text(chars)) => req.text_chars = chars,
+                        (None, Prompt::Tokens(ids)) => prompt_tokens = Some(Tokens::Ids(ids)),
                     }
                 }
                 Some(2) if self.endpoint == Endpoint::ChatCompletions => {
@@ -199,7 +205,11 @@ impl<'de> Visitor<'de> for TopSeed<'_> {
             }
             ctx.field.set("(body)");
         }
-        req.token_ids = nvext_tokens.or(prompt_tokens);
+        match nvext_tokens.or(prompt_tokens) {
+            Some(Tokens::Ids(ids)) => req.token_ids = Some(ids),
+            Some(Tokens::Span(span)) => req.token_span = Some(span),
+            None => {}
+        }
         Ok(req)
     }
 }
@@ -336,7 +346,7 @@ struct AgentHints {
 struct NvextSeed<'c, 'r> {
     ctx: &'c Ctx<'c>,
     req: &'r mut LlmRequest,
-    tokens: &'r mut Option<Vec<u32>>,
+    tokens: &'r mut Option<Tokens>,
 }
 
 impl<'de> DeserializeSeed<'de> for NvextSeed<'_, '_> {
@@ -361,14 +371,13 @@ impl<'de> Visitor<'de> for NvextSeed<'_, '_> {
             match key {
                 Some(0) => {
                     ctx.field.set("nvext.token_data");
-                    let mut tokens = map.next_value::<Option<Vec<u32>>>()?;
+                    let tokens = map.next_value::<Option<Vec<u32>>>()?;
+                    let mut cut = None;
                     if let Some(prefill) = ctx.prefill {
                         let marker = tokens.as_ref().is_some_and(Vec::is_empty);
-                        if let Some(ids) = take_prefilled(&prefill.token_data, marker)? {
-                            tokens = Some(ids);
-                        }
+                        cut = take_prefilled(&prefill.token_data, marker)?;
                     }
-                    *self.tokens = tokens;
+                    *self.tokens = cut.or(tokens.map(Tokens::Ids));
                 }
                 Some(hint @ 1..=5) if !ctx.opts.read_hints => {
                     ctx.field
