@@ -1003,6 +1003,23 @@ mod tests {
             a
         }
 
+        /// A token array, by `round % 5`: cut short, one byte replaced, more body after it, or
+        /// left whole.
+        fn damaged_token_array(&mut self, round: usize) -> String {
+            let mut text = self.token_array();
+            match round % 5 {
+                0 => text.truncate(self.pick(text.len() + 1)),
+                1 => {
+                    let at = self.pick(text.len());
+                    let by = ["[", "]", ",", " ", "0", "5", "-", ".", "e", "\\"][self.pick(10)];
+                    text.replace_range(at..at + 1, by);
+                }
+                2 => text.push_str([", \"max_tokens\": 1}", "]}", "", "1234567"][self.pick(4)]),
+                _ => {}
+            }
+            text
+        }
+
         fn field(&mut self) -> String {
             match self.pick(9) {
                 0..=2 => format!("\"prompt\":{}{}", self.ws(), self.token_array()),
@@ -1089,17 +1106,7 @@ mod tests {
         let mut g = BodyGen(crate::rng::Rng::new(0x5ca9));
         let mut accepted = 0;
         for round in 0..50_000 {
-            let mut text = g.token_array();
-            match round % 5 {
-                0 => text.truncate(g.pick(text.len() + 1)),
-                1 => {
-                    let at = g.pick(text.len());
-                    let by = ["[", "]", ",", " ", "0", "5", "-", ".", "e", "\\"][g.pick(10)];
-                    text.replace_range(at..at + 1, by);
-                }
-                2 => text.push_str([", \"max_tokens\": 1}", "]}", "", "1234567"][g.pick(4)]),
-                _ => {}
-            }
+            let text = g.damaged_token_array(round);
             let got = scan_token_ids(text.as_bytes());
             assert_eq!(got, reference_scan(text.as_bytes()), "{text:?}");
             accepted += usize::from(got.is_some());
@@ -1389,17 +1396,7 @@ mod tests {
         let mut g = BodyGen(crate::rng::Rng::new(0x1a2e));
         let mut counted = 0;
         for round in 0..30_000 {
-            let mut text = g.token_array();
-            match round % 5 {
-                0 => text.truncate(g.pick(text.len() + 1)),
-                1 => {
-                    let at = g.pick(text.len());
-                    let by = ["[", "]", ",", " ", "0", "5", "-", ".", "e", "\\"][g.pick(10)];
-                    text.replace_range(at..at + 1, by);
-                }
-                2 => text.push_str([", \"max_tokens\": 1}", "]}", "", "1234567"][g.pick(4)]),
-                _ => {}
-            }
+            let text = g.damaged_token_array(round);
             counted += usize::from(count_agrees(text.as_bytes()));
         }
         assert!(counted > 400, "{counted}");
