@@ -181,11 +181,6 @@ impl WorkerCache {
         self.private = self.private.saturating_sub(private);
         self.running = self.running.saturating_sub(1);
     }
-
-    /// Unbounded: every block sent stays.
-    fn keep(&mut self, hashes: &[u64]) {
-        self.stamp(hashes);
-    }
 }
 
 /// A running request's end, for the bounded replay: (end time, worker, blocks, private slots).
@@ -260,7 +255,8 @@ pub fn affinity_replay(
         }
         let cache = held.entry(worker).or_default();
         match capacity_blocks {
-            None => cache.keep(&hashes),
+            // Unbounded: every block sent stays.
+            None => cache.stamp(&hashes),
             Some(capacity) => {
                 let bs = block_size.max(1) as usize;
                 // Slots beyond the cached blocks: the partial last prompt block and the output.
