@@ -175,6 +175,31 @@ impl PredictedStore {
         }
     }
 
+    /// Drops the prediction that `slot` holds `hash`: its engine reported the block gone.
+    /// (A prediction made after the removal but applied before it is lost too; the engine's
+    /// "stored" event for the recomputed block brings the knowledge back.)
+    /// Whether there was such a prediction.
+    pub fn forget(&mut self, slot: SlotIdx, hash: SequenceHash) -> bool {
+        let Some(slots) = self.entries.get_mut(&hash) else {
+            return false;
+        };
+        let before = slots.len();
+        slots.retain(|(s, _)| *s != slot);
+        let forgot = slots.len() < before;
+        if slots.is_empty() {
+            self.entries.remove(&hash);
+        }
+        forgot
+    }
+
+    /// Drops every prediction on `slot` (its engine cleared its cache, or it left).
+    pub fn forget_slot(&mut self, slot: SlotIdx) {
+        self.entries.retain(|_, slots| {
+            slots.retain(|(s, _)| *s != slot);
+            !slots.is_empty()
+        });
+    }
+
     /// Drops entries whose time has passed (records arrive in about expiry order).
     pub fn expire(&mut self, now_ms: u64) {
         while self.order.front().is_some_and(|(e, _, _)| *e <= now_ms) {
@@ -291,6 +316,25 @@ mod tests {
         s.expire(1000);
         assert!(s.is_empty());
         assert_eq!(s.overlaps(&h(&[1]), 3, 1000), vec![0, 0, 0]);
+    }
+
+    #[test]
+    fn forgetting_ends_a_run_on_one_slot_only() {
+        let mut s = PredictedStore::new(100);
+        s.insert(&rec(0, 1000, &[1, 2, 3]), 0);
+        s.insert(&rec(1, 1000, &[1, 2, 3]), 0);
+        assert!(s.forget(0, SequenceHash(2)));
+        assert!(!s.forget(0, SequenceHash(2)), "already gone");
+        assert!(!s.forget(2, SequenceHash(1)), "never predicted there");
+        assert_eq!(s.overlaps(&h(&[1, 2, 3]), 3, 10), vec![1, 3, 0]);
+        s.forget_slot(1);
+        assert_eq!(s.overlaps(&h(&[1, 2, 3]), 3, 10), vec![1, 0, 0]);
+        assert!(s.knows(SequenceHash(1)) && !s.knows(SequenceHash(2)));
+        // A later prediction of a forgotten block counts again, and the sweep of the
+        // forgotten entry's expiry leaves it.
+        s.insert(&rec(0, 2000, &[1, 2]), 10);
+        s.expire(1000);
+        assert_eq!(s.overlaps(&h(&[1, 2, 3]), 3, 1000), vec![2, 0, 0]);
     }
 
     #[test]

@@ -299,6 +299,18 @@ impl KvIndex {
     /// Applies one normalized event to one slot. `Cleared` clears just this slot (the caller maps
     /// a whole-worker clear to each of its slots). On `Err` nothing changed.
     pub fn apply(&mut self, slot: SlotIdx, event: &IndexEvent) -> Result<ApplyStats, IndexError> {
+        self.apply_noting(slot, event, |_| {})
+    }
+
+    /// [`KvIndex::apply`], calling `device_lost` with the sequence hash of each block a
+    /// "removed" event takes off this slot's device tier (approximate mode forgets its
+    /// predictions of them: the engine said it no longer holds them).
+    pub fn apply_noting(
+        &mut self,
+        slot: SlotIdx,
+        event: &IndexEvent,
+        mut device_lost: impl FnMut(SequenceHash),
+    ) -> Result<ApplyStats, IndexError> {
         self.check_slot(slot)?;
         let mut stats = ApplyStats::default();
         match event {
@@ -329,8 +341,13 @@ impl KvIndex {
             }
             IndexEvent::Removed { tier, blocks, .. } => {
                 for ext in blocks {
-                    if self.remove_block_tiers(slot, ext.0, tier_bit(*tier)) {
+                    if let Some((seq, dropped)) =
+                        self.remove_block_tiers(slot, ext.0, tier_bit(*tier))
+                    {
                         stats.removed_blocks = stats.removed_blocks.saturating_add(1);
+                        if dropped & DEVICE_BIT != 0 {
+                            device_lost(SequenceHash(seq));
+                        }
                     } else {
                         stats.unknown_removed_blocks =
                             stats.unknown_removed_blocks.saturating_add(1);
@@ -646,25 +663,22 @@ impl KvIndex {
 
     /// Drops `ext` from the tiers in `tiers` of `slot`; the entry goes when no tier is left.
     /// Returns whether the slot held it on any of those tiers.
-    fn remove_block_tiers(&mut self, slot: SlotIdx, ext: u64, tiers: u8) -> bool {
-        let Some(id) = self.find_block(slot, ext) else {
-            return false;
-        };
-        let Some(e) = self.pool.get_mut(id) else {
-            return false;
-        };
+    /// The block's prefix hash and the tiers it lost; `None` if it held none of `tiers`.
+    fn remove_block_tiers(&mut self, slot: SlotIdx, ext: u64, tiers: u8) -> Option<(u64, u8)> {
+        let id = self.find_block(slot, ext)?;
+        let e = self.pool.get_mut(id)?;
         let dropped = e.tiers() & tiers;
         if dropped == 0 {
-            return false;
+            return None;
         }
         e.set_tiers(e.tiers() & !dropped);
+        let seq = e.seq;
         if e.tiers() == 0 {
             self.remove_entry(id);
         } else {
-            let seq = e.seq;
             self.retier_wide(seq);
         }
-        true
+        Some((seq, dropped))
     }
 
     /// Drops every block of one slot; returns how many entries it held.

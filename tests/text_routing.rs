@@ -212,3 +212,51 @@ fn a_burst_sharing_a_new_prefix_lands_on_one_worker_with_predictions() {
     assert!(on.len() >= 2, "{on:?}");
     assert_eq!(without.router_stat("approx.published"), 0);
 }
+
+/// A prediction ends when the worker's events say the blocks left its GPU cache: after a
+/// repeat of a prompt is predicted whole on its worker, the worker reports its first half
+/// stored and its second half removed; the next repeat finds only the first half there.
+#[test]
+fn a_prediction_ends_when_the_worker_reports_its_blocks_removed() {
+    let workers = echo_workers(3, BLOCK);
+    let events = json!({"poll_interval_ms": 50, "stale_after_ms": 30000});
+    let config = config_with(
+        &workers,
+        json!({"events": events, "tick_ms": 20}),
+        Some("events+approximate"),
+    );
+    // One worker thread: the thread that routes is the one whose predictions are checked.
+    let envoy = start_envoy_with(&workers, config, |o| o.concurrency = 1);
+    let prompt = tokens(300_000, 8 * BLOCK);
+    let (chosen, overlap, _) = route(&envoy, &completion(&prompt));
+    assert_eq!(overlap, 0);
+    let (again, overlap, _) = route(&envoy, &completion(&prompt));
+    assert_eq!(
+        (again, overlap),
+        (chosen, 8),
+        "the whole prompt is predicted on its worker"
+    );
+    let worker = workers
+        .iter()
+        .find(|w| w.id == chosen)
+        .expect("chosen worker");
+    publish(
+        worker,
+        vec![
+            vllm_stored(&prompt, BLOCK, None, 700, "GPU"),
+            vllm_removed(&[704, 705, 706, 707], "GPU"),
+        ],
+    );
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| e.router_stat("approx.refuted")
+            >= 4),
+        "refuted: {}",
+        envoy.router_stat("approx.refuted")
+    );
+    let (after, overlap, _) = route(&envoy, &completion(&prompt));
+    assert_eq!(
+        (after, overlap),
+        (chosen, 4),
+        "blocks 4-7 are gone from the worker"
+    );
+}

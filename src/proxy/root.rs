@@ -17,7 +17,7 @@ use crate::polling::{disposition, is_gap, CallKind, Disposition, Next, ReplyOutc
 use crate::render::RenderCache;
 use crate::replication::coalesce::{QueuedReply, ReplyKind};
 use crate::replication::lease::{hold_lease, holds_lease};
-use crate::replication::log::{self as replication, Replica};
+use crate::replication::log::{self as replication, DeviceLosses, Replica};
 use crate::router::SelectorState;
 use crate::text::{excerpt, MAX_EXCERPT_BYTES};
 use log::{error, info, warn};
@@ -301,6 +301,7 @@ impl VmState {
     pub fn sync_replica(&mut self) {
         let config = Rc::clone(&self.config);
         let report = self.replica.sync(&HostStore, &config, host::now_ms());
+        self.forget_lost_predictions();
         self.follow_membership();
         let head = &self.replica.head;
         self.stale_slots.clear();
@@ -503,8 +504,12 @@ impl RootContext for RouterRoot {
             fingerprint,
         );
         let workers = config.workers.len();
+        let mut replica = Replica::new(&config, fingerprint);
+        if config.approximate.is_some() {
+            replica.device_losses = Some(DeviceLosses::default());
+        }
         let state = VmState {
-            replica: Replica::new(&config, fingerprint),
+            replica,
             selector: SelectorState::new(nonce),
             metrics: Metrics::default(),
             poller: Poller::new(workers),

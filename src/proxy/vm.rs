@@ -73,6 +73,24 @@ impl VmState {
 }
 
 impl VmState {
+    /// Drops the predictions the engines' events since the last sync refuted (blocks taken off
+    /// a slot's device tier, slots cleared).
+    pub fn forget_lost_predictions(&mut self) {
+        let (Some(losses), Some(store)) =
+            (self.replica.device_losses.as_mut(), self.predicted.as_mut())
+        else {
+            return;
+        };
+        for slot in losses.slots.drain(..) {
+            store.forget_slot(slot);
+        }
+        let mut refuted = 0;
+        for (slot, hash) in losses.blocks.drain(..) {
+            refuted += u64::from(store.forget(slot, hash));
+        }
+        self.metrics.add("approx.refuted", refuted);
+    }
+
     /// Applies the routing decisions other VMs published since the last sync.
     pub fn sync_predictions(&mut self, now_ms: u64) {
         let Some(store) = self.predicted.as_mut() else {

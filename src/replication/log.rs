@@ -37,7 +37,7 @@ use crate::config::Config;
 use crate::events::{decode_log_batch, encode_log_batch, IndexEvent, LogRecord, ReportedLoad};
 use crate::index::KvIndex;
 use crate::store::{SharedStore, StoreError};
-use crate::types::SlotIdx;
+use crate::types::{SequenceHash, SlotIdx};
 use serde::{Deserialize, Serialize};
 
 use super::head_codec::{decode_head, decode_header, encode_head, routing_changed};
@@ -194,6 +194,18 @@ pub struct Replica {
     pub full_head: bool,
     /// The claimed batch this replica waits for, and since when.
     pending: Option<(u64, u64)>,
+    /// What the engines took off their device tiers, collected for approximate mode's
+    /// predictions (`None`: not collected). Drained by the VM after each sync.
+    pub device_losses: Option<DeviceLosses>,
+}
+
+/// Device-tier losses applied by the syncs since the last drain.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct DeviceLosses {
+    /// Blocks a "removed" event took off a slot's device tier.
+    pub blocks: Vec<(SlotIdx, SequenceHash)>,
+    /// Slots cleared whole (a "cleared" event, a resync or a lost worker).
+    pub slots: Vec<SlotIdx>,
 }
 
 /// A ring slot read for one batch number.
@@ -214,6 +226,7 @@ impl Replica {
             head: LogHead::default(),
             full_head: false,
             pending: None,
+            device_losses: None,
         }
     }
 
@@ -369,6 +382,9 @@ impl Replica {
     fn clear_worker(&mut self, config: &Config, worker: u16) {
         for slot in config.worker_slots(worker) {
             self.index.clear_slot(slot);
+            if let Some(losses) = self.device_losses.as_mut() {
+                losses.slots.push(slot);
+            }
         }
     }
 
@@ -394,7 +410,16 @@ impl Replica {
             return;
         }
         for slot in slots {
-            match self.index.apply(slot, event) {
+            let losses = &mut self.device_losses;
+            if let (Some(losses), IndexEvent::Cleared { .. }) = (losses.as_mut(), event) {
+                losses.slots.push(slot);
+            }
+            let applied = self.index.apply_noting(slot, event, |seq| {
+                if let Some(losses) = losses.as_mut() {
+                    losses.blocks.push((slot, seq));
+                }
+            });
+            match applied {
                 Ok(stats) => {
                     report.events_applied += 1;
                     report.evicted += stats.evicted_blocks as u64;
@@ -793,6 +818,60 @@ mod tests {
             assert!(a != b, "op {at}: exactly one wins (a {a}, b {b})");
             assert_eq!(batches(&store), vec![vec![stored(0, 1, 100)]], "op {at}");
         }
+    }
+
+    /// Approximate mode's predictions need what the engines took off their GPU caches: a
+    /// replica that collects them reports device removals of blocks it held (by prefix hash)
+    /// and cleared slots, not host-tier removals or blocks it never held.
+    #[test]
+    fn a_collecting_replica_reports_device_losses() {
+        let config = config(2);
+        let store = MemStore::new();
+        init(&store);
+        let removed = |tier, hashes: &[u64]| NumberedEvent {
+            event_id: 0,
+            event: IndexEvent::Removed {
+                dp_rank: 0,
+                tier,
+                blocks: hashes.iter().map(|h| ExternalBlockHash(*h)).collect(),
+            },
+        };
+        let mut records = vec![stored(0, 1, 100), stored(0, 2, 200), stored(1, 3, 300)];
+        records.push(LogRecord::Events {
+            worker: 0,
+            events: vec![
+                removed(StorageTier::Device, &[100, 999]),
+                removed(StorageTier::Host, &[200]),
+            ],
+        });
+        records.push(LogRecord::Events {
+            worker: 1,
+            events: vec![NumberedEvent {
+                event_id: 4,
+                event: IndexEvent::Cleared { dp_rank: None },
+            }],
+        });
+        assert!(append(&store, FP, 2, 0, &records, |_| true));
+        let mut plain = Replica::new(&config, FP);
+        plain.sync(&store, &config, 1000);
+        assert_eq!(plain.device_losses, None);
+        let mut collecting = Replica::new(&config, FP);
+        collecting.device_losses = Some(DeviceLosses::default());
+        collecting.sync(&store, &config, 1000);
+        let seq = crate::hashing::chain_sequence_hash(None, LocalBlockHash(100));
+        let slot1 = config.slot_of(1, 0).unwrap();
+        assert_eq!(
+            collecting.device_losses,
+            Some(DeviceLosses {
+                blocks: vec![(config.slot_of(0, 0).unwrap(), seq)],
+                slots: vec![slot1],
+            })
+        );
+        assert_eq!(
+            collecting.index.entries(),
+            1,
+            "block 200 stays (host removal only)"
+        );
     }
 
     #[test]

@@ -308,7 +308,7 @@ pub fn run_mode(
 }
 
 /// The filter's counters behind the affinity diagnostics (summed over the Envoy threads):
-/// predictions published / applied / skipped, index evictions, event gaps and re-syncs.
+/// predictions published / applied / skipped / refuted by events, index evictions, event gaps and re-syncs.
 fn print_filter_stats(mode: &str, envoy: &Envoy) {
     let stats = envoy.stats();
     let names = [
@@ -316,6 +316,7 @@ fn print_filter_stats(mode: &str, envoy: &Envoy) {
         "approx.publish_failed",
         "approx.applied",
         "approx.skipped",
+        "approx.refuted",
         "approx.entries",
         "index.evicted",
         "events.applied",
