@@ -221,6 +221,76 @@ pub fn load_miss_table(results: &[(String, RunStats)], block_size: u32) -> Strin
     out
 }
 
+/// Prefix the filter credited the chosen worker with that the worker did not serve from its
+/// cache: a stale index or a prediction the engine had already evicted.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CreditMisses {
+    /// Credited-but-not-cached tokens over all prompt tokens (requests with both headers).
+    pub share: f64,
+    /// Requests short of their credit by more than one block.
+    pub requests: usize,
+}
+
+/// [`CreditMisses`] from the results' `x-kv-router-overlap-blocks` and the workers' reported
+/// cached tokens; `None` when no request has both (peer arms).
+pub fn credit_misses(results: &[RequestResult], block_size: u32) -> Option<CreditMisses> {
+    let bs = u64::from(block_size);
+    let (mut short, mut prompt, mut requests, mut seen) = (0u64, 0u64, 0usize, false);
+    for r in results.iter().filter(|r| r.ok) {
+        let (Some(credited), Some(cached)) = (r.router_overlap_blocks, r.cached_tokens) else {
+            continue;
+        };
+        seen = true;
+        let credited = (u64::from(credited) * bs).min(r.prompt_tokens as u64);
+        let missing = credited.saturating_sub(cached as u64);
+        short += missing;
+        prompt += r.prompt_tokens as u64;
+        requests += usize::from(missing > bs);
+    }
+    seen.then(|| CreditMisses {
+        share: if prompt == 0 {
+            0.0
+        } else {
+            short as f64 / prompt as f64
+        },
+        requests,
+    })
+}
+
+/// One row per arm of [`credit_misses`] (arms without the filter's headers are left out).
+pub fn credit_table(results: &[(String, RunStats)], block_size: u32) -> String {
+    let mut out = String::new();
+    let rows: Vec<(&String, CreditMisses)> = results
+        .iter()
+        .filter_map(|(name, s)| Some((name, credit_misses(&s.results, block_size)?)))
+        .collect();
+    if rows.is_empty() {
+        return out;
+    }
+    let _ = writeln!(
+        out,
+        "{:<26} {:>22} {:>10}",
+        "arm", "credited, not cached", "requests"
+    );
+    for (name, m) in rows {
+        let _ = writeln!(
+            out,
+            "{:<26} {:>21.1}% {:>10}",
+            name,
+            m.share * 100.0,
+            m.requests
+        );
+    }
+    let _ = writeln!(
+        out,
+        "(prefix the filter credited the chosen worker with, in x-kv-router-overlap-blocks, that the \
+         worker did not serve from its cache: share of all prompt tokens, and requests short by \
+         more than one block; a prefill still running on the worker, an index behind its events, \
+         or a prediction of blocks the engine had evicted)"
+    );
+    out
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -263,5 +333,44 @@ mod tests {
         let table = load_miss_table(&[("kv+ttft".to_string(), stats)], 64);
         assert!(table.contains("kv+ttft"), "{table}");
         assert!(load_miss_table(&[], 64).is_empty());
+    }
+
+    #[test]
+    fn credit_misses_count_the_prefix_the_worker_did_not_have() {
+        let served = |credited: u32, cached: usize| RequestResult {
+            ok: true,
+            prompt_tokens: 1000,
+            router_overlap_blocks: Some(credited),
+            cached_tokens: Some(cached),
+            ..RequestResult::default()
+        };
+        let results = vec![
+            served(10, 640),  // credit kept
+            served(10, 0),    // 640 tokens short
+            served(10, 600),  // 40 short: less than a block
+            served(0, 512),   // more cached than credited: not short
+            served(100, 320), // credit capped at the prompt: 680 short
+            RequestResult {
+                ok: true,
+                prompt_tokens: 1000,
+                ..RequestResult::default()
+            }, // no header: left out
+        ];
+        let m = credit_misses(&results, 64).unwrap();
+        assert_eq!(m.requests, 2);
+        assert!(
+            (m.share - (640.0 + 40.0 + 680.0) / 5000.0).abs() < 1e-12,
+            "{m:?}"
+        );
+        assert_eq!(credit_misses(&results[5..], 64), None);
+        let stats = RunStats {
+            results,
+            ..RunStats::default()
+        };
+        let table = credit_table(&[("kv+approx".to_string(), stats)], 64);
+        assert!(
+            table.contains("kv+approx") && table.contains("27.2%"),
+            "{table}"
+        );
     }
 }

@@ -14,7 +14,7 @@ use envoy_kv_router_tools::loadgen::{
     chat, format_stats, load_mooncake, run_workload_on, synthetic, write_svg_chart, ChatSpec,
     RequestResult, RunOptions, RunStats, SyntheticSpec, Workload,
 };
-use envoy_kv_router_tools::quality::{affinity_table, load_miss_table};
+use envoy_kv_router_tools::quality::{affinity_table, credit_table, load_miss_table};
 use envoy_kv_router_tools::sys::raise_fd_limit;
 use serde_json::Value;
 
@@ -332,6 +332,7 @@ fn print_routing_diagnostics(results: &[(String, RunStats)], workload: &Workload
         affinity_table(results, workload, args.block_size, Some(capacity))
     );
     print!("{}", load_miss_table(results, args.block_size));
+    print!("{}", credit_table(results, args.block_size));
 }
 
 /// A `--requests-jsonl` file of `--modes`: every arm's requests, arms in file order.
