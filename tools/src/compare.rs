@@ -112,6 +112,17 @@ impl Fleet {
         Worker::spawn_many(self.workers, &args)
     }
 
+    /// The workers' `--kv-blocks` (the mock's default when not given).
+    pub fn worker_kv_blocks(&self) -> u64 {
+        self.worker_args
+            .iter()
+            .position(|a| a == "--kv-blocks")
+            .and_then(|i| self.worker_args.get(i + 1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .filter(|v| *v > 0)
+            .unwrap_or(crate::mock::DEFAULT_KV_BLOCKS as u64)
+    }
+
     /// The workers' `--speedup` (1 when not given).
     pub fn worker_speedup(&self) -> f64 {
         self.worker_args
@@ -184,20 +195,26 @@ pub fn run_mode(
         // `+decay`: booked prefills decay over their predicted duration
         // (`load.prefill_load_model: polynomial`); `+compute:W`: `ttft.compute_weight` W;
         // `+fit`: the timing polynomials divided by the workers' `--speedup` (the filter's
-        // defaults are the mocker's at speedup 1).
+        // defaults are the mocker's at speedup 1); `+cap`: the workers' `kv_capacity_blocks`
+        // (their `--kv-blocks`: the decode term's KV fill); `+busy:F`: that and
+        // `busy.decode_blocks_fraction` F.
         m if m.starts_with("kv+ttft") => {
             let bad = || {
                 io::Error::new(
                     io::ErrorKind::InvalidInput,
                     format!(
-                        "{m}: expected kv+ttft[+approx][+decay][+compute:W][+affinity[:T]][+fit]"
+                        "{m}: expected kv+ttft[+approx][+decay][+compute:W][+affinity[:T]][+fit][+cap][+busy:F]"
                     ),
                 )
             };
             let mut extra = json!({"ttft": {}});
             for option in m.trim_start_matches("kv+ttft").split('+').skip(1) {
                 match option {
-                    "approx" => {}
+                    "approx" | "cap" => {}
+                    o if o.starts_with("busy:") => {
+                        let f: f64 = o.trim_start_matches("busy:").parse().map_err(|_| bad())?;
+                        extra["busy"] = json!({"decode_blocks_fraction": f});
+                    }
                     "decay" => extra["load"]["prefill_load_model"] = json!("polynomial"),
                     "fit" => {
                         let k = 1.0 / fleet.worker_speedup();
@@ -274,6 +291,14 @@ pub fn run_mode(
         if let Some(list) = config["workers"].as_array_mut() {
             for w in list {
                 w["kv_mode"] = json!("events+approximate");
+            }
+        }
+    }
+    if mode.starts_with("kv+ttft") && (mode.contains("+cap") || mode.contains("+busy:")) {
+        let blocks = fleet.worker_kv_blocks();
+        if let Some(list) = config["workers"].as_array_mut() {
+            for w in list {
+                w["kv_capacity_blocks"] = json!(blocks);
             }
         }
     }
