@@ -272,8 +272,10 @@ pub(super) fn mask_run<O: IdOut + ?Sized>(
             };
             // Digit values, the id's last digit shifted to the top byte (the bytes after it
             // out, zeros in for the missing leading digits).
+            // (1 to 7 digits, checked above: a shift of 8 to 56; wrapping, so never a panic.)
             let len = end.wrapping_sub(s) as u32;
-            let d = (u64::from_le_bytes(*bytes) & (0x0F * ONES)) << (64 - 8 * len);
+            let shift = 64u32.wrapping_sub(len.wrapping_mul(8));
+            let d = (u64::from_le_bytes(*bytes) & (0x0F * ONES)).wrapping_shl(shift);
             out.put(n, eight_digits(d));
             n += 1;
         }
