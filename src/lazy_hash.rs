@@ -9,7 +9,7 @@
 
 use crate::hashing::{chain_sequence_hash, hash_block, hash_seed, BlockHasher};
 use crate::request::{TokenReader, TokenSpan};
-use crate::types::SequenceHash;
+use crate::types::{LocalBlockHash, SequenceHash};
 
 /// Bytes per token id in the hashed representation (little-endian u32).
 const TOKEN_BYTES: usize = 4;
@@ -27,10 +27,11 @@ pub struct PromptHasher<'a> {
 enum Blocks<'a> {
     /// Ids already read.
     Ids(std::slice::ChunksExact<'a, u32>),
-    /// Ids in the body, read (and checked) block by block as they are hashed, into `block`.
+    /// Ids in the body, read (and checked) block by block as they are hashed, into `block` as
+    /// the little-endian bytes that are hashed (no copy between reading and hashing).
     Text {
         reader: TokenReader<'a>,
-        block: Vec<u32>,
+        block: Vec<[u8; TOKEN_BYTES]>,
     },
 }
 
@@ -66,9 +67,10 @@ impl<'a> PromptHasher<'a> {
         };
         let blocks = Blocks::Text {
             reader: span.reader(body),
-            block: vec![0; room],
+            block: vec![[0; TOKEN_BYTES]; room],
         };
-        Self::with_blocks(blocks, room, size, lora_name)
+        // The block is its own hashing buffer: no scratch space.
+        Self::with_blocks(blocks, 0, size, lora_name)
     }
 
     /// For ids from a [`TokenSpan`]: the number of ids in the whole array, the ids not read
@@ -113,8 +115,8 @@ impl<'a> PromptHasher<'a> {
                 if block.is_empty() {
                     return None;
                 }
-                reader.read_block(block)?;
-                hash_block(block, &self.hasher, &mut self.scratch)
+                reader.read_block(block.as_mut_slice())?;
+                LocalBlockHash(self.hasher.hash(block.as_flattened()))
             }
         };
         let seq = chain_sequence_hash(self.hashes.last().copied(), local);

@@ -37,7 +37,7 @@ mod visitors;
 
 use fast::parse_fast;
 pub(crate) use fast::scan_token_ids;
-pub use fast::TokenReader;
+pub use fast::{IdOut, TokenReader};
 use visitors::parse_object;
 
 /// Which OpenAI endpoint a body was sent to (decides whether `prompt` or `messages` is read).
@@ -194,7 +194,7 @@ impl TokenSpan {
         let mut ids = vec![0u32; count];
         let mut reader = self.reader(body);
         if count > 0 {
-            reader.read_block(&mut ids)?;
+            reader.read_block(ids.as_mut_slice())?;
         }
         Some(ids)
     }
@@ -349,7 +349,7 @@ fn check_object_start(body: &[u8]) -> Result<(), RequestError> {
     clippy::indexing_slicing
 )]
 mod tests {
-    use super::fast::{array_end, count_token_ids, parse_token_id, scan_token_ids};
+    use super::fast::{array_end, count_token_ids, mask_run, parse_token_id, scan_token_ids};
     use super::*;
 
     fn completions(body: &str) -> Result<LlmRequest, RequestError> {
@@ -1358,13 +1358,13 @@ mod tests {
             let mut buf = vec![0u32; block];
             // Stop early, check the rest.
             for _ in 0..2 {
-                if reader.read_block(&mut buf).is_some() {
+                if reader.read_block(buf.as_mut_slice()).is_some() {
                     got.extend_from_slice(&buf);
                 }
             }
             let total = reader.finish();
             assert_eq!(total, want.as_ref().map(|(ids, _)| ids.len()));
-            while reader.read_block(&mut buf).is_some() {
+            while reader.read_block(buf.as_mut_slice()).is_some() {
                 got.extend_from_slice(&buf);
             }
             if let Some((ids, _)) = &want {
@@ -1488,5 +1488,159 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Reads `text` (an array at its `[`) with the reader in blocks of `block` ids, into both
+    /// outputs (`[u32]` and the little-endian bytes that are hashed), then `finish`: the ids and
+    /// count of the reference scanner (for a refused array: no more than it would read).
+    fn blocks_agree(text: &[u8], block: usize) {
+        let want = reference_scan(text);
+        let span = TokenSpan {
+            open: 0,
+            count: None,
+        };
+        let mut ids = span.reader(text);
+        let mut bytes = span.reader(text);
+        let mut buf = vec![0u32; block];
+        let mut le = vec![[0u8; 4]; block];
+        let mut got = Vec::new();
+        loop {
+            let a = ids.read_block(buf.as_mut_slice());
+            let b = bytes.read_block(le.as_mut_slice());
+            assert_eq!(a, b, "{}", String::from_utf8_lossy(text));
+            if a.is_none() {
+                break;
+            }
+            let from_bytes: Vec<u32> = le.iter().map(|b| u32::from_le_bytes(*b)).collect();
+            assert_eq!(from_bytes, buf);
+            got.extend_from_slice(&buf);
+        }
+        assert_eq!(ids.finish(), want.as_ref().map(|(ids, _)| ids.len()));
+        match &want {
+            Some((all, _)) => {
+                assert_eq!(got.len(), all.len() / block * block);
+                assert_eq!(
+                    got[..],
+                    all[..got.len()],
+                    "{}",
+                    String::from_utf8_lossy(text)
+                );
+            }
+            None => assert!(ids.finish().is_none()),
+        }
+    }
+
+    /// The 64-byte mask run: on a clean array it reads every id whose comma is at least 72
+    /// bytes before the end (the rest is left to the one-id-at-a-time runs), with the values
+    /// and the stopping point of the reference scanner; stopped by a full output mid-window, it
+    /// resumes exactly where it stopped.
+    #[test]
+    fn mask_run_reads_clean_arrays_and_stops_where_it_should() {
+        for sep in [",", ", "] {
+            for digits in 1..=7u32 {
+                let ids: Vec<u32> = (0..400u32)
+                    .map(|k| {
+                        let low = if digits == 1 {
+                            0
+                        } else {
+                            10u32.pow(digits - 1)
+                        };
+                        low + k.wrapping_mul(2_654_435_761) % (10u32.pow(digits) - low)
+                    })
+                    .collect();
+                let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+                let text = format!("[{}]", list.join(sep));
+                let bytes = text.as_bytes();
+                let mut out = vec![0u32; ids.len()];
+                let (i, n) = mask_run(bytes, 1, out.as_mut_slice(), 0);
+                assert!(n > 0 && i + 72 > bytes.len(), "{digits} {sep:?}: {i} {n}");
+                assert!(n < ids.len());
+                assert_eq!(out[..n], ids[..n]);
+                // Where the (n+1)-th id starts.
+                let prefix = format!("[{}{sep}", list[..n].join(sep));
+                assert_eq!(i, prefix.len());
+                // A small output: full mid-window, then resumed.
+                let mut small = vec![[0u8; 4]; 5];
+                let (mut at, mut read) = (1, 0);
+                let mut got = Vec::new();
+                loop {
+                    let (i2, n2) = mask_run(bytes, at, small.as_mut_slice(), 0);
+                    if n2 == 0 {
+                        break;
+                    }
+                    got.extend(small[..n2].iter().map(|b| u32::from_le_bytes(*b)));
+                    read += n2;
+                    at = i2;
+                }
+                assert_eq!(got[..], ids[..read]);
+                // It stopped for the end of the array only.
+                assert!(at + 72 > bytes.len() && read > 5, "{read} {n}");
+            }
+        }
+    }
+
+    /// Long arrays (hundreds of ids, so that the 64-byte mask run reads most of them) with ids of
+    /// every length from 1 to 10 digits, odd ids (leading zeros, negatives, floats, exponents,
+    /// over `u32::MAX`) and whitespace variants mixed in at random, read in blocks that split
+    /// ids across block boundaries: the reference scanner's ids and refusals.
+    #[test]
+    fn long_arrays_read_in_blocks_agree_with_the_reference_scanner() {
+        let mut rng = crate::rng::Rng::new(0xb10c);
+        let odd = [
+            "0",
+            "00",
+            "01",
+            "-1",
+            "-0",
+            "1.5",
+            "1e3",
+            "1E+2",
+            "4294967295",
+            "4294967296",
+            "99999999999",
+            "12345678",
+            "123456789",
+            "1234567890",
+            "x",
+            "\"1\"",
+            "[1]",
+            "",
+        ];
+        let seps = [",", ", ", " ,", ",  ", ",\t", ",\n", "\n,", ",,", " "];
+        let mut accepted = 0;
+        for round in 0..1_500 {
+            let n = 50 + rng.index(300);
+            let max_digits = 1 + rng.index(10);
+            let clean = round % 3 == 0;
+            let mut text = String::from("[");
+            for k in 0..n {
+                if k > 0 {
+                    let odd_sep = !clean && rng.index(200) == 0;
+                    text.push_str(if odd_sep {
+                        seps[rng.index(seps.len())]
+                    } else {
+                        [",", ", "][round % 2]
+                    });
+                }
+                if !clean && rng.index(300) == 0 {
+                    text.push_str(odd[rng.index(odd.len())]);
+                } else {
+                    let digits = 1 + rng.index(max_digits);
+                    let id = rng.next_u64() % 10u64.pow(digits as u32);
+                    text.push_str(&id.min(u64::from(u32::MAX)).to_string());
+                }
+            }
+            text.push(']');
+            if round % 11 == 0 {
+                text.truncate(rng.index(text.len() + 1));
+            }
+            let want = reference_scan(text.as_bytes());
+            assert_eq!(scan_token_ids(text.as_bytes()), want, "{text:?}");
+            accepted += usize::from(want.is_some());
+            for block in [1, 2, 7, 64, 100] {
+                blocks_agree(text.as_bytes(), block);
+            }
+        }
+        assert!(accepted > 600, "{accepted}");
     }
 }

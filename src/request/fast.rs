@@ -93,7 +93,8 @@ pub(crate) fn scan_token_ids(text: &[u8]) -> Option<(Vec<u32>, usize)> {
     }
     loop {
         // The run stops at an id's first byte or after a comma (whitespace may follow).
-        (i, n) = comma_run(text, i, &mut ids, n);
+        (i, n) = mask_run(text, i, ids.as_mut_slice(), n);
+        (i, n) = comma_run(text, i, ids.as_mut_slice(), n);
         i = skip_ws(text, i);
         let (id, len) = parse_token_id(text.get(i..)?)?;
         if n == ids.len() {
@@ -125,7 +126,12 @@ pub(crate) fn scan_token_ids(text: &[u8]) -> Option<(Vec<u32>, usize)> {
 /// Not inlined: on its own, the loop keeps its 64-bit constants in registers (inlined into
 /// [`scan_token_ids`], four of them were reloaded for every id).
 #[inline(never)]
-fn comma_run(text: &[u8], mut i: usize, out: &mut [u32], mut n: usize) -> (usize, usize) {
+fn comma_run<O: IdOut + ?Sized>(
+    text: &[u8],
+    mut i: usize,
+    out: &mut O,
+    mut n: usize,
+) -> (usize, usize) {
     const ONES: u64 = 0x0101_0101_0101_0101;
     // `b ^ 0x30` of a comma and of a space.
     const COMMA: u8 = b',' ^ b'0';
@@ -133,7 +139,8 @@ fn comma_run(text: &[u8], mut i: usize, out: &mut [u32], mut n: usize) -> (usize
     let Some(last) = text.len().checked_sub(8) else {
         return (i, n);
     };
-    while i <= last && n < out.len() {
+    let room = out.room();
+    while i <= last && n < room {
         let Some(chunk) = text.get(i..).and_then(<[u8]>::first_chunk::<8>) else {
             break;
         };
@@ -151,13 +158,129 @@ fn comma_run(text: &[u8], mut i: usize, out: &mut [u32], mut n: usize) -> (usize
         if (tail as u8 != COMMA) | (bits == 0) | leading_zero {
             break;
         }
-        if let Some(slot) = out.get_mut(n) {
-            *slot = eight_digits(d << (64 - bits));
-        }
+        out.put(n, eight_digits(d << (64 - bits)));
         n += 1;
         // Past the comma, and one space after it (`json.dumps` writes `, `); 7 digits: the
         // byte after the comma is not in the load (`tail >> 8` is 0), the next load sees it.
         i += (bits / 8) as usize + 1 + usize::from((tail >> 8) as u8 == SPACE);
+    }
+    (i, n)
+}
+
+/// Where a reader writes ids: a `[u32]`, or `[[u8; 4]]` (each id's little-endian bytes, the
+/// form blocks are hashed in: no copy between reading and hashing).
+pub trait IdOut {
+    /// How many ids fit.
+    fn room(&self) -> usize;
+    /// Writes id number `n` (nothing if it does not fit).
+    fn put(&mut self, n: usize, id: u32);
+}
+
+impl IdOut for [u32] {
+    #[inline(always)]
+    fn room(&self) -> usize {
+        self.len()
+    }
+
+    #[inline(always)]
+    fn put(&mut self, n: usize, id: u32) {
+        if let Some(slot) = self.get_mut(n) {
+            *slot = id;
+        }
+    }
+}
+
+impl IdOut for [[u8; 4]] {
+    #[inline(always)]
+    fn room(&self) -> usize {
+        self.len()
+    }
+
+    #[inline(always)]
+    fn put(&mut self, n: usize, id: u32) {
+        if let Some(slot) = self.get_mut(n) {
+            *slot = id.to_le_bytes();
+        }
+    }
+}
+
+/// Reads ids of 1 to 7 digits (no leading zero), each followed directly by `,` (and at most one
+/// space), from `text[i..]` (an id's first digit) into `out[n..]`, 64 bytes at a time, while 72
+/// bytes can be read and `out` has room; returns where it stopped (an id's first byte, or the
+/// byte after a comma) and the new count, as [`comma_run`] does (which then goes on).
+///
+/// The shape is checked with the masks of [`count_from`] (vector compares: digits, commas,
+/// spaces, zeros) up to the last comma of the 64 bytes, once for all the ids in them; the ids'
+/// bounds come from the masks (the k-th id start and the k-th comma), so per id there is only an
+/// 8-byte load and [`eight_digits`]. Anything unusual in the 64 bytes (another byte before the
+/// last comma, a long id, a leading zero, two spaces) stops the run before them: the caller reads
+/// them the general way.
+#[inline(never)]
+pub(super) fn mask_run<O: IdOut + ?Sized>(
+    text: &[u8],
+    mut i: usize,
+    out: &mut O,
+    mut n: usize,
+) -> (usize, usize) {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    let room = out.room();
+    // 64 bytes from `i`, and 8 more: every id's 8-byte load (from its first digit) is inside.
+    while let Some(chunk) = text.get(i..).and_then(<[u8]>::first_chunk::<72>) {
+        let Some(window) = chunk.first_chunk::<64>() else {
+            break;
+        };
+        if n >= room {
+            break;
+        }
+        let m = masks64(window);
+        let other = !(m.digit | m.comma | m.space);
+        // The bytes before the first other byte; the ids up to the last comma among them.
+        let valid = (other & other.wrapping_neg()).wrapping_sub(1);
+        let comma = m.comma & valid;
+        if m.digit & 1 == 0 || comma == 0 {
+            break;
+        }
+        let region = u64::MAX >> comma.leading_zeros();
+        let digit = m.digit & region;
+        let space = m.space & region;
+        let digit_before = digit << 1;
+        let start = digit & !digit_before;
+        let run2 = digit & digit_before;
+        let run4 = run2 & (run2 << 2);
+        let run8 = run4 & (run4 << 4);
+        // The rules of `count_from`. Every byte of the region is a digit, a comma or a space,
+        // and byte 0 is an id's first digit (after a separator), so an id's first digit always
+        // follows a separator: a comma must follow a digit, a space a comma; no `0` before a
+        // digit at an id's start, no 8 digits in a row.
+        let bad = (comma & !digit_before)
+            | (space & !(comma << 1))
+            | (digit & ((start & m.zero) << 1))
+            | run8;
+        if bad != 0 {
+            break;
+        }
+        // The k-th start and the k-th comma bound the k-th id (1 to 7 digits).
+        let (mut starts, mut commas) = (start, comma);
+        let mut end = 0;
+        while commas != 0 && n < room {
+            let s = starts.trailing_zeros() as usize;
+            end = commas.trailing_zeros() as usize;
+            starts &= starts.wrapping_sub(1);
+            commas &= commas.wrapping_sub(1);
+            let Some(bytes) = chunk.get(s..).and_then(<[u8]>::first_chunk::<8>) else {
+                return (i, n);
+            };
+            // Digit values, the id's last digit shifted to the top byte (the bytes after it
+            // out, zeros in for the missing leading digits).
+            // (1 to 7 digits, checked above: a shift of 8 to 56; wrapping, so never a panic.)
+            let len = end.wrapping_sub(s) as u32;
+            let shift = 64u32.wrapping_sub(len.wrapping_mul(8));
+            let d = (u64::from_le_bytes(*bytes) & (0x0F * ONES)).wrapping_shl(shift);
+            out.put(n, eight_digits(d));
+            n += 1;
+        }
+        // Past the last comma read, and one space after it.
+        i += end + 1 + usize::from(chunk.get(end + 1) == Some(&b' '));
     }
     (i, n)
 }
@@ -467,32 +590,34 @@ pub(crate) fn array_end(text: &[u8]) -> Option<usize> {
     }
 }
 
-/// Whether any of 64 bytes is a `]`, `"`, `[` or `{` (Wasm SIMD128).
+/// Whether any of 64 bytes may be a `]`, `"`, `[` or `{`: true if one is, and for other bytes
+/// above `?` (letters; never in an array of ids), which the 16-byte loop then sorts out. Two
+/// compares per 16 bytes instead of four (Wasm SIMD128).
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 #[inline(always)]
 fn any_bracket64(chunk: &[u8; 64]) -> bool {
-    use core::arch::wasm32::{i8x16_eq, u8x16_splat, v128, v128_any_true, v128_load, v128_or};
+    use core::arch::wasm32::{
+        i8x16_eq, i8x16_gt, u8x16_splat, v128, v128_any_true, v128_load, v128_or,
+    };
     let mut any = u8x16_splat(0);
     for part in chunk.chunks_exact(16) {
         // SAFETY: `simd128` is enabled for this build (the `cfg` above), and the load reads the
         // 16 bytes of `part` (`v128_load` has no alignment requirement).
         let v = unsafe { v128_load(part.as_ptr().cast::<v128>()) };
-        let eq = |b: u8| i8x16_eq(v, u8x16_splat(b));
-        any = v128_or(
-            any,
-            v128_or(v128_or(eq(b']'), eq(b'"')), v128_or(eq(b'['), eq(b'{'))),
-        );
+        // `[`, `]`, `{` are above `?` (signed: bytes from 0x80 are below, and none of the four).
+        let high = i8x16_gt(v, u8x16_splat(b'?'));
+        any = v128_or(any, v128_or(high, i8x16_eq(v, u8x16_splat(b'"'))));
     }
     v128_any_true(any)
 }
 
-/// Whether any of 64 bytes is a `]`, `"`, `[` or `{` (SSE2).
+/// [`any_bracket64`] with SSE2.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn any_bracket64(chunk: &[u8; 64]) -> bool {
     use core::arch::x86_64::{
-        __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_or_si128, _mm_set1_epi8,
-        _mm_setzero_si128,
+        __m128i, _mm_cmpeq_epi8, _mm_cmpgt_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_or_si128,
+        _mm_set1_epi8, _mm_setzero_si128,
     };
     // SAFETY: SSE2 is part of the x86_64 baseline, and each load reads 16 bytes of `chunk`
     // (`_mm_loadu_si128` has no alignment requirement).
@@ -500,27 +625,22 @@ fn any_bracket64(chunk: &[u8; 64]) -> bool {
         let mut any = _mm_setzero_si128();
         for part in chunk.chunks_exact(16) {
             let v = _mm_loadu_si128(part.as_ptr().cast::<__m128i>());
-            let eq = |b: u8| _mm_cmpeq_epi8(v, _mm_set1_epi8(b as i8));
-            any = _mm_or_si128(
-                any,
-                _mm_or_si128(
-                    _mm_or_si128(eq(b']'), eq(b'"')),
-                    _mm_or_si128(eq(b'['), eq(b'{')),
-                ),
-            );
+            let high = _mm_cmpgt_epi8(v, _mm_set1_epi8(b'?' as i8));
+            let quote = _mm_cmpeq_epi8(v, _mm_set1_epi8(b'"' as i8));
+            any = _mm_or_si128(any, _mm_or_si128(high, quote));
         }
         _mm_movemask_epi8(any) != 0
     }
 }
 
-/// Whether any of 64 bytes is a `]`, `"`, `[` or `{` (other targets).
+/// [`any_bracket64`], one byte at a time (other targets).
 #[cfg(not(any(
     target_arch = "x86_64",
     all(target_arch = "wasm32", target_feature = "simd128")
 )))]
 #[inline(always)]
 fn any_bracket64(chunk: &[u8; 64]) -> bool {
-    chunk.iter().any(|b| matches!(b, b']' | b'"' | b'[' | b'{'))
+    chunk.iter().any(|&b| b == b'"' || (b as i8) > b'?' as i8)
 }
 
 /// Bits of the `]` bytes and of the `"`, `[` and `{` bytes of 16 bytes (Wasm SIMD128).
@@ -620,17 +740,20 @@ impl<'a> TokenReader<'a> {
 
     /// Fills `out` with the next ids; `None` if fewer are left (the ids of a last partial block
     /// are counted, not returned) or the array is not one of ids.
-    pub fn read_block(&mut self, out: &mut [u32]) -> Option<()> {
+    pub fn read_block<O: IdOut + ?Sized>(&mut self, out: &mut O) -> Option<()> {
         if self.state != ReaderState::Open {
             return None;
         }
         let text = self.text;
+        let room = out.room();
         let mut n = 0;
         let mut i = self.pos;
-        while n < out.len() {
-            // The common case; it stops at an id's first byte or after a comma.
+        while n < room {
+            // The common case, 64 bytes then one id at a time; each stops at an id's first
+            // byte or after a comma.
+            (i, n) = mask_run(text, i, out, n);
             (i, n) = comma_run(text, i, out, n);
-            if n == out.len() {
+            if n == room {
                 break;
             }
             // One id the general way (as `scan_token_ids`).
@@ -639,9 +762,7 @@ impl<'a> TokenReader<'a> {
                 self.state = ReaderState::Failed;
                 return None;
             };
-            if let Some(slot) = out.get_mut(n) {
-                *slot = id;
-            }
+            out.put(n, id);
             n += 1;
             i = skip_ws(text, i + len);
             match text.get(i) {
@@ -649,7 +770,7 @@ impl<'a> TokenReader<'a> {
                 Some(b']') => {
                     self.state = ReaderState::Ended;
                     self.read += n;
-                    return (n == out.len()).then_some(());
+                    return (n == room).then_some(());
                 }
                 _ => {
                     self.state = ReaderState::Failed;
