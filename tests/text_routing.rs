@@ -227,6 +227,12 @@ fn a_prediction_ends_when_the_worker_reports_its_blocks_removed() {
     );
     // One worker thread: the thread that routes is the one whose predictions are checked.
     let envoy = start_envoy_with(&workers, config, |o| o.concurrency = 1);
+    // The poller's first contact with each worker is its (empty) dump: wait for all three, so
+    // the events below arrive as events, not folded into a later dump.
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| e.router_stat("events.resyncs")
+            >= 3)
+    );
     let prompt = tokens(300_000, 8 * BLOCK);
     let (chosen, overlap, _) = route(&envoy, &completion(&prompt));
     assert_eq!(overlap, 0);

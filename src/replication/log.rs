@@ -204,7 +204,7 @@ pub struct Replica {
 pub struct DeviceLosses {
     /// Blocks a "removed" event took off a slot's device tier.
     pub blocks: Vec<(SlotIdx, SequenceHash)>,
-    /// Slots cleared whole (a "cleared" event, a resync or a lost worker).
+    /// Slots cleared whole (a "cleared" event or a lost worker; not a re-sync from the dump).
     pub slots: Vec<SlotIdx>,
 }
 
@@ -369,20 +369,23 @@ impl Replica {
                     }
                 }
                 LogRecord::Resync { worker, events, .. } => {
-                    self.clear_worker(config, *worker);
+                    // The dump replaces the index's view; predictions made ahead of it stay (its
+                    // own "removed" events, not the re-sync, refute them).
+                    self.clear_worker(config, *worker, false);
                     for numbered in events {
                         self.apply_event(config, *worker, &numbered.event, report);
                     }
                 }
-                LogRecord::WorkerLost { worker } => self.clear_worker(config, *worker),
+                LogRecord::WorkerLost { worker } => self.clear_worker(config, *worker, true),
             }
         }
     }
 
-    fn clear_worker(&mut self, config: &Config, worker: u16) {
+    /// Drops the worker's blocks from the index; `lost`: its predictions go too (it left).
+    fn clear_worker(&mut self, config: &Config, worker: u16, lost: bool) {
         for slot in config.worker_slots(worker) {
             self.index.clear_slot(slot);
-            if let Some(losses) = self.device_losses.as_mut() {
+            if let (true, Some(losses)) = (lost, self.device_losses.as_mut()) {
                 losses.slots.push(slot);
             }
         }
@@ -822,7 +825,7 @@ mod tests {
 
     /// Approximate mode's predictions need what the engines took off their GPU caches: a
     /// replica that collects them reports device removals of blocks it held (by prefix hash)
-    /// and cleared slots, not host-tier removals or blocks it never held.
+    /// and cleared slots, not host-tier removals, blocks it never held or a re-sync.
     #[test]
     fn a_collecting_replica_reports_device_losses() {
         let config = config(2);
@@ -836,7 +839,16 @@ mod tests {
                 blocks: hashes.iter().map(|h| ExternalBlockHash(*h)).collect(),
             },
         };
-        let mut records = vec![stored(0, 1, 100), stored(0, 2, 200), stored(1, 3, 300)];
+        // Worker 1 re-synced from its dump: not a loss (its predictions stay).
+        let LogRecord::Events { events: dump, .. } = stored(1, 3, 300) else {
+            unreachable!()
+        };
+        let resync = LogRecord::Resync {
+            worker: 1,
+            last_event_id: 3,
+            events: dump,
+        };
+        let mut records = vec![stored(0, 1, 100), stored(0, 2, 200), resync];
         records.push(LogRecord::Events {
             worker: 0,
             events: vec![
