@@ -112,24 +112,25 @@ impl Fleet {
         Worker::spawn_many(self.workers, &args)
     }
 
-    /// The workers' `--kv-blocks` (the mock's default when not given).
-    pub fn worker_kv_blocks(&self) -> u64 {
+    /// The value after `flag` in the workers' arguments, parsed.
+    fn worker_arg<T: std::str::FromStr>(&self, flag: &str) -> Option<T> {
         self.worker_args
             .iter()
-            .position(|a| a == "--kv-blocks")
+            .position(|a| a == flag)
             .and_then(|i| self.worker_args.get(i + 1))
-            .and_then(|v| v.parse::<u64>().ok())
+            .and_then(|v| v.parse().ok())
+    }
+
+    /// The workers' `--kv-blocks` (the mock's default when not given).
+    pub fn worker_kv_blocks(&self) -> u64 {
+        self.worker_arg::<u64>("--kv-blocks")
             .filter(|v| *v > 0)
             .unwrap_or(crate::mock::DEFAULT_KV_BLOCKS as u64)
     }
 
     /// The workers' `--speedup` (1 when not given).
     pub fn worker_speedup(&self) -> f64 {
-        self.worker_args
-            .iter()
-            .position(|a| a == "--speedup")
-            .and_then(|i| self.worker_args.get(i + 1))
-            .and_then(|v| v.parse::<f64>().ok())
+        self.worker_arg::<f64>("--speedup")
             .filter(|v| v.is_finite() && *v > 0.0)
             .unwrap_or(1.0)
     }
