@@ -147,6 +147,25 @@ fn load_tables_round_trip() {
     }
 }
 
+/// The seed corpus holds a table of the current wire version with bookings in it (two queued on
+/// slot 0, one past its first token), so the fuzzer mutates a live table, not only the old
+/// versions' refusals.
+#[test]
+fn the_current_version_load_table_seed_decodes_with_its_bookings() {
+    let data = std::fs::read(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/load_table/two_slots_v3"),
+    )
+    .unwrap();
+    let table = LoadTable::decode(&data[1..], 2).unwrap();
+    assert_eq!(table.active_requests(20), 3);
+    let view = table.view(20);
+    assert_eq!((view[0].active_requests, view[1].active_requests), (2, 1));
+    assert_eq!(
+        view[0].prefill_tokens, 500.0,
+        "the first booking left prefill"
+    );
+}
+
 /// Found by the load_table fuzzer against the per-request table (version 1): such tables are
 /// refused now (the fixed-size version 2 replaced them) and the caller starts fresh.
 #[test]

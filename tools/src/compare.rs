@@ -48,6 +48,27 @@ pub struct Fleet {
     pub arm_wasm: Vec<(String, std::path::PathBuf)>,
 }
 
+/// The value of `flag` in mock-worker arguments (`--flag value` or `--flag=value`), parsed.
+pub fn worker_arg<T: std::str::FromStr>(args: &[impl AsRef<str>], flag: &str) -> Option<T> {
+    let mut words = args.iter().map(AsRef::as_ref);
+    while let Some(word) = words.next() {
+        if word == flag {
+            return words.next()?.parse().ok();
+        }
+        if let Some(value) = word.strip_prefix(flag).and_then(|r| r.strip_prefix('=')) {
+            return value.parse().ok();
+        }
+    }
+    None
+}
+
+/// The mock workers' `--kv-blocks` in `args` (the mock's default when not given).
+pub fn worker_kv_blocks(args: &[impl AsRef<str>]) -> u64 {
+    worker_arg::<u64>(args, "--kv-blocks")
+        .filter(|v| *v > 0)
+        .unwrap_or(crate::mock::DEFAULT_KV_BLOCKS as u64)
+}
+
 impl Fleet {
     pub fn new(workers: u64, block_size: u32, worker_args: &[&str]) -> Fleet {
         Fleet {
@@ -112,20 +133,14 @@ impl Fleet {
         Worker::spawn_many(self.workers, &args)
     }
 
-    /// The value after `flag` in the workers' arguments, parsed.
+    /// The value of `flag` in the workers' arguments, parsed.
     fn worker_arg<T: std::str::FromStr>(&self, flag: &str) -> Option<T> {
-        self.worker_args
-            .iter()
-            .position(|a| a == flag)
-            .and_then(|i| self.worker_args.get(i + 1))
-            .and_then(|v| v.parse().ok())
+        worker_arg(&self.worker_args, flag)
     }
 
     /// The workers' `--kv-blocks` (the mock's default when not given).
     pub fn worker_kv_blocks(&self) -> u64 {
-        self.worker_arg::<u64>("--kv-blocks")
-            .filter(|v| *v > 0)
-            .unwrap_or(crate::mock::DEFAULT_KV_BLOCKS as u64)
+        worker_kv_blocks(&self.worker_args)
     }
 
     /// The workers' `--speedup` (1 when not given).
@@ -598,6 +613,28 @@ mod tests {
         // An unknown tag fails before any arm runs, naming the flag to set.
         let e = fleet.check(&["kv", "kv@after"]).unwrap_err().to_string();
         assert!(e.contains("--arm-wasm after=PATH"), "{e}");
+    }
+
+    #[test]
+    fn worker_kv_blocks_reads_both_argument_forms() {
+        assert_eq!(
+            worker_kv_blocks(&["--speedup", "2", "--kv-blocks", "8192"]),
+            8192
+        );
+        assert_eq!(worker_kv_blocks(&["--kv-blocks=4096"]), 4096);
+        // A flag that only starts like it is another flag.
+        assert_eq!(
+            worker_kv_blocks(&["--kv-blocks-x=7"]),
+            crate::mock::DEFAULT_KV_BLOCKS as u64
+        );
+        assert_eq!(
+            worker_kv_blocks(&["--kv-blocks", "0"]),
+            crate::mock::DEFAULT_KV_BLOCKS as u64
+        );
+        assert_eq!(
+            worker_kv_blocks(&[] as &[&str]),
+            crate::mock::DEFAULT_KV_BLOCKS as u64
+        );
     }
 
     #[test]

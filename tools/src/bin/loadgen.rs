@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use clap::{ArgGroup, Parser};
 use envoy_kv_router_tools::compare::{
-    compare_modes, quality_table, report_comparison, EventsVia, Fleet,
+    compare_modes, quality_table, report_comparison, worker_kv_blocks, EventsVia, Fleet,
 };
 use envoy_kv_router_tools::loadgen::{
     chat, format_stats, load_mooncake, run_workload_on, synthetic, write_svg_chart, ChatSpec,
@@ -326,7 +326,8 @@ fn print_routing_diagnostics(results: &[(String, RunStats)], workload: &Workload
         "{}",
         affinity_table(results, workload, args.block_size, None)
     );
-    let capacity = kv_blocks_of(&args.worker_args);
+    let words: Vec<&str> = args.worker_args.split_whitespace().collect();
+    let capacity = worker_kv_blocks(&words) as usize;
     print!(
         "{}",
         affinity_table(results, workload, args.block_size, Some(capacity))
@@ -364,20 +365,4 @@ fn load_arm_results(path: &Path) -> Result<Vec<(String, RunStats)>, String> {
         }
     }
     Ok(arms)
-}
-
-/// The fleet's KV capacity per worker: `--kv-blocks N` in the worker arguments, else the mock's
-/// default.
-fn kv_blocks_of(worker_args: &str) -> usize {
-    let words: Vec<&str> = worker_args.split_whitespace().collect();
-    words
-        .windows(2)
-        .find(|w| w[0] == "--kv-blocks")
-        .and_then(|w| w[1].parse().ok())
-        .or_else(|| {
-            words
-                .iter()
-                .find_map(|w| w.strip_prefix("--kv-blocks=")?.parse().ok())
-        })
-        .unwrap_or(envoy_kv_router_tools::mock::DEFAULT_KV_BLOCKS)
 }
