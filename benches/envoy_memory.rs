@@ -16,12 +16,15 @@
 //! over N. Envoy's own heap (tcmalloc, admin `/memory`: shared data) is shown apart from the
 //! rest of RSS (wasm linear memory, V8 code).
 //!
-//! Noise: the poller writes the index snapshot when its tick finds the log at a multiple of 32
-//! batches, so whether a run ends holding one (in shared data, the heap column, and as the
-//! encoding buffer in the writer VM's linear memory, ~25-30 B per entry each) varies from run to
-//! run; the per-replica difference inherits that swing (up to ~10 B per entry at 1M entries).
-//! Repeat the runs and compare the heap column before reading one figure.
-//!
+//! Noise: the poller writes the index snapshot into shared data (the heap column) when its
+//! replica passes another multiple of 32 log batches, so how large a snapshot a run ends holding
+//! varies (up to ~17 B per entry, once per process). Up to and including the build before the
+//! snapshot went into parts, the writer VM also encoded it into one buffer in its linear memory
+//! (and a VM that reloaded it copied it whole), kept for good: ~17 B per entry more in whichever
+//! run held it, so the per-replica difference swung by up to ~10 B per entry at 1M entries.
+//! Since, the snapshot is written and loaded in at most 64 parts (src/replication/log.rs), one
+//! part-sized buffer at a time. Repeat the runs and compare the heap column before reading one
+//! figure.
 //! Usage: `cargo bench --bench envoy_memory [-- --quick] [--entries N[,N...]]` (needs
 //! `make build`). The before build `target/envoy_kv_router.before.wasm` is measured too when
 //! present (runs interleaved with the current one); keep it with

@@ -12,8 +12,9 @@
 //! * `ekr.log.<n>`   – batch `seq` lives in slot `seq % LOG_SLOTS`, prefixed by `seq` (LE u64) so a
 //!   reader can tell an older or newer batch from the one it wants.
 //! * `ekr.snapshot`  – the index snapshot's manifest: snapshot id (the batch it was encoded at),
-//!   the last batch it is valid at, part count, slot count. The poller writes a snapshot every
-//!   `SNAPSHOT_EVERY` batches; replicas more than the ring behind restart from it.
+//!   the last batch it is valid at, part count, slot count. The poller writes a snapshot each
+//!   time its replica has passed another multiple of `SNAPSHOT_EVERY` batches; replicas more
+//!   than the ring behind restart from it.
 //! * `ekr.snapshot.<n>` – its parts, at most [`SNAPSHOT_PARTS`], each prefixed by the snapshot id
 //!   and its number: no VM ever holds the whole encoded snapshot in its linear memory (which
 //!   never shrinks), only one part at a time. The writer sets the parts, then the manifest, then
@@ -430,10 +431,9 @@ impl Replica {
     /// parts one at a time from one part-sized buffer, then the manifest. When the index has not
     /// changed since the snapshot in place, only the manifest's validity moves.
     pub fn maybe_write_snapshot(&mut self, store: &dyn SharedStore) {
-        if self.applied_seq == 0
-            || self.applied_seq % SNAPSHOT_EVERY != 0
-            || self.head.snapshot_seq >= self.applied_seq
-        {
+        // Due once the log has passed another multiple of SNAPSHOT_EVERY batches (a tick may
+        // apply several batches: waiting for an exact multiple could skip snapshots for long).
+        if self.applied_seq / SNAPSHOT_EVERY <= self.head.snapshot_seq / SNAPSHOT_EVERY {
             return;
         }
         let applied = self.applied_seq;
@@ -1434,5 +1434,29 @@ mod tests {
                 3 * LOG_SLOTS + SNAPSHOT_EVERY
             )
         );
+    }
+
+    /// A poller that applies several batches per sync still writes a snapshot each time it
+    /// passes a multiple of `SNAPSHOT_EVERY`, not only when it lands on one.
+    #[test]
+    fn a_poller_applying_several_batches_per_sync_still_writes_snapshots() {
+        let config = config(2);
+        let store = MemStore::new();
+        init(&store);
+        let mut poller = Replica::new(&config, FP);
+        poller.full_head = true;
+        let mut written = Vec::new();
+        for id in 1..=100 {
+            assert!(poller_append(&store, 0, (id > 1).then(|| id - 1), id, id));
+            if id % 5 == 0 {
+                poller.sync(&store, &config, 0);
+                poller.maybe_write_snapshot(&store);
+                let (head, _) = read_head(&store).unwrap();
+                if written.last() != Some(&head.snapshot_seq) {
+                    written.push(head.snapshot_seq);
+                }
+            }
+        }
+        assert_eq!(written, vec![0, 35, 65, 100]);
     }
 }
