@@ -581,9 +581,10 @@ impl Replica {
                     losses.blocks.push((slot, seq));
                 }
             });
+            // Conservatively a change even if the event was refused.
+            self.snapshot_basis = None;
             match applied {
                 Ok(stats) => {
-                    self.snapshot_basis = None;
                     report.events_applied += 1;
                     report.evicted += stats.evicted_blocks as u64;
                 }
