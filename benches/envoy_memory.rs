@@ -16,12 +16,16 @@
 //! over N. Envoy's own heap (tcmalloc, admin `/memory`: shared data) is shown apart from the
 //! rest of RSS (wasm linear memory, V8 code).
 //!
-//! Noise: the poller writes the index snapshot when its tick finds the log at a multiple of 32
-//! batches, so whether a run ends holding one (in shared data, the heap column, and as the
-//! encoding buffer in the writer VM's linear memory, ~25-30 B per entry each) varies from run to
-//! run; the per-replica difference inherits that swing (up to ~10 B per entry at 1M entries).
-//! Repeat the runs and compare the heap column before reading one figure.
-//!
+//! Noise: the poller writes the index snapshot into shared data (the heap column) when its
+//! replica passes another multiple of 32 log batches, so how large a snapshot a run ends holding
+//! varies (up to ~17 B per entry, once per process). Up to and including the build before the
+//! snapshot went into parts, the writer VM also encoded it into one buffer in its linear memory
+//! (and a VM that reloaded it copied it whole), kept for good: ~17 B per entry more in whichever
+//! run held it, so the per-replica difference swung by up to ~10 B per entry at 1M entries.
+//! Since, the snapshot is written and loaded in at most 64 parts (src/replication/log.rs), one
+//! part-sized buffer at a time. Repeat the runs and compare the heap column before reading one
+//! figure, or the per-replica column without the heap's difference (the replicas live in wasm
+//! linear memory, outside Envoy's heap).
 //! Usage: `cargo bench --bench envoy_memory [-- --quick] [--entries N[,N...]]` (needs
 //! `make build`). The before build `target/envoy_kv_router.before.wasm` is measured too when
 //! present (runs interleaved with the current one); keep it with
@@ -216,19 +220,25 @@ fn main() {
          (fixed cost included). Fit over the sizes: per replica = fixed + marginal x N."
     );
     println!();
-    println!("| build | N | per replica | B/entry per replica | RSS growth / N at 1 thread (2 VMs + shared data) | at 4 threads |");
-    println!("|---|---|---|---|---|---|");
+    println!("| build | N | per replica | B/entry per replica | of it outside Envoy's heap | RSS growth / N at 1 thread (2 VMs + shared data) | at 4 threads |");
+    println!("|---|---|---|---|---|---|---|");
     let mut once_per_process = Vec::new();
     for (bi, (name, _)) in builds.iter().enumerate() {
         let mut points = Vec::new();
         for (si, &n) in sizes.iter().enumerate() {
             let [one, four] = runs[bi][si];
             let per_replica = (four.rss_kib - one.rss_kib) as f64 * 1024.0 / 3.0;
+            // Without the heap's difference: what the shared-data snapshot a run ends with
+            // (once per process, its size varies) adds to one side.
+            let outside_heap =
+                ((four.rss_kib - four.heap_kib) - (one.rss_kib - one.heap_kib)) as f64 * 1024.0
+                    / 3.0;
             points.push((n as f64, per_replica));
             println!(
-                "| {name} | {n} | {:.1} MiB | {:.1} | {:.1} | {:.1} |",
+                "| {name} | {n} | {:.1} MiB | {:.1} | {:.1} | {:.1} | {:.1} |",
                 per_replica / (1 << 20) as f64,
                 per_replica / n as f64,
+                outside_heap / n as f64,
                 one.rss_kib as f64 * 1024.0 / n as f64,
                 four.rss_kib as f64 * 1024.0 / n as f64
             );
@@ -241,7 +251,7 @@ fn main() {
                 .map(|(si, &n)| (n as f64, runs[bi][si][0].rss_kib as f64 * 1024.0))
                 .collect::<Vec<_>>());
             println!(
-                "| {name} | fit | fixed {:.1} MiB per replica | marginal {marginal:.1} B per entry per replica | 1 thread: fixed {:.1} MiB, marginal {marginal1:.1} B per entry | |",
+                "| {name} | fit | fixed {:.1} MiB per replica | marginal {marginal:.1} B per entry per replica | | 1 thread: fixed {:.1} MiB, marginal {marginal1:.1} B per entry | |",
                 fixed / (1 << 20) as f64,
                 fixed1 / (1 << 20) as f64,
             );

@@ -1368,6 +1368,62 @@ mod tests {
         assert_eq!(all_overlaps(&a, &prompts), all_overlaps(&b, &prompts));
     }
 
+    /// The snapshot in parts (runs split across parts, a tiny part size) loads into the same
+    /// index as the whole snapshot, also into a used index and under a smaller bound.
+    #[test]
+    fn snapshot_parts_load_like_the_whole_snapshot() {
+        let (_, events) = stream(23, 6_000, 5);
+        let mut index = KvIndex::new(5, 400);
+        for (slot, event) in &events {
+            let _ = index.apply(*slot, event);
+        }
+        let whole = index.encode_snapshot();
+        let mut parts: Vec<Vec<u8>> = Vec::new();
+        let mut buf = Vec::new();
+        let count = index.encode_snapshot_parts(3, 100, 64, &mut buf, |n, part| {
+            assert_eq!(usize::try_from(n).unwrap(), parts.len());
+            parts.push(part[3..].to_vec());
+            true
+        });
+        assert!(
+            count.is_some_and(|n| n > 32 && n <= 64),
+            "{count:?} parts for {} entries",
+            index.entries()
+        );
+        assert_eq!(count, u32::try_from(parts.len()).ok());
+        assert!(buf.capacity() < whole.len() / 8);
+        let mut copy = KvIndex::new(5, 400);
+        let _ = copy.apply(0, &events[0].1);
+        copy.begin_snapshot_parts(5, 400);
+        for part in &parts {
+            copy.decode_snapshot_part(part).unwrap();
+        }
+        copy.finish_snapshot_parts();
+        check_invariants(&copy);
+        assert_eq!(copy.encode_snapshot(), whole);
+        let mut small = KvIndex::new(5, 400);
+        small.begin_snapshot_parts(5, 50);
+        for part in &parts {
+            small.decode_snapshot_part(part).unwrap();
+        }
+        small.finish_snapshot_parts();
+        assert_eq!(small.entries(), 50);
+        check_invariants(&small);
+        // A part for a slot the index does not have, or cut short, is an error.
+        let mut three = KvIndex::new(3, 400);
+        three.begin_snapshot_parts(3, 400);
+        assert!(parts.iter().any(|p| three.decode_snapshot_part(p).is_err()));
+        let last = parts.last().unwrap();
+        assert!(copy.decode_snapshot_part(&last[..last.len() - 1]).is_err());
+        // An aborted write stops at the failing part.
+        let mut calls = 0;
+        let aborted = index.encode_snapshot_parts(0, 100, 64, &mut buf, |_, _| {
+            calls += 1;
+            calls < 3
+        });
+        assert_eq!((aborted, calls), (None, 3));
+    }
+
     #[test]
     fn snapshot_decode_rejects_bad_input() {
         let (_, events) = stream(41, 500, 3);

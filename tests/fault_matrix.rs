@@ -505,3 +505,78 @@ fn a_filter_configuration_update_under_traffic_loses_nothing() {
     assert_recovered(&envoy);
     assert_index_matches(&envoy, &[&workers[0], &workers[1], &workers[2]]);
 }
+
+/// A VM reloaded after a crash when the log is more than its ring (64 batches) long catches up
+/// from the index snapshot (written and loaded in parts), not by losing sync: it holds every
+/// block the worker's dump lists, including those whose batches the ring no longer has.
+#[test]
+fn a_vm_reloaded_beyond_the_log_ring_loads_the_index_snapshot() {
+    let workers = echo_workers(1, BLOCK);
+    let config = filter_config(
+        &workers,
+        json!({"block_size": BLOCK, "events": {"poll_interval_ms": 50}}),
+    );
+    let envoy = start_envoy_with(&workers, config, |o| {
+        o.wasm = Some(crash_trigger_wasm());
+        o.concurrency = 1;
+    });
+    // One publish per batch (each waits until indexed): more batches than the ring holds.
+    for i in 0..80u32 {
+        let prompt = tokens(20000 + i * 100, 2 * BLOCK);
+        let first = 1000 + u64::from(i) * 10;
+        publish(
+            &workers[0],
+            vec![vllm_stored(&prompt, BLOCK, None, first, "GPU")],
+        );
+        let want = u64::from(i + 1) * 2;
+        assert!(
+            envoy.wait_for(Duration::from_secs(10), |e| e.router_stat("index.entries")
+                >= want),
+            "publish {i} indexed"
+        );
+    }
+    assert_eq!(envoy.router_stat("log.snapshot_loaded"), 0);
+    let crash = envoy
+        .send(
+            "/v1/completions",
+            &[
+                ("content-type", "application/json"),
+                ("x-kv-router-test-crash", "1"),
+            ],
+            completion(&tokens(20000, 2 * BLOCK)).to_string().as_bytes(),
+        )
+        .unwrap();
+    assert_eq!(crash.status, 503, "the request that crashed the VM");
+    // Envoy reloads the VM on the next request.
+    assert!(
+        envoy.wait_for(Duration::from_secs(15), |e| {
+            let _ = e.send(
+                "/v1/completions",
+                &[("content-type", "application/json")],
+                completion(&tokens(90000, BLOCK)).to_string().as_bytes(),
+            );
+            e.stats()
+                .get("wasm.kv_router.vm_reload_success")
+                .is_some_and(|n| *n >= 1)
+        }),
+        "Envoy reloaded the VM"
+    );
+    assert!(
+        envoy.wait_for(Duration::from_secs(15), |e| e
+            .router_stat("log.snapshot_loaded")
+            >= 1),
+        "the reloaded VM loaded the snapshot (lost sync {})",
+        envoy.router_stat("log.lost_sync")
+    );
+    assert_index_matches(&envoy, &[&workers[0]]);
+    // The oldest prompt's batch left the ring long ago: the reloaded VM routes on it anyway.
+    assert!(
+        wait_for_overlap(
+            &envoy,
+            &completion(&tokens(20000, 2 * BLOCK)),
+            2,
+            Duration::from_secs(10)
+        ),
+        "the oldest prompt is still credited"
+    );
+}

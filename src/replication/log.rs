@@ -11,8 +11,17 @@
 //!   whatever the number of workers.
 //! * `ekr.log.<n>`   – batch `seq` lives in slot `seq % LOG_SLOTS`, prefixed by `seq` (LE u64) so a
 //!   reader can tell an older or newer batch from the one it wants.
-//! * `ekr.snapshot`  – the poller's index at some `seq` (LE u64 prefix), written every
-//!   `SNAPSHOT_EVERY` batches; replicas more than the ring behind restart from it.
+//! * `ekr.snapshot`  – the index snapshot's manifest: snapshot id (the batch it was encoded at),
+//!   the last batch it is valid at, part count, slot count. The poller writes a snapshot each
+//!   time its replica has passed another multiple of `SNAPSHOT_EVERY` batches; replicas more
+//!   than the ring behind restart from it.
+//! * `ekr.snapshot.<n>` – its parts, at most [`SNAPSHOT_PARTS`], each prefixed by the snapshot id
+//!   and its number: no VM ever holds the whole encoded snapshot in its linear memory (which
+//!   never shrinks), only one part at a time. The writer sets the parts, then the manifest, then
+//!   empties the parts a larger earlier snapshot left beyond its own. A loader that finds a part
+//!   of another snapshot (a writer was overwriting them meanwhile) has no usable snapshot: it
+//!   loses sync. When no batch since the snapshot changed the index, the writer only moves the
+//!   manifest's "valid at" forward (CAS) instead of encoding it again.
 //!
 //! Append protocol. Normally only the lease holder appends, but during a lease hand-over the old
 //! holder may still be handling a reply while the new one appends, so it must hold for any
@@ -47,6 +56,13 @@ const SNAPSHOT_EVERY: u64 = LOG_SLOTS / 2;
 const HEAD_KEY: &str = "ekr.log.head";
 const SEQ_KEY: &str = "ekr.log.seq";
 const SNAPSHOT_KEY: &str = "ekr.snapshot";
+/// Most parts a snapshot is split into (a fixed key set: shared data never frees a key).
+pub const SNAPSHOT_PARTS: u32 = 64;
+/// Smallest part (bytes) before a snapshot is split into more parts (tiny in unit tests, so a
+/// few hundred blocks make many parts).
+const SNAPSHOT_PART_MIN_BYTES: usize = if cfg!(test) { 64 } else { 64 << 10 };
+/// Part prefix: snapshot id u64 + part number u32.
+const PART_HEADER_BYTES: usize = 12;
 const APPEND_ATTEMPTS: usize = 8;
 const SLOT_WRITE_ATTEMPTS: usize = 8;
 /// A claimed batch still unwritten after this long is presumed orphaned (see the module docs).
@@ -197,6 +213,62 @@ pub struct Replica {
     /// What the engines took off their device tiers, collected for approximate mode's
     /// predictions (`None`: not collected). Drained by the VM after each sync.
     pub device_losses: Option<DeviceLosses>,
+    /// The id of the snapshot this index equals (written or loaded here, no change applied
+    /// since): a due snapshot then only extends the manifest's validity.
+    snapshot_basis: Option<u64>,
+}
+
+/// The snapshot manifest (`ekr.snapshot`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Manifest {
+    /// The batch the snapshot was encoded at; every part carries it.
+    id: u64,
+    /// The last batch the snapshot is valid at (no batch after `id` up to here changed it).
+    valid_seq: u64,
+    parts: u32,
+    slots: u32,
+}
+
+impl Manifest {
+    const BYTES: usize = 24;
+
+    fn encode(&self) -> [u8; Manifest::BYTES] {
+        let mut out = [0u8; Manifest::BYTES];
+        let fields = self
+            .id
+            .to_le_bytes()
+            .into_iter()
+            .chain(self.valid_seq.to_le_bytes())
+            .chain(self.parts.to_le_bytes())
+            .chain(self.slots.to_le_bytes());
+        for (dst, b) in out.iter_mut().zip(fields) {
+            *dst = b;
+        }
+        out
+    }
+
+    fn decode(bytes: &[u8]) -> Option<Manifest> {
+        let (id, rest) = split_seq(bytes)?;
+        let (valid_seq, rest) = split_seq(rest)?;
+        let (parts, slots) = rest.split_at_checked(4)?;
+        Some(Manifest {
+            id,
+            valid_seq,
+            parts: u32::from_le_bytes(parts.try_into().ok()?),
+            slots: u32::from_le_bytes(slots.try_into().ok()?),
+        })
+    }
+}
+
+fn part_key(part: u32) -> String {
+    format!("ekr.snapshot.{part}")
+}
+
+/// A part's snapshot id, number and body.
+fn split_part(bytes: &[u8]) -> Option<(u64, u32, &[u8])> {
+    let (id, rest) = split_seq(bytes)?;
+    let (number, body) = rest.split_at_checked(4)?;
+    Some((id, u32::from_le_bytes(number.try_into().ok()?), body))
 }
 
 /// Device-tier losses applied by the syncs since the last drain.
@@ -227,6 +299,7 @@ impl Replica {
             full_head: false,
             pending: None,
             device_losses: None,
+            snapshot_basis: None,
         }
     }
 
@@ -272,6 +345,7 @@ impl Replica {
         };
         if self.applied_seq < head.epoch_start || self.applied_seq > head.seq {
             self.index = new_index(config);
+            self.snapshot_basis = None;
             self.applied_seq = head.epoch_start;
         }
         if head.seq - self.applied_seq >= LOG_SLOTS {
@@ -280,6 +354,7 @@ impl Replica {
             } else {
                 report.lost_sync = true;
                 self.index = new_index(config);
+                self.snapshot_basis = None;
                 self.applied_seq = head.seq.saturating_sub(LOG_SLOTS - 1).max(head.epoch_start);
             }
         }
@@ -311,42 +386,62 @@ impl Replica {
         report
     }
 
+    /// Loads the snapshot part by part into the existing index (its memory is reused instead of
+    /// doubled; on failure the caller starts a new one anyway). `false`: no usable snapshot
+    /// (none, too old, another configuration, or a part of another snapshot).
     fn load_snapshot(&mut self, store: &dyn SharedStore, config: &Config, head: &LogHead) -> bool {
         let (Some(bytes), _) = store.get(SNAPSHOT_KEY) else {
             return false;
         };
-        let Some((seq, body)) = split_seq(&bytes) else {
+        let Some(m) = Manifest::decode(&bytes) else {
             return false;
         };
-        if seq < head.epoch_start || seq > head.seq || head.seq - seq >= LOG_SLOTS {
+        if m.id < head.epoch_start
+            || m.id > m.valid_seq
+            || m.valid_seq > head.seq
+            || head.seq - m.valid_seq >= LOG_SLOTS
+            || m.parts == 0
+            || m.parts > SNAPSHOT_PARTS
+            || usize::try_from(m.slots).ok() != Some(config.slots.len())
+        {
             return false;
         }
-        // Into the existing index: its memory is reused instead of doubled (on failure the
-        // caller starts a new one anyway).
-        match self
-            .index
-            .reload_snapshot(body, config.slots.len(), max_blocks(config))
-        {
-            Ok(()) => {
-                self.applied_seq = seq;
-                true
+        self.index
+            .begin_snapshot_parts(config.slots.len(), max_blocks(config));
+        for number in 0..m.parts {
+            let (Some(bytes), _) = store.get(&part_key(number)) else {
+                return false;
+            };
+            match split_part(&bytes) {
+                Some((id, n, body)) if id == m.id && n == number => {
+                    if self.index.decode_snapshot_part(body).is_err() {
+                        return false;
+                    }
+                }
+                _ => return false, // torn: a writer is replacing the parts
             }
-            Err(_) => false,
         }
+        self.index.finish_snapshot_parts();
+        self.applied_seq = m.valid_seq;
+        self.snapshot_basis = Some(m.id);
+        true
     }
 
-    /// Writes this replica's index as the snapshot when it is due (the poller calls this).
-    pub fn maybe_write_snapshot(&self, store: &dyn SharedStore) {
-        if self.applied_seq == 0
-            || self.applied_seq % SNAPSHOT_EVERY != 0
-            || self.head.snapshot_seq >= self.applied_seq
-        {
+    /// Writes this replica's index as the snapshot when it is due (the poller calls this): the
+    /// parts one at a time from one part-sized buffer, then the manifest. When the index has not
+    /// changed since the snapshot in place, only the manifest's validity moves.
+    pub fn maybe_write_snapshot(&mut self, store: &dyn SharedStore) {
+        // Due once the log has passed another multiple of SNAPSHOT_EVERY batches (a tick may
+        // apply several batches: waiting for an exact multiple could skip snapshots for long).
+        if self.applied_seq / SNAPSHOT_EVERY <= self.head.snapshot_seq / SNAPSHOT_EVERY {
             return;
         }
-        let mut bytes = self.applied_seq.to_le_bytes().to_vec();
-        self.index.encode_snapshot_into(&mut bytes);
-        if store.set(SNAPSHOT_KEY, &bytes, None).is_ok() {
-            let applied = self.applied_seq;
+        let applied = self.applied_seq;
+        let extended = self
+            .snapshot_basis
+            .is_some_and(|id| self.extend_snapshot(store, id, applied));
+        let written = extended || self.write_snapshot(store, applied);
+        if written {
             let _ = update_head(
                 store,
                 self.fingerprint,
@@ -358,6 +453,69 @@ impl Replica {
                 },
             );
         }
+    }
+
+    /// Moves the manifest's validity to `valid_seq` if it still describes snapshot `id`.
+    fn extend_snapshot(&self, store: &dyn SharedStore, id: u64, valid_seq: u64) -> bool {
+        let (Some(bytes), cas) = store.get(SNAPSHOT_KEY) else {
+            return false;
+        };
+        let Some(m) = Manifest::decode(&bytes) else {
+            return false;
+        };
+        if m.id != id || usize::try_from(m.slots).ok() != Some(self.index.num_slots()) {
+            return false;
+        }
+        if m.valid_seq >= valid_seq {
+            return true;
+        }
+        let moved = Manifest { valid_seq, ..m };
+        store.set(SNAPSHOT_KEY, &moved.encode(), cas).is_ok()
+    }
+
+    /// Encodes and sets the parts, then the manifest, then empties stale parts.
+    fn write_snapshot(&mut self, store: &dyn SharedStore, id: u64) -> bool {
+        let Ok(slots) = u32::try_from(self.index.num_slots()) else {
+            return false;
+        };
+        let mut buf = Vec::new();
+        let parts = self.index.encode_snapshot_parts(
+            PART_HEADER_BYTES,
+            SNAPSHOT_PART_MIN_BYTES,
+            SNAPSHOT_PARTS,
+            &mut buf,
+            |number, part| {
+                let header = id.to_le_bytes().into_iter().chain(number.to_le_bytes());
+                for (dst, b) in part.iter_mut().zip(header) {
+                    *dst = b;
+                }
+                store.set(&part_key(number), part, None).is_ok()
+            },
+        );
+        drop(buf);
+        let Some(parts) = parts else {
+            return false;
+        };
+        let manifest = Manifest {
+            id,
+            valid_seq: id,
+            parts,
+            slots,
+        };
+        if store.set(SNAPSHOT_KEY, &manifest.encode(), None).is_err() {
+            return false;
+        }
+        self.snapshot_basis = Some(id);
+        // Parts an earlier, larger snapshot left: their memory goes (parts are contiguous).
+        for number in parts..SNAPSHOT_PARTS {
+            match store.get(&part_key(number)) {
+                (Some(bytes), _) if !bytes.is_empty() => {
+                    let _ = store.set(&part_key(number), b"", None);
+                }
+                _ => break,
+            }
+        }
+        true
     }
 
     fn apply_records(&mut self, config: &Config, records: &[LogRecord], report: &mut SyncReport) {
@@ -383,6 +541,7 @@ impl Replica {
 
     /// Drops the worker's blocks from the index; `lost`: its predictions go too (it left).
     fn clear_worker(&mut self, config: &Config, worker: u16, lost: bool) {
+        self.snapshot_basis = None;
         for slot in config.worker_slots(worker) {
             self.index.clear_slot(slot);
             if let (true, Some(losses)) = (lost, self.device_losses.as_mut()) {
@@ -422,6 +581,8 @@ impl Replica {
                     losses.blocks.push((slot, seq));
                 }
             });
+            // Conservatively a change even if the event was refused.
+            self.snapshot_basis = None;
             match applied {
                 Ok(stats) => {
                     report.events_applied += 1;
@@ -1053,6 +1214,8 @@ mod tests {
         }
         let (head, _) = read_head(&store).unwrap();
         assert_eq!(head.snapshot_seq, 2 * LOG_SLOTS);
+        let manifest = Manifest::decode(&store.get(SNAPSHOT_KEY).0.unwrap()).unwrap();
+        assert!(manifest.parts > 8, "split into parts: {manifest:?}");
         let mut late = Replica::new(&config, FP);
         let report = late.sync(&store, &config, 0);
         assert!(report.snapshot_loaded && !report.lost_sync);
@@ -1123,5 +1286,178 @@ mod tests {
             Some(2),
             "the poller's full decode"
         );
+    }
+
+    /// A poller that applied `batches` batches, one new block each, writing snapshots as due.
+    fn log_with_snapshots(store: &MemStore, config: &Config, batches: u64) -> Replica {
+        init(store);
+        let mut poller = Replica::new(config, FP);
+        poller.full_head = true;
+        for id in 1..=batches {
+            assert!(poller_append(store, 0, (id > 1).then(|| id - 1), id, id));
+            poller.sync(store, config, 0);
+            poller.maybe_write_snapshot(store);
+        }
+        poller
+    }
+
+    /// A part of another snapshot among the parts (a writer replacing them while a replica
+    /// loads): the loader has no usable snapshot and takes the lost-sync path, from an empty
+    /// index at the ring's oldest batch, without any of the torn snapshot's blocks.
+    #[test]
+    fn a_torn_snapshot_is_not_loaded() {
+        let config = config(2);
+        let store = MemStore::new();
+        let batches = 2 * LOG_SLOTS + 5;
+        log_with_snapshots(&store, &config, batches);
+        let (Some(part), _) = store.get(&part_key(1)) else {
+            panic!("no part 1")
+        };
+        let mut other = (2 * LOG_SLOTS + 32).to_le_bytes().to_vec();
+        other.extend_from_slice(&part[8..]);
+        store.set(&part_key(1), &other, None).unwrap();
+        let mut late = Replica::new(&config, FP);
+        let report = late.sync(&store, &config, 0);
+        assert!(report.lost_sync && !report.snapshot_loaded);
+        assert_eq!(late.applied_seq, batches);
+        assert_eq!(
+            late.index.entries(),
+            usize::try_from(LOG_SLOTS - 1).unwrap(),
+            "only the ring's batches"
+        );
+    }
+
+    /// Parts are written from one part-sized buffer: no store write carries the whole index,
+    /// never more than `SNAPSHOT_PARTS` parts, and a later, smaller snapshot empties the parts
+    /// it does not use.
+    #[test]
+    fn snapshot_parts_stay_bounded_and_stale_parts_are_emptied() {
+        let config = config(2);
+        let store = MemStore::new();
+        let part_sets = Rc::new(Cell::new(0usize));
+        let seen = Rc::clone(&part_sets);
+        let mut poller = log_with_snapshots(&store, &config, 4 * LOG_SLOTS);
+        let whole = poller.index.encode_snapshot().len();
+        store.set_hook(move |_: &MemStore, op: &Op| {
+            if matches!(op, Op::Set(key) if key.starts_with("ekr.snapshot.")) {
+                seen.set(seen.get() + 1);
+            }
+        });
+        poller.snapshot_basis = None;
+        poller.head.snapshot_seq = 0;
+        poller.maybe_write_snapshot(&store);
+        store.clear_hook();
+        let manifest = Manifest::decode(&store.get(SNAPSHOT_KEY).0.unwrap()).unwrap();
+        assert_eq!(part_sets.get(), usize::try_from(manifest.parts).unwrap());
+        assert!(manifest.parts > 1 && manifest.parts <= SNAPSHOT_PARTS);
+        for n in 0..manifest.parts {
+            let part = store.get(&part_key(n)).0.unwrap();
+            assert!(
+                part.len() * 16 < whole,
+                "part {n}: {} of {whole} bytes",
+                part.len()
+            );
+        }
+        // Worker 0 leaves: the next snapshot is one small part, the rest are emptied.
+        let seq = poller.applied_seq;
+        for id in 1..=SNAPSHOT_EVERY {
+            let records = if id == 1 {
+                vec![LogRecord::WorkerLost { worker: 0 }]
+            } else {
+                Vec::new()
+            };
+            assert!(append(&store, FP, 2, 0, &records, |_| true));
+        }
+        poller.sync(&store, &config, 0);
+        assert_eq!(poller.applied_seq, seq + SNAPSHOT_EVERY);
+        poller.maybe_write_snapshot(&store);
+        let small = Manifest::decode(&store.get(SNAPSHOT_KEY).0.unwrap()).unwrap();
+        assert_eq!((small.id, small.parts), (seq + SNAPSHOT_EVERY, 1));
+        for n in 1..SNAPSHOT_PARTS {
+            assert!(
+                store.get(&part_key(n)).0.is_none_or(|p| p.is_empty()),
+                "part {n} emptied"
+            );
+        }
+    }
+
+    /// Batches that change nothing: the due snapshot is not encoded again, only its manifest
+    /// moves, and a replica beyond the ring loads it as valid at the later batch.
+    #[test]
+    fn an_unchanged_index_only_extends_the_snapshot() {
+        let config = config(2);
+        let store = MemStore::new();
+        let mut poller = log_with_snapshots(&store, &config, 2 * LOG_SLOTS);
+        let written = Manifest::decode(&store.get(SNAPSHOT_KEY).0.unwrap()).unwrap();
+        assert_eq!(written.id, 2 * LOG_SLOTS);
+        let part_writes = Rc::new(Cell::new(0usize));
+        let seen = Rc::clone(&part_writes);
+        store.set_hook(move |_: &MemStore, op: &Op| {
+            if matches!(op, Op::Set(key) if key.starts_with("ekr.snapshot.")) {
+                seen.set(seen.get() + 1);
+            }
+        });
+        for _ in 0..2 * SNAPSHOT_EVERY {
+            assert!(append(&store, FP, 2, 0, &[], |_| true));
+            poller.sync(&store, &config, 0);
+            poller.maybe_write_snapshot(&store);
+        }
+        store.clear_hook();
+        assert_eq!(part_writes.get(), 0, "no part written again");
+        let moved = Manifest::decode(&store.get(SNAPSHOT_KEY).0.unwrap()).unwrap();
+        assert_eq!(
+            moved,
+            Manifest {
+                valid_seq: 3 * LOG_SLOTS,
+                ..written
+            }
+        );
+        assert_eq!(read_head(&store).unwrap().0.snapshot_seq, 3 * LOG_SLOTS);
+        // Beyond the ring of the written snapshot's id, within it of its validity.
+        let mut late = Replica::new(&config, FP);
+        let report = late.sync(&store, &config, 0);
+        assert!(report.snapshot_loaded && !report.lost_sync);
+        assert_eq!(report.batches, 0);
+        assert_eq!(late.applied_seq, 3 * LOG_SLOTS);
+        assert_eq!(late.index.encode_snapshot(), poller.index.encode_snapshot());
+        // A change: the next due snapshot is encoded again.
+        assert!(poller_append(&store, 1, None, 1, 0xbeef));
+        for _ in 1..SNAPSHOT_EVERY {
+            assert!(append(&store, FP, 2, 0, &[], |_| true));
+        }
+        poller.sync(&store, &config, 0);
+        poller.maybe_write_snapshot(&store);
+        let rewritten = Manifest::decode(&store.get(SNAPSHOT_KEY).0.unwrap()).unwrap();
+        assert_eq!(
+            (rewritten.id, rewritten.valid_seq),
+            (
+                3 * LOG_SLOTS + SNAPSHOT_EVERY,
+                3 * LOG_SLOTS + SNAPSHOT_EVERY
+            )
+        );
+    }
+
+    /// A poller that applies several batches per sync still writes a snapshot each time it
+    /// passes a multiple of `SNAPSHOT_EVERY`, not only when it lands on one.
+    #[test]
+    fn a_poller_applying_several_batches_per_sync_still_writes_snapshots() {
+        let config = config(2);
+        let store = MemStore::new();
+        init(&store);
+        let mut poller = Replica::new(&config, FP);
+        poller.full_head = true;
+        let mut written = Vec::new();
+        for id in 1..=100 {
+            assert!(poller_append(&store, 0, (id > 1).then(|| id - 1), id, id));
+            if id % 5 == 0 {
+                poller.sync(&store, &config, 0);
+                poller.maybe_write_snapshot(&store);
+                let (head, _) = read_head(&store).unwrap();
+                if written.last() != Some(&head.snapshot_seq) {
+                    written.push(head.snapshot_seq);
+                }
+            }
+        }
+        assert_eq!(written, vec![0, 35, 65, 100]);
     }
 }
