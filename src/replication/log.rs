@@ -19,8 +19,9 @@
 //!   and its number: no VM ever holds the whole encoded snapshot in its linear memory (which
 //!   never shrinks), only one part at a time. The writer sets the parts, then the manifest, then
 //!   empties the parts a larger earlier snapshot left beyond its own. A loader that finds a part
-//!   of another snapshot (a writer was overwriting them meanwhile) has no usable snapshot: it
-//!   loses sync. When no batch since the snapshot changed the index, the writer only moves the
+//!   of another snapshot (a writer was overwriting them meanwhile) reads it again next tick,
+//!   from an empty index (the writer sets every part within its tick); only a snapshot torn
+//!   [`TORN_SNAPSHOT_RETRIES`] ticks in a row makes it lose sync. When no batch since the snapshot changed the index, the writer only moves the
 //!   manifest's "valid at" forward (CAS) instead of encoding it again.
 //!
 //! Append protocol. Normally only the lease holder appends, but during a lease hand-over the old
@@ -216,6 +217,22 @@ pub struct Replica {
     /// The id of the snapshot this index equals (written or loaded here, no change applied
     /// since): a due snapshot then only extends the manifest's validity.
     snapshot_basis: Option<u64>,
+    /// Ticks in a row that found the snapshot torn (a writer replacing its parts).
+    torn_snapshots: u8,
+}
+
+/// How often a replica beyond the ring retries a torn snapshot, one tick apart, before it gives
+/// up and loses sync: the writer sets every part within one tick, so a second read is whole.
+const TORN_SNAPSHOT_RETRIES: u8 = 3;
+
+/// What loading the snapshot found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SnapshotLoad {
+    Loaded,
+    /// A part of another snapshot: a writer is replacing the parts; worth another read.
+    Torn,
+    /// None, too old, another configuration, or a part that does not decode.
+    Unusable,
 }
 
 /// The snapshot manifest (`ekr.snapshot`).
@@ -300,6 +317,7 @@ impl Replica {
             pending: None,
             device_losses: None,
             snapshot_basis: None,
+            torn_snapshots: 0,
         }
     }
 
@@ -349,7 +367,18 @@ impl Replica {
             self.applied_seq = head.epoch_start;
         }
         if head.seq - self.applied_seq >= LOG_SLOTS {
-            if self.load_snapshot(store, config, &head) {
+            let load = self.load_snapshot(store, config, &head);
+            if load == SnapshotLoad::Torn && self.torn_snapshots < TORN_SNAPSHOT_RETRIES {
+                // Read it again next tick, from an empty index (the parts read so far are of
+                // the old snapshot); the replica stays behind the ring until then.
+                self.torn_snapshots += 1;
+                self.index = new_index(config);
+                self.snapshot_basis = None;
+                self.head = head;
+                return report;
+            }
+            self.torn_snapshots = 0;
+            if load == SnapshotLoad::Loaded {
                 report.snapshot_loaded = true;
             } else {
                 report.lost_sync = true;
@@ -387,14 +416,18 @@ impl Replica {
     }
 
     /// Loads the snapshot part by part into the existing index (its memory is reused instead of
-    /// doubled; on failure the caller starts a new one anyway). `false`: no usable snapshot
-    /// (none, too old, another configuration, or a part of another snapshot).
-    fn load_snapshot(&mut self, store: &dyn SharedStore, config: &Config, head: &LogHead) -> bool {
+    /// doubled; unless `Loaded`, the caller starts a new one anyway).
+    fn load_snapshot(
+        &mut self,
+        store: &dyn SharedStore,
+        config: &Config,
+        head: &LogHead,
+    ) -> SnapshotLoad {
         let (Some(bytes), _) = store.get(SNAPSHOT_KEY) else {
-            return false;
+            return SnapshotLoad::Unusable;
         };
         let Some(m) = Manifest::decode(&bytes) else {
-            return false;
+            return SnapshotLoad::Unusable;
         };
         if m.id < head.epoch_start
             || m.id > m.valid_seq
@@ -404,27 +437,27 @@ impl Replica {
             || m.parts > SNAPSHOT_PARTS
             || usize::try_from(m.slots).ok() != Some(config.slots.len())
         {
-            return false;
+            return SnapshotLoad::Unusable;
         }
         self.index
             .begin_snapshot_parts(config.slots.len(), max_blocks(config));
         for number in 0..m.parts {
             let (Some(bytes), _) = store.get(&part_key(number)) else {
-                return false;
+                return SnapshotLoad::Unusable;
             };
             match split_part(&bytes) {
                 Some((id, n, body)) if id == m.id && n == number => {
                     if self.index.decode_snapshot_part(body).is_err() {
-                        return false;
+                        return SnapshotLoad::Unusable;
                     }
                 }
-                _ => return false, // torn: a writer is replacing the parts
+                _ => return SnapshotLoad::Torn, // a writer is replacing the parts
             }
         }
         self.index.finish_snapshot_parts();
         self.applied_seq = m.valid_seq;
         self.snapshot_basis = Some(m.id);
-        true
+        SnapshotLoad::Loaded
     }
 
     /// Writes this replica's index as the snapshot when it is due (the poller calls this): the
@@ -1302,10 +1335,10 @@ mod tests {
     }
 
     /// A part of another snapshot among the parts (a writer replacing them while a replica
-    /// loads): the loader has no usable snapshot and takes the lost-sync path, from an empty
-    /// index at the ring's oldest batch, without any of the torn snapshot's blocks.
+    /// loads): the loader reads it again on the next ticks, from an empty index and without
+    /// applying anything, and loads it once it is whole.
     #[test]
-    fn a_torn_snapshot_is_not_loaded() {
+    fn a_torn_snapshot_is_read_again_next_tick() {
         let config = config(2);
         let store = MemStore::new();
         let batches = 2 * LOG_SLOTS + 5;
@@ -1317,6 +1350,37 @@ mod tests {
         other.extend_from_slice(&part[8..]);
         store.set(&part_key(1), &other, None).unwrap();
         let mut late = Replica::new(&config, FP);
+        let report = late.sync(&store, &config, 0);
+        assert!(!report.lost_sync && !report.snapshot_loaded);
+        assert_eq!((late.applied_seq, late.index.entries()), (0, 0));
+        // The writer finished: the parts are whole again.
+        store.set(&part_key(1), &part, None).unwrap();
+        let report = late.sync(&store, &config, 0);
+        assert!(report.snapshot_loaded && !report.lost_sync);
+        assert_eq!(late.applied_seq, batches);
+        assert_eq!(late.index.entries(), usize::try_from(batches).unwrap());
+    }
+
+    /// A snapshot that stays torn (no writer will finish it): after the retries the replica
+    /// takes the lost-sync path, from an empty index at the ring's oldest batch, without any of
+    /// the torn snapshot's blocks.
+    #[test]
+    fn a_snapshot_torn_for_good_ends_in_lost_sync() {
+        let config = config(2);
+        let store = MemStore::new();
+        let batches = 2 * LOG_SLOTS + 5;
+        log_with_snapshots(&store, &config, batches);
+        let (Some(part), _) = store.get(&part_key(1)) else {
+            panic!("no part 1")
+        };
+        let mut other = (2 * LOG_SLOTS + 32).to_le_bytes().to_vec();
+        other.extend_from_slice(&part[8..]);
+        store.set(&part_key(1), &other, None).unwrap();
+        let mut late = Replica::new(&config, FP);
+        for _ in 0..TORN_SNAPSHOT_RETRIES {
+            let report = late.sync(&store, &config, 0);
+            assert!(!report.lost_sync && !report.snapshot_loaded);
+        }
         let report = late.sync(&store, &config, 0);
         assert!(report.lost_sync && !report.snapshot_loaded);
         assert_eq!(late.applied_seq, batches);
