@@ -86,6 +86,10 @@ pub struct KvCost<'a> {
     bs: f64,
     isl: f64,
     prompt_blocks: u32,
+    /// The credit of an empty overlap (`w * 0.0` summed as in [`KvCost::terms`]: 0 for finite
+    /// weights, NaN otherwise) and the decode blocks it adds, for [`KvCost::cost_without_overlap`].
+    zero_credit: f64,
+    zero_new_blocks: f64,
 }
 
 impl<'a> KvCost<'a> {
@@ -95,11 +99,18 @@ impl<'a> KvCost<'a> {
         isl_tokens: u32,
         prompt_blocks: u32,
     ) -> Self {
+        let zero = Overlap::default();
+        let w = weights;
         KvCost {
             weights,
             bs: f64::from(block_size.max(1)),
             isl: f64::from(isl_tokens),
             prompt_blocks,
+            zero_credit: w.overlap_score_credit * f64::from(zero.device_blocks)
+                + w.host_cache_hit_weight * f64::from(zero.host_blocks)
+                + w.disk_cache_hit_weight * f64::from(zero.disk_blocks)
+                + w.shared_cache_multiplier * 0.0,
+            zero_new_blocks: f64::from(new_decode_blocks(prompt_blocks, &zero)),
         }
     }
 
@@ -138,6 +149,26 @@ impl<'a> KvCost<'a> {
             decode_blocks,
             cost,
         })
+    }
+
+    /// [`KvCost::cost`] of a slot with no overlap and no preference (multiplier 1): the same
+    /// value, with the overlap's terms computed once per request instead of per slot.
+    #[inline]
+    pub fn cost_without_overlap(&self, load: &SlotLoad) -> Result<f64, f64> {
+        let w = self.weights;
+        let raw_prefill_blocks = (load.prefill_tokens + self.isl) / self.bs;
+        let diff = raw_prefill_blocks - self.zero_credit;
+        let adjusted_prefill_blocks = if diff.is_nan() { diff } else { diff.max(0.0) };
+        let decode_blocks = load.decode_blocks + self.zero_new_blocks;
+        // `x * 1.0 == x` (the multiplier of `terms`), so it is left out.
+        let cost = w.prefill_load_scale * adjusted_prefill_blocks
+            + decode_blocks
+            + w.decode_active_request_weight * f64::from(load.active_requests);
+        if cost.is_finite() {
+            Ok(cost)
+        } else {
+            Err(cost)
+        }
     }
 
     /// The slot's cost; `Err(cost)` when it is not finite.
@@ -283,5 +314,49 @@ mod tests {
         i.load.prefill_tokens = 0.0;
         i.load.decode_blocks = f64::INFINITY;
         assert!(slot_cost(&CostWeights::default(), 16, &i).is_err());
+    }
+
+    #[test]
+    fn the_no_overlap_cost_is_the_cost_of_an_empty_overlap_bit_for_bit() {
+        let weights = [
+            CostWeights::default(),
+            CostWeights {
+                overlap_score_credit: -2.5,
+                prefill_load_scale: 0.3,
+                host_cache_hit_weight: -0.0,
+                disk_cache_hit_weight: 7.0,
+                shared_cache_multiplier: 1.0,
+                decode_active_request_weight: 0.125,
+            },
+            CostWeights {
+                shared_cache_multiplier: f64::INFINITY,
+                ..CostWeights::default()
+            },
+        ];
+        let values = [0.0, -0.0, 1.0, 3.7, 640.0, 1e300, f64::NAN, f64::INFINITY];
+        for w in &weights {
+            for (bs, isl) in [(16, 0), (64, 4096), (7, 100)] {
+                let kv = KvCost::new(w, bs, isl, isl.div_ceil(bs));
+                for (prefill, decode, active) in values
+                    .iter()
+                    .flat_map(|p| values.iter().map(move |d| (*p, *d)))
+                    .flat_map(|(p, d)| [0, 1, 9].map(|a| (p, d, a)))
+                {
+                    let load = SlotLoad {
+                        prefill_tokens: prefill,
+                        decode_blocks: decode,
+                        active_requests: active,
+                    };
+                    // Bit for bit (any NaN counts as one value).
+                    let key = |x: f64| if x.is_nan() { u64::MAX } else { x.to_bits() };
+                    let bits = |r: Result<f64, f64>| r.map(key).map_err(key);
+                    assert_eq!(
+                        bits(kv.cost_without_overlap(&load)),
+                        bits(kv.cost(&Overlap::default(), &load, 1.0)),
+                        "{w:?} {bs} {isl} {load:?}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -38,8 +38,16 @@ pub fn eligible_slots(
 
     // 0. Membership: vacant pool entries and hosts Envoy reports unhealthy (while healthy ones
     //    exist) are out. Always true without `membership`.
-    // Skipped when it would keep every slot (no vacant or unhealthy entry).
-    let all_routable = config.workers.iter().all(|w| w.routable)
+    // Skipped when it would keep every slot (no vacant or unhealthy entry). One pass over the
+    // workers also tells whether any has a model list (stage 4): at 1,000 workers each pass
+    // reads every worker's entry.
+    let (workers_routable, any_model_list) = config
+        .workers
+        .iter()
+        .fold((true, false), |(routable, models), w| {
+            (routable & w.routable, models | !w.models.is_empty())
+        });
+    let all_routable = workers_routable
         && config
             .slots
             .iter()
@@ -116,7 +124,6 @@ pub fn eligible_slots(
 
     // 4. Model.
     // (Skipped when every worker serves every model.)
-    let any_model_list = config.workers.iter().any(|w| !w.models.is_empty());
     if let Some(model) = request.model.as_ref().filter(|_| any_model_list) {
         worker_ok(&mut slots, &|w| w.serves_model(model));
         if slots.is_empty() {

@@ -273,30 +273,15 @@ impl Window {
         let Some((table, _)) = header_unless_reap_due(bytes, num_slots, now_ms)? else {
             return Ok(None);
         };
-        // The details' lengths from the summaries alone (a tight loop, no detail is read).
+        // decode_header checked that every summary fits.
         let summaries = bytes
             .get(HEADER_LEN..HEADER_LEN + num_slots * SLOT_FIXED_LEN)
             .unwrap_or_default();
-        let mut pos = HEADER_LEN + summaries.len();
-        let mut range = None;
-        for (i, summary) in summaries.chunks_exact(SLOT_FIXED_LEN).enumerate() {
-            let (queued, mask) = match summary.get(12..14) {
-                Some(&[q, m]) => (usize::from(q), m),
-                _ => return Err(LoadDecodeError::Malformed),
-            };
-            if queued > PREFILL_QUEUE || usize::from(mask) >> BUCKETS != 0 {
-                return Err(LoadDecodeError::Malformed);
-            }
-            let next = pos + details_len(queued, mask);
-            if i == index {
-                range = Some((pos, next));
-            }
-            pos = next;
-        }
-        if pos != bytes.len() {
+        let (range, end) = details_range(summaries, HEADER_LEN + summaries.len(), index)?;
+        if end != bytes.len() {
             return Err(LoadDecodeError::Truncated {
                 len: bytes.len(),
-                needed: pos,
+                needed: end,
             });
         }
         let Some((start, end)) = range else {
@@ -408,6 +393,38 @@ impl Window {
         out.extend_from_slice(bytes.get(self.end..).unwrap_or_default());
         out
     }
+}
+
+/// Slot `index`'s details' byte range (`None` past the last slot) and where the last slot's
+/// details end, from the summaries' lengths alone (details from `start` on). A tight pass with
+/// no branch per slot: the release walks every slot before its own this way.
+fn details_range(
+    summaries: &[u8],
+    start: usize,
+    index: usize,
+) -> Result<(Option<(usize, usize)>, usize), LoadDecodeError> {
+    let mut malformed = false;
+    let mut lens = summaries.chunks_exact(SLOT_FIXED_LEN).map(|summary| {
+        let (queued, mask) = match summary.get(12..14) {
+            Some(&[q, m]) => (q, m),
+            _ => (u8::MAX, u8::MAX),
+        };
+        malformed |= usize::from(queued) > PREFILL_QUEUE || usize::from(mask) >> BUCKETS != 0;
+        usize::from(queued) * QUEUED_LEN + details_len(0, mask & ((1 << BUCKETS) - 1))
+    });
+    let mut pos = start;
+    for len in lens.by_ref().take(index) {
+        pos += len;
+    }
+    let range = lens.next().map(|len| (pos, pos + len));
+    pos = range.map_or(pos, |(_, end)| end);
+    for len in lens {
+        pos += len;
+    }
+    if malformed {
+        return Err(LoadDecodeError::Malformed);
+    }
+    Ok((range, pos))
 }
 
 /// The table's header, or `None` when a time bucket is due for reaping at `now_ms` (the edit
