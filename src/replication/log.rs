@@ -21,8 +21,9 @@
 //!   empties the parts a larger earlier snapshot left beyond its own. A loader that finds a part
 //!   of another snapshot (a writer was overwriting them meanwhile) reads it again next tick,
 //!   from an empty index (the writer sets every part within its tick); only a snapshot torn
-//!   [`TORN_SNAPSHOT_RETRIES`] ticks in a row makes it lose sync. When no batch since the snapshot changed the index, the writer only moves the
-//!   manifest's "valid at" forward (CAS) instead of encoding it again.
+//!   [`TORN_SNAPSHOT_RETRIES`] ticks in a row makes it lose sync. When no batch since the
+//!   snapshot changed the index, the writer only moves the manifest's "valid at" forward (CAS)
+//!   instead of encoding it again.
 //!
 //! Append protocol. Normally only the lease holder appends, but during a lease hand-over the old
 //! holder may still be handling a reply while the new one appends, so it must hold for any
@@ -1334,6 +1335,18 @@ mod tests {
         poller
     }
 
+    /// Replaces part 1 with the same part of a later snapshot (a writer mid-way); returns the
+    /// part it replaced.
+    fn tear_part_1(store: &MemStore) -> Vec<u8> {
+        let (Some(part), _) = store.get(&part_key(1)) else {
+            panic!("no part 1")
+        };
+        let mut other = (2 * LOG_SLOTS + 32).to_le_bytes().to_vec();
+        other.extend_from_slice(&part[8..]);
+        store.set(&part_key(1), &other, None).unwrap();
+        part
+    }
+
     /// A part of another snapshot among the parts (a writer replacing them while a replica
     /// loads): the loader reads it again on the next ticks, from an empty index and without
     /// applying anything, and loads it once it is whole.
@@ -1343,12 +1356,7 @@ mod tests {
         let store = MemStore::new();
         let batches = 2 * LOG_SLOTS + 5;
         log_with_snapshots(&store, &config, batches);
-        let (Some(part), _) = store.get(&part_key(1)) else {
-            panic!("no part 1")
-        };
-        let mut other = (2 * LOG_SLOTS + 32).to_le_bytes().to_vec();
-        other.extend_from_slice(&part[8..]);
-        store.set(&part_key(1), &other, None).unwrap();
+        let part = tear_part_1(&store);
         let mut late = Replica::new(&config, FP);
         let report = late.sync(&store, &config, 0);
         assert!(!report.lost_sync && !report.snapshot_loaded);
@@ -1370,12 +1378,7 @@ mod tests {
         let store = MemStore::new();
         let batches = 2 * LOG_SLOTS + 5;
         log_with_snapshots(&store, &config, batches);
-        let (Some(part), _) = store.get(&part_key(1)) else {
-            panic!("no part 1")
-        };
-        let mut other = (2 * LOG_SLOTS + 32).to_le_bytes().to_vec();
-        other.extend_from_slice(&part[8..]);
-        store.set(&part_key(1), &other, None).unwrap();
+        tear_part_1(&store);
         let mut late = Replica::new(&config, FP);
         for _ in 0..TORN_SNAPSHOT_RETRIES {
             let report = late.sync(&store, &config, 0);
