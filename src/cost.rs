@@ -100,16 +100,12 @@ impl<'a> KvCost<'a> {
         prompt_blocks: u32,
     ) -> Self {
         let zero = Overlap::default();
-        let w = weights;
         KvCost {
             weights,
             bs: f64::from(block_size.max(1)),
             isl: f64::from(isl_tokens),
             prompt_blocks,
-            zero_credit: w.overlap_score_credit * f64::from(zero.device_blocks)
-                + w.host_cache_hit_weight * f64::from(zero.host_blocks)
-                + w.disk_cache_hit_weight * f64::from(zero.disk_blocks)
-                + w.shared_cache_multiplier * 0.0,
+            zero_credit: credit_blocks(weights, &zero),
             zero_new_blocks: f64::from(new_decode_blocks(prompt_blocks, &zero)),
         }
     }
@@ -123,18 +119,30 @@ impl<'a> KvCost<'a> {
         load: &SlotLoad,
         preferred_multiplier: f64,
     ) -> Result<SlotCost, NonFiniteCost> {
+        let new_blocks = f64::from(new_decode_blocks(self.prompt_blocks, o));
+        self.terms_from(
+            load,
+            credit_blocks(self.weights, o),
+            new_blocks,
+            preferred_multiplier,
+        )
+    }
+
+    /// [`KvCost::terms`] from the overlap's credit and new decode blocks.
+    #[inline]
+    fn terms_from(
+        &self,
+        load: &SlotLoad,
+        credit_blocks: f64,
+        new_blocks: f64,
+        preferred_multiplier: f64,
+    ) -> Result<SlotCost, NonFiniteCost> {
         let w = self.weights;
         let raw_prefill_blocks = (load.prefill_tokens + self.isl) / self.bs;
-        let shared_beyond_device_blocks = 0.0;
-        let credit_blocks = w.overlap_score_credit * f64::from(o.device_blocks)
-            + w.host_cache_hit_weight * f64::from(o.host_blocks)
-            + w.disk_cache_hit_weight * f64::from(o.disk_blocks)
-            + w.shared_cache_multiplier * shared_beyond_device_blocks;
         // `f64::max` would turn a NaN into 0 and hide corrupt inputs: keep NaN for the check below.
         let diff = raw_prefill_blocks - credit_blocks;
         let adjusted_prefill_blocks = if diff.is_nan() { diff } else { diff.max(0.0) };
-        let decode_blocks =
-            load.decode_blocks + f64::from(new_decode_blocks(self.prompt_blocks, o));
+        let decode_blocks = load.decode_blocks + new_blocks;
         let cost = (w.prefill_load_scale * adjusted_prefill_blocks
             + decode_blocks
             + w.decode_active_request_weight * f64::from(load.active_requests))
@@ -155,20 +163,9 @@ impl<'a> KvCost<'a> {
     /// value, with the overlap's terms computed once per request instead of per slot.
     #[inline]
     pub fn cost_without_overlap(&self, load: &SlotLoad) -> Result<f64, f64> {
-        let w = self.weights;
-        let raw_prefill_blocks = (load.prefill_tokens + self.isl) / self.bs;
-        let diff = raw_prefill_blocks - self.zero_credit;
-        let adjusted_prefill_blocks = if diff.is_nan() { diff } else { diff.max(0.0) };
-        let decode_blocks = load.decode_blocks + self.zero_new_blocks;
-        // `x * 1.0 == x` (the multiplier of `terms`), so it is left out.
-        let cost = w.prefill_load_scale * adjusted_prefill_blocks
-            + decode_blocks
-            + w.decode_active_request_weight * f64::from(load.active_requests);
-        if cost.is_finite() {
-            Ok(cost)
-        } else {
-            Err(cost)
-        }
+        self.terms_from(load, self.zero_credit, self.zero_new_blocks, 1.0)
+            .map(|t| t.cost)
+            .map_err(|e| e.cost)
     }
 
     /// The slot's cost; `Err(cost)` when it is not finite.
@@ -183,6 +180,17 @@ impl<'a> KvCost<'a> {
             .map(|t| t.cost)
             .map_err(|e| e.cost)
     }
+}
+
+/// The overlap's credit in blocks (`shared_cache_multiplier` weighs shared blocks beyond the
+/// device prefix, none here).
+#[inline]
+fn credit_blocks(w: &CostWeights, o: &Overlap) -> f64 {
+    let shared_beyond_device_blocks = 0.0;
+    w.overlap_score_credit * f64::from(o.device_blocks)
+        + w.host_cache_hit_weight * f64::from(o.host_blocks)
+        + w.disk_cache_hit_weight * f64::from(o.disk_blocks)
+        + w.shared_cache_multiplier * shared_beyond_device_blocks
 }
 
 /// The cost of one slot; see the module docs.
