@@ -213,7 +213,7 @@ fn main() {
     load_store::init(&store, config.slots.len(), 900_000);
     for k in 0..in_flight {
         let slot = (k % workers) as u16;
-        load_store::update(&store, config.slots.len(), |t| {
+        load_store::update_slot(&store, config.slots.len(), slot, 1_000, |t| {
             t.admit(1 << 40 | k as u64, slot, 4096, 64, None, 1_000)
         })
         .unwrap();

@@ -229,9 +229,12 @@ pub struct LoadTable {
     ring: [u64; BUCKETS],
     /// Every slot, or (a window, see `load/window.rs`) only slot `first`.
     slots: Vec<Slot>,
-    /// The slot index of `slots[0]`: 0 unless this is a window.
+    /// The slot index of `slots[0]`: `base` unless this is a window.
     first: usize,
-    /// Slots in the whole table.
+    /// The slot index of the stored table's first slot: 0 unless the table is one shard of a
+    /// larger one (see `load_store.rs`). Tickets and edits use slot indices of the whole table.
+    base: usize,
+    /// Slots in the stored table (the shard).
     total: usize,
 }
 
@@ -298,12 +301,29 @@ impl LoadTable {
             ring: [u64::MAX; BUCKETS],
             slots: vec![Slot::default(); num_slots],
             first: 0,
+            base: 0,
             total: num_slots,
         }
     }
 
+    /// Slots in the stored table (the shard).
     pub fn num_slots(&self) -> usize {
         self.total
+    }
+
+    /// This table as the shard whose first slot is slot `base` of the whole table: slot
+    /// arguments and tickets then use the whole table's indices.
+    pub fn rebased(mut self, base: usize) -> Self {
+        self.first = self.first.saturating_sub(self.base) + base;
+        self.base = base;
+        self
+    }
+
+    /// Whether `slot` (a whole-table index) is one of the stored table's slots.
+    fn covers(&self, slot: SlotIdx) -> bool {
+        usize::from(slot)
+            .checked_sub(self.base)
+            .is_some_and(|i| i < self.total)
     }
 
     fn slot(&self, slot: SlotIdx) -> Option<&Slot> {
@@ -391,6 +411,7 @@ impl LoadTable {
             ring,
             slots: Vec::new(),
             first: 0,
+            base: 0,
             total: num_slots,
         };
         Ok((table, r))
@@ -516,7 +537,7 @@ impl LoadTable {
         expected_prefill_ms: Option<f64>,
         now_ms: u64,
     ) -> Option<Ticket> {
-        if usize::from(slot) >= self.num_slots() {
+        if !self.covers(slot) {
             return None;
         }
         self.expire(now_ms);
@@ -639,7 +660,7 @@ impl LoadTable {
     /// it booked (counted in full there: it joins no prefill queue). `None` if its booking is
     /// gone or the slot is out of range.
     pub fn move_to(&mut self, ticket: &Ticket, slot: SlotIdx, now_ms: u64) -> Option<Ticket> {
-        if usize::from(slot) >= self.num_slots() {
+        if !self.covers(slot) {
             return None;
         }
         self.expire(now_ms);
@@ -649,7 +670,19 @@ impl LoadTable {
         if ticket.slot == slot {
             return Some(*ticket);
         }
+        self.slot(slot)?;
         self.subtract(ticket, now_ms);
+        self.adopt(ticket, slot, now_ms)
+    }
+
+    /// Books on `slot` what `ticket` booked elsewhere (the second half of a move whose first half,
+    /// a release, was another table's: see `load_store::move_booking`), counted in full in its
+    /// own time bucket. `None` if that bucket is gone or the slot is not in this table.
+    pub fn adopt(&mut self, ticket: &Ticket, slot: SlotIdx, now_ms: u64) -> Option<Ticket> {
+        self.expire(now_ms);
+        if !LoadTable::alive(ticket.epoch, self.epoch_of(now_ms)) {
+            return None;
+        }
         let moved = Ticket {
             slot,
             generation: self.slot(slot)?.generation,
@@ -681,10 +714,11 @@ impl LoadTable {
     /// requests were in flight there.
     pub fn clear_slots(&mut self, slots: std::ops::Range<SlotIdx>, now_ms: u64) -> u64 {
         let view = self.view(now_ms);
+        let first = self.first;
         slots
             .filter(|&s| self.clear_slot(s))
             .map(|s| {
-                view.get(usize::from(s))
+                view.get(usize::from(s).wrapping_sub(first))
                     .map_or(0, |l| u64::from(l.active_requests))
             })
             .sum()

@@ -1,24 +1,62 @@
-//! The load table in one shared-data key (`ekr.load`), updated by every VM with CAS (get, edit,
-//! set with the version read; on mismatch read again and redo the edit) so that no update is lost.
+//! The load table in shared data, updated by every VM with CAS (get, edit, set with the version
+//! read; on mismatch read again and redo the edit) so that no update is lost.
+//!
+//! The table is split into shards of [`SHARD_SLOTS`] slots, one key each (`ekr.load` for the
+//! first, `ekr.load.<n>` for the others; a fleet of up to 128 slots has one key). The decision
+//! reads every shard, but each later phase of a request (booking, first token, output, release)
+//! touches its own slot only, so it copies one shard (a few KB) rather than the whole table
+//! (34 KB at 1,000 slots): a per-request cost that stays flat as the fleet grows. Shards are
+//! independent tables (own time buckets, own CAS); no edit needs two shards at once except a
+//! retry's move to a fallback host, done as a release on one and a booking on the other.
 //!
 //! A release must never be lost: a lost one leaves phantom load on its worker until the reaper
 //! drops it (`load.request_timeout_ms`, 15 minutes by default). So a release whose CAS loop is
 //! outlasted by contention is kept in the VM's [`PendingReleases`] and folded into this VM's next
 //! load update (and retried on every tick) until it lands.
 //!
-//! The table's size is fixed by the slot count (see [`crate::load`]), so every CAS round costs
+//! A shard's size is fixed by its slot count (see [`crate::load`]), so every CAS round costs
 //! the same whatever the requests in flight.
+
+use std::borrow::Cow;
 
 use crate::load::{bucket_ms_for, reap_due, view_bytes_at, LoadTable, SlotLoad, Ticket, Window};
 use crate::store::{SharedStore, StoreError};
 use crate::types::SlotIdx;
 
 const LOAD_KEY: &str = "ekr.load";
+/// Slots per shard key. Smaller shards make each later phase's copy smaller but the decision
+/// read more keys (one host call each): at 1,000 slots, 8 reads of ~4 KB.
+pub const SHARD_SLOTS: usize = 128;
 const CAS_ATTEMPTS: usize = 64;
 /// Releases a VM keeps while contention defers them (each is about 56 bytes).
 pub const MAX_PENDING_RELEASES: usize = 4096;
 
-/// Why [`update`] wrote nothing.
+/// Shard keys of a table of `num_slots` slots (at least one).
+pub fn shard_count(num_slots: usize) -> usize {
+    num_slots.div_ceil(SHARD_SLOTS).max(1)
+}
+
+/// The shard holding `slot`.
+fn shard_of(slot: SlotIdx) -> usize {
+    usize::from(slot) / SHARD_SLOTS
+}
+
+/// The whole-table index of `shard`'s first slot, and how many slots it holds.
+fn shard_slots(num_slots: usize, shard: usize) -> (usize, usize) {
+    let base = shard * SHARD_SLOTS;
+    (base, num_slots.saturating_sub(base).min(SHARD_SLOTS))
+}
+
+/// The shared-data key of `shard` (bounded by the configured slots: never per request).
+pub fn shard_key(shard: usize) -> Cow<'static, str> {
+    if shard == 0 {
+        Cow::Borrowed(LOAD_KEY)
+    } else {
+        Cow::Owned(format!("{LOAD_KEY}.{shard}"))
+    }
+}
+
+/// Why [`update_shard`] wrote nothing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UpdateFailure {
     /// The edit returned `None` (nothing to change).
@@ -27,82 +65,104 @@ pub enum UpdateFailure {
     Contended,
 }
 
-/// Creates the key if absent (so later writers always have a CAS version to check), or replaces
-/// a table another configuration wrote (slot count or bucket width for `timeout_ms`).
+/// Creates every shard's key if absent (so later writers always have a CAS version to check),
+/// or replaces a shard another configuration wrote (slot count or bucket width for
+/// `timeout_ms`).
 pub fn init(store: &dyn SharedStore, num_slots: usize, timeout_ms: u64) {
-    let (bytes, cas) = store.get(LOAD_KEY);
-    let fits = bytes.as_deref().is_some_and(|b| {
-        LoadTable::decode(b, num_slots).is_ok_and(|t| t.bucket_ms() == bucket_ms_for(timeout_ms))
-    });
-    if !fits {
-        let fresh = LoadTable::with_timeout(num_slots, timeout_ms).encode();
-        let _ = store.set(LOAD_KEY, &fresh, cas);
+    for shard in 0..shard_count(num_slots) {
+        let key = shard_key(shard);
+        let (_, len) = shard_slots(num_slots, shard);
+        let (bytes, cas) = store.get(&key);
+        let fits = bytes.as_deref().is_some_and(|b| {
+            LoadTable::decode(b, len).is_ok_and(|t| t.bucket_ms() == bucket_ms_for(timeout_ms))
+        });
+        if !fits {
+            let fresh = LoadTable::with_timeout(len, timeout_ms).encode();
+            let _ = store.set(&key, &fresh, cas);
+        }
     }
 }
 
-pub fn read(store: &dyn SharedStore, num_slots: usize) -> LoadTable {
-    let (bytes, _) = store.get(LOAD_KEY);
-    LoadTable::decode_or_fresh(bytes.as_deref().unwrap_or_default(), num_slots).0
+/// Every slot's load at `now_ms` (idle for a shard whose bytes do not decode).
+pub fn view(store: &dyn SharedStore, num_slots: usize, now_ms: u64) -> Vec<SlotLoad> {
+    let mut out = Vec::with_capacity(num_slots);
+    read_snapshot(store, num_slots).view_into(now_ms, &mut out);
+    out
 }
 
-/// The table's bytes as read, with the version they were read at: the request path views them
-/// once for its decision and hands them to [`update_slot_from`] for the booking, whose first CAS
-/// attempt then needs no second get.
-pub struct Snapshot {
+/// One shard's bytes as read, with the version they were read at.
+struct ShardBytes {
     bytes: Vec<u8>,
     cas: Option<u32>,
-    num_slots: usize,
     /// Where each slot's details start in `bytes` (and where the last ends), recorded by
     /// [`Snapshot::view_into`]: the booking on these bytes then finds its slot without a pass
     /// over the others' summaries. Empty until then.
     offsets: Vec<usize>,
 }
 
+/// Every shard as read: the request path views them once for its decision and hands them to
+/// [`update_slot_from`] for the booking, whose first CAS attempt then needs no second get.
+pub struct Snapshot {
+    shards: Vec<ShardBytes>,
+    num_slots: usize,
+}
+
 impl Snapshot {
-    /// Per-slot load at `now_ms` into `out` (idle slots if the bytes do not decode: the next
-    /// write replaces them with a fresh table).
+    /// Per-slot load at `now_ms` into `out` (idle slots for a shard whose bytes do not decode:
+    /// the next write replaces them with a fresh table).
     pub fn view_into(&mut self, now_ms: u64, out: &mut Vec<SlotLoad>) {
-        let offsets = Some(&mut self.offsets);
-        if view_bytes_at(&self.bytes, self.num_slots, now_ms, out, offsets).is_err() {
-            out.resize(self.num_slots, SlotLoad::default());
+        out.clear();
+        for (shard, read) in self.shards.iter_mut().enumerate() {
+            let (_, len) = shard_slots(self.num_slots, shard);
+            let offsets = Some(&mut read.offsets);
+            if view_bytes_at(&read.bytes, len, now_ms, out, offsets).is_err() {
+                out.resize(out.len() + len, SlotLoad::default());
+            }
         }
     }
 }
 
 pub fn read_snapshot(store: &dyn SharedStore, num_slots: usize) -> Snapshot {
-    let (bytes, cas) = store.get(LOAD_KEY);
-    Snapshot {
-        bytes: bytes.unwrap_or_default(),
-        cas,
-        num_slots,
-        offsets: Vec::new(),
-    }
+    let shards = (0..shard_count(num_slots))
+        .map(|shard| {
+            let (bytes, cas) = store.get(&shard_key(shard));
+            ShardBytes {
+                bytes: bytes.unwrap_or_default(),
+                cas,
+                offsets: Vec::new(),
+            }
+        })
+        .collect();
+    Snapshot { shards, num_slots }
 }
 
-/// Applies `edit` atomically, on a fresh read for every attempt. An edit that returns `None`
-/// changed nothing and writes nothing.
-pub fn update<R>(
+/// Applies `edit` atomically to one shard (the edit sees that shard's slots only), on a fresh
+/// read for every attempt. An edit that returns `None` changed nothing and writes nothing.
+pub fn update_shard<R>(
     store: &dyn SharedStore,
     num_slots: usize,
+    shard: usize,
     edit: impl FnMut(&mut LoadTable) -> Option<R>,
 ) -> Result<R, UpdateFailure> {
-    update_from(store, num_slots, None, edit)
+    cas_loop(store, num_slots, shard, None, None, edit)
 }
 
-/// [`update`] whose first attempt edits `first` (a [`read_snapshot`] of this table: if the key
-/// was written since, that attempt's CAS fails and the next one reads afresh, as always).
-pub fn update_from<R>(
+/// [`update_shard`] on every shard in turn, each in its own CAS loop: for edits whose effect on
+/// one slot does not depend on another's (reaping, clearing departed workers' slots). Returns
+/// each shard's outcome, in shard order.
+pub fn update_each<R>(
     store: &dyn SharedStore,
     num_slots: usize,
-    first: Option<Snapshot>,
-    edit: impl FnMut(&mut LoadTable) -> Option<R>,
-) -> Result<R, UpdateFailure> {
-    cas_loop(store, num_slots, None, first, edit)
+    mut edit: impl FnMut(&mut LoadTable) -> Option<R>,
+) -> Vec<Result<R, UpdateFailure>> {
+    (0..shard_count(num_slots))
+        .map(|shard| update_shard(store, num_slots, shard, &mut edit))
+        .collect()
 }
 
-/// [`update`] for an edit that touches `slot` only, at `now_ms` (the time the edit uses): only
-/// that slot is decoded and re-encoded, unless a time bucket is due to be reaped (then the whole
-/// table is, as in [`update`]). The edit sees a table holding that slot alone.
+/// An edit that touches `slot` only, at `now_ms` (the time the edit uses): only that slot is
+/// decoded and re-encoded, unless a time bucket of its shard is due to be reaped (then the
+/// whole shard is, as in [`update_shard`]). The edit sees a table holding that slot alone.
 pub fn update_slot<R>(
     store: &dyn SharedStore,
     num_slots: usize,
@@ -110,10 +170,13 @@ pub fn update_slot<R>(
     now_ms: u64,
     edit: impl FnMut(&mut LoadTable) -> Option<R>,
 ) -> Result<R, UpdateFailure> {
-    cas_loop(store, num_slots, Some((slot, now_ms)), None, edit)
+    let shard = shard_of(slot);
+    cas_loop(store, num_slots, shard, Some((slot, now_ms)), None, edit)
 }
 
-/// [`update_slot`] whose first attempt edits `first` (see [`update_from`]).
+/// [`update_slot`] whose first attempt edits `first`'s bytes of the slot's shard (a
+/// [`read_snapshot`] of this table: if the key was written since, that attempt's CAS fails and
+/// the next one reads afresh, as always).
 pub fn update_slot_from<R>(
     store: &dyn SharedStore,
     num_slots: usize,
@@ -122,49 +185,94 @@ pub fn update_slot_from<R>(
     first: Option<Snapshot>,
     edit: impl FnMut(&mut LoadTable) -> Option<R>,
 ) -> Result<R, UpdateFailure> {
-    cas_loop(store, num_slots, Some((slot, now_ms)), first, edit)
+    let shard = shard_of(slot);
+    let read = first
+        .filter(|s| s.num_slots == num_slots)
+        .and_then(|s| s.shards.into_iter().nth(shard));
+    cas_loop(store, num_slots, shard, Some((slot, now_ms)), read, edit)
 }
 
-/// The CAS loop: `window` = the only slot the edit touches and its time.
+/// Re-homes a booking on `slot` (Envoy retried the request on a fallback host). In one shard,
+/// one atomic edit; across shards, a release on the old one, then a booking on the new one (if
+/// that fails the booking is gone from both: under-counted, never counted twice).
+pub fn move_booking(
+    store: &dyn SharedStore,
+    num_slots: usize,
+    ticket: Ticket,
+    slot: SlotIdx,
+    now_ms: u64,
+) -> Result<Ticket, UpdateFailure> {
+    let (from, to) = (shard_of(ticket.slot), shard_of(slot));
+    if from == to {
+        return update_shard(store, num_slots, to, |t| t.move_to(&ticket, slot, now_ms));
+    }
+    if usize::from(slot) >= num_slots {
+        return Err(UpdateFailure::Declined);
+    }
+    update_slot(store, num_slots, ticket.slot, now_ms, |t| {
+        t.release_at(&ticket, now_ms).then_some(())
+    })?;
+    update_slot(store, num_slots, slot, now_ms, |t| {
+        t.adopt(&ticket, slot, now_ms)
+    })
+}
+
+/// The CAS loop on `shard`: `window` = the only slot the edit touches and its time; `first` =
+/// the shard's bytes already read.
 fn cas_loop<R>(
     store: &dyn SharedStore,
     num_slots: usize,
+    shard: usize,
     window: Option<(SlotIdx, u64)>,
-    mut first: Option<Snapshot>,
+    mut first: Option<ShardBytes>,
     mut edit: impl FnMut(&mut LoadTable) -> Option<R>,
 ) -> Result<R, UpdateFailure> {
+    let key = shard_key(shard);
+    let (base, len) = shard_slots(num_slots, shard);
+    // The slot's index within its shard.
+    let window = window.and_then(|(slot, now_ms)| {
+        let local = usize::from(slot).checked_sub(base)?;
+        Some((SlotIdx::try_from(local).ok()?, now_ms))
+    });
     for _ in 0..CAS_ATTEMPTS {
-        let (mut bytes, cas, offsets) = match first.take() {
-            Some(snapshot) if snapshot.num_slots == num_slots => {
-                (snapshot.bytes, snapshot.cas, snapshot.offsets)
-            }
-            _ => {
-                let (bytes, cas) = store.get(LOAD_KEY);
-                (bytes.unwrap_or_default(), cas, Vec::new())
+        let ShardBytes {
+            mut bytes,
+            cas,
+            offsets,
+        } = match first.take() {
+            Some(read) => read,
+            None => {
+                let (bytes, cas) = store.get(&key);
+                ShardBytes {
+                    bytes: bytes.unwrap_or_default(),
+                    cas,
+                    offsets: Vec::new(),
+                }
             }
         };
-        let windowed = window.and_then(|(slot, now_ms)| {
+        let windowed = window.and_then(|(local, now_ms)| {
             let decoded = if offsets.is_empty() {
-                Window::decode(&bytes, num_slots, slot, now_ms)
+                Window::decode(&bytes, len, local, now_ms)
             } else {
-                Window::decode_at(&bytes, num_slots, slot, now_ms, &offsets)
+                Window::decode_at(&bytes, len, local, now_ms, &offsets)
             };
             decoded.ok().flatten()
         });
         let encoded = match windowed {
             Some(mut w) => {
+                w.table = w.table.rebased(base);
                 let result = edit(&mut w.table).ok_or(UpdateFailure::Declined)?;
                 // In place: the other slots' bytes are not copied (the set copies them once).
                 w.encode_into(&mut bytes);
                 (bytes, result)
             }
             None => {
-                let mut table = LoadTable::decode_or_fresh(&bytes, num_slots).0;
+                let mut table = LoadTable::decode_or_fresh(&bytes, len).0.rebased(base);
                 let result = edit(&mut table).ok_or(UpdateFailure::Declined)?;
                 (table.encode(), result)
             }
         };
-        match store.set(LOAD_KEY, &encoded.0, cas) {
+        match store.set(&key, &encoded.0, cas) {
             Ok(()) => return Ok(encoded.1),
             Err(StoreError::CasMismatch) => continue,
             Err(StoreError::Failed) => return Err(UpdateFailure::Contended),
@@ -175,29 +283,30 @@ fn cas_loop<R>(
 
 /// Drops buckets older than the request timeout: requests whose VM died before releasing them.
 /// Returns how many requests this call reaped (bookings and other phases expire buckets too;
-/// [`LoadTable::reaped_total`] counts them all). A table with another bucket width (written
+/// [`LoadTable::reaped_total`] counts them all). A shard with another bucket width (written
 /// after corrupt data was replaced, or by another configuration) is replaced by a fresh one.
 pub fn reap(store: &dyn SharedStore, num_slots: usize, now_ms: u64, timeout_ms: u64) -> usize {
     let width = bucket_ms_for(timeout_ms);
-    // Every tick calls this; a whole decode only when a bucket is due (once per bucket width).
-    let (bytes, _) = store.get(LOAD_KEY);
-    if !reap_due(
-        bytes.as_deref().unwrap_or_default(),
-        num_slots,
-        now_ms,
-        width,
-    ) {
-        return 0;
-    }
-    update(store, num_slots, |table| {
-        if table.bucket_ms() != width {
-            *table = LoadTable::with_timeout(num_slots, timeout_ms);
-            return Some(0);
+    let mut reaped = 0;
+    for shard in 0..shard_count(num_slots) {
+        let (_, len) = shard_slots(num_slots, shard);
+        // Every tick calls this; a whole decode only when a bucket is due (once per bucket width).
+        let (bytes, _) = store.get(&shard_key(shard));
+        if !reap_due(bytes.as_deref().unwrap_or_default(), len, now_ms, width) {
+            continue;
         }
-        let reaped = table.expire(now_ms);
-        (reaped > 0).then_some(reaped)
-    })
-    .unwrap_or(0)
+        reaped += update_shard(store, num_slots, shard, |table| {
+            if table.bucket_ms() != width {
+                let base = shard_slots(num_slots, shard).0;
+                *table = LoadTable::with_timeout(len, timeout_ms).rebased(base);
+                return Some(0);
+            }
+            let reaped = table.expire(now_ms);
+            (reaped > 0).then_some(reaped)
+        })
+        .unwrap_or(0);
+    }
+    reaped
 }
 
 /// What became of one release.
@@ -227,7 +336,8 @@ impl PendingReleases {
         self.queue.is_empty()
     }
 
-    /// Releases `ticket` at `now_ms`, together with every deferred release (one CAS loop).
+    /// Releases `ticket` at `now_ms`, together with every deferred release of its shard (one
+    /// CAS loop; deferred releases of other shards wait for [`PendingReleases::flush`]).
     pub fn release(
         &mut self,
         store: &dyn SharedStore,
@@ -235,7 +345,11 @@ impl PendingReleases {
         ticket: Ticket,
         now_ms: u64,
     ) -> Release {
-        let queued = std::mem::take(&mut self.queue);
+        let shard = shard_of(ticket.slot);
+        let (queued, others): (Vec<_>, Vec<_>) = std::mem::take(&mut self.queue)
+            .into_iter()
+            .partition(|(t, _)| shard_of(t.slot) == shard);
+        self.queue = others;
         let edit = |table: &mut LoadTable| {
             let mut changed = false;
             for (t, at) in &queued {
@@ -244,39 +358,46 @@ impl PendingReleases {
             let released = table.release_at(&ticket, now_ms);
             (changed || released).then_some(released)
         };
-        // Alone, the release touches its own slot only; deferred ones may be anywhere.
+        // Alone, the release touches its own slot only; deferred ones may be anywhere in it.
         let outcome = if queued.is_empty() {
             update_slot(store, num_slots, ticket.slot, now_ms, edit)
         } else {
-            update(store, num_slots, edit)
+            update_shard(store, num_slots, shard, edit)
         };
         match outcome {
             Ok(true) => Release::Released,
             // Declined: neither this key nor any deferred one is in the table (all reaped).
             Ok(false) | Err(UpdateFailure::Declined) => Release::Unknown,
             Err(UpdateFailure::Contended) => {
-                self.queue = queued;
+                for (t, at) in queued {
+                    self.push(t, at);
+                }
                 self.push(ticket, now_ms);
                 Release::Deferred
             }
         }
     }
 
-    /// Retries every deferred release (one CAS loop). Returns how many are still deferred.
+    /// Retries every deferred release (one CAS loop per shard they are in). Returns how many
+    /// are still deferred.
     pub fn flush(&mut self, store: &dyn SharedStore, num_slots: usize) -> usize {
-        if self.queue.is_empty() {
-            return 0;
-        }
-        let queued = std::mem::take(&mut self.queue);
-        let outcome = update(store, num_slots, |table| {
-            let mut changed = false;
-            for (t, at) in &queued {
-                changed |= table.release_at(t, *at);
+        let mut queued = std::mem::take(&mut self.queue);
+        while let Some(&(first, _)) = queued.first() {
+            let shard = shard_of(first.slot);
+            let (mine, rest): (Vec<_>, Vec<_>) = queued
+                .into_iter()
+                .partition(|(t, _)| shard_of(t.slot) == shard);
+            queued = rest;
+            let outcome = update_shard(store, num_slots, shard, |table| {
+                let mut changed = false;
+                for (t, at) in &mine {
+                    changed |= table.release_at(t, *at);
+                }
+                changed.then_some(())
+            });
+            if outcome == Err(UpdateFailure::Contended) {
+                self.queue.extend(mine);
             }
-            changed.then_some(())
-        });
-        if outcome == Err(UpdateFailure::Contended) {
-            self.queue = queued;
         }
         self.queue.len()
     }
@@ -306,11 +427,14 @@ mod tests {
     const SLOTS: usize = 2;
 
     fn admit(store: &dyn SharedStore, key: u64, slot: u16) -> Ticket {
-        update(store, SLOTS, |t| t.admit(key, slot, 100, 4, None, 0)).unwrap()
+        update_shard(store, SLOTS, 0, |t| t.admit(key, slot, 100, 4, None, 0)).unwrap()
     }
 
     fn keys_in_flight(store: &MemStore) -> u64 {
-        read(store, SLOTS).active_requests(60)
+        view(store, SLOTS, 60)
+            .iter()
+            .map(|l| u64::from(l.active_requests))
+            .sum()
     }
 
     /// Another VM books a request between every read and write of ours, `rounds` times: every
@@ -344,7 +468,7 @@ mod tests {
         assert!(pending.is_empty());
         // Ours is gone and none of the other VM's bookings was lost.
         assert_eq!(keys_in_flight(&store), CAS_ATTEMPTS as u64);
-        assert_eq!(read(&store, SLOTS).view(60)[0].active_requests, 0);
+        assert_eq!(view(&store, SLOTS, 60)[0].active_requests, 0);
     }
 
     #[test]
@@ -359,7 +483,7 @@ mod tests {
         store.clear_hook();
         assert_eq!(pending.release(&store, SLOTS, eight, 60), Release::Released);
         assert!(pending.is_empty());
-        assert_eq!(read(&store, SLOTS).view(60)[0].active_requests, 0);
+        assert_eq!(view(&store, SLOTS, 60)[0].active_requests, 0);
     }
 
     #[test]
@@ -372,8 +496,11 @@ mod tests {
         assert_eq!(pending.release(&store, SLOTS, seven, 50), Release::Released);
         store.clear_hook();
         assert_eq!(others.get(), 10);
-        let view = read(&store, SLOTS).view(60);
-        assert_eq!((view[0].active_requests, view[1].active_requests), (0, 10));
+        let loads = view(&store, SLOTS, 60);
+        assert_eq!(
+            (loads[0].active_requests, loads[1].active_requests),
+            (0, 10)
+        );
     }
 
     #[test]
@@ -383,7 +510,7 @@ mod tests {
         // Fresh snapshot: the booking is one set, no second get.
         let snapshot = read_snapshot(&store, SLOTS);
         let ops = store.ops.get();
-        update_from(&store, SLOTS, Some(snapshot), |t| {
+        update_slot_from(&store, SLOTS, 0, 0, Some(snapshot), |t| {
             t.admit(1, 0, 100, 4, None, 0)
         })
         .unwrap();
@@ -391,19 +518,19 @@ mod tests {
         // Another VM booked after the snapshot: its booking survives ours.
         let stale = read_snapshot(&store, SLOTS);
         admit(&store, 2, 1);
-        update_from(&store, SLOTS, Some(stale), |t| {
+        update_slot_from(&store, SLOTS, 0, 0, Some(stale), |t| {
             t.admit(3, 0, 100, 4, None, 0)
         })
         .unwrap();
-        let view = read(&store, SLOTS).view(60);
-        assert_eq!((view[0].active_requests, view[1].active_requests), (2, 1));
+        let loads = view(&store, SLOTS, 60);
+        assert_eq!((loads[0].active_requests, loads[1].active_requests), (2, 1));
         // A snapshot of another slot count is never written back.
         let other = read_snapshot(&store, SLOTS + 1);
-        update_from(&store, SLOTS, Some(other), |t| {
+        update_slot_from(&store, SLOTS, 1, 0, Some(other), |t| {
             t.admit(4, 1, 100, 4, None, 0)
         })
         .unwrap();
-        assert_eq!(read(&store, SLOTS).view(60)[1].active_requests, 2);
+        assert_eq!(view(&store, SLOTS, 60)[1].active_requests, 2);
     }
 
     #[test]
@@ -423,31 +550,35 @@ mod tests {
             t.admit(3, 0, 100, 4, None, 20)
         })
         .unwrap();
-        let view = read(&store, SLOTS).view(30);
-        assert_eq!((view[0].active_requests, view[1].active_requests), (2, 1));
+        let loads = view(&store, SLOTS, 30);
+        assert_eq!((loads[0].active_requests, loads[1].active_requests), (2, 1));
         // A one-slot release removes exactly its booking.
         update_slot(&store, SLOTS, 0, 40, |t| t.release_at(&a, 40).then_some(())).unwrap();
-        let view = read(&store, SLOTS).view(40);
+        let loads = view(&store, SLOTS, 40);
         assert_eq!(
-            (view[0].active_requests, view[0].prefill_tokens),
+            (loads[0].active_requests, loads[0].prefill_tokens),
             (1, 100.0)
         );
         let mut out = Vec::new();
         read_snapshot(&store, SLOTS).view_into(40, &mut out);
-        assert_eq!(out, view);
+        assert_eq!(out, loads);
         // A booking on a viewed snapshot (slot offsets known) edits the same bytes as one that
         // walks to its slot.
         for slot in 0..SLOTS as u16 {
             let walked = MemStore::new();
             let located = MemStore::new();
             for s in [&walked, &located] {
-                s.set(LOAD_KEY, &read_snapshot(&store, SLOTS).bytes, None)
-                    .unwrap();
+                s.set(
+                    LOAD_KEY,
+                    &read_snapshot(&store, SLOTS).shards[0].bytes,
+                    None,
+                )
+                .unwrap();
             }
             let plain = read_snapshot(&walked, SLOTS);
             let mut viewed = read_snapshot(&located, SLOTS);
             viewed.view_into(50, &mut out);
-            assert_eq!(viewed.offsets.len(), SLOTS + 1);
+            assert_eq!(viewed.shards[0].offsets.len(), SLOTS + 1);
             for (s, snapshot) in [(&walked, plain), (&located, viewed)] {
                 update_slot_from(s, SLOTS, slot, 50, Some(snapshot), |t| {
                     t.admit(9, slot, 70, 3, Some(500.0), 50)
@@ -496,7 +627,7 @@ mod tests {
         let lost = admit(&store, 7, 0);
         assert_eq!(reap(&store, SLOTS, 3_999, 3_000), 0);
         assert_eq!(reap(&store, SLOTS, 4_000, 3_000), 1);
-        assert_eq!(read(&store, SLOTS).view(4_000)[0], Default::default());
+        assert_eq!(view(&store, SLOTS, 4_000)[0], Default::default());
         let mut pending = PendingReleases::default();
         assert_eq!(
             pending.release(&store, SLOTS, lost, 4_100),
@@ -512,12 +643,22 @@ mod tests {
         init(&store, SLOTS, 900_000);
         assert_eq!(keys_in_flight(&store), 1, "same configuration: kept");
         init(&store, SLOTS, 3_000);
-        assert_eq!(read(&store, SLOTS).bucket_ms(), 1_000);
+        assert_eq!(
+            LoadTable::decode(&store.get(LOAD_KEY).0.unwrap(), SLOTS)
+                .unwrap()
+                .bucket_ms(),
+            1_000
+        );
         assert_eq!(keys_in_flight(&store), 0);
         // Corrupt bytes decode as a default-width table; the next reap restores the width.
         store.set(LOAD_KEY, b"garbage", None).unwrap();
         assert_eq!(reap(&store, SLOTS, 10, 3_000), 0);
-        assert_eq!(read(&store, SLOTS).bucket_ms(), 1_000);
+        assert_eq!(
+            LoadTable::decode(&store.get(LOAD_KEY).0.unwrap(), SLOTS)
+                .unwrap()
+                .bucket_ms(),
+            1_000
+        );
     }
 
     #[test]
@@ -526,10 +667,195 @@ mod tests {
         init(&store, SLOTS, 900_000);
         let gone = admit(&store, 7, 0);
         admit(&store, 8, 1);
-        update(&store, SLOTS, |t| t.clear_slot(0).then_some(())).unwrap();
-        let view = read(&store, SLOTS).view(60);
-        assert_eq!((view[0].active_requests, view[1].active_requests), (0, 1));
+        update_shard(&store, SLOTS, 0, |t| t.clear_slot(0).then_some(())).unwrap();
+        let loads = view(&store, SLOTS, 60);
+        assert_eq!((loads[0].active_requests, loads[1].active_requests), (0, 1));
         let mut pending = PendingReleases::default();
         assert_eq!(pending.release(&store, SLOTS, gone, 70), Release::Unknown);
+    }
+
+    /// Three shards (128 + 128 + 44 slots).
+    const MANY: usize = 300;
+
+    #[test]
+    fn a_large_table_is_one_key_per_shard_and_a_slot_edit_writes_its_shard_only() {
+        let store = MemStore::new();
+        init(&store, MANY, 900_000);
+        assert_eq!(shard_count(MANY), 3);
+        assert_eq!(store.key_count(), 3);
+        for shard in 0..3 {
+            assert!(store.peek(&shard_key(shard)).is_some(), "shard {shard}");
+        }
+        let before: Vec<_> = (0..3).map(|s| store.peek(&shard_key(s))).collect();
+        let ticket =
+            update_slot(&store, MANY, 200, 10, |t| t.admit(5, 200, 300, 6, None, 10)).unwrap();
+        let after: Vec<_> = (0..3).map(|s| store.peek(&shard_key(s))).collect();
+        assert_eq!(
+            (before[0] == after[0], before[1] == after[1]),
+            (true, false)
+        );
+        assert_eq!(before[2], after[2]);
+        let loads = view(&store, MANY, 20);
+        assert_eq!(loads.len(), MANY);
+        assert_eq!(
+            (loads[200].active_requests, loads[200].prefill_tokens),
+            (1, 300.0)
+        );
+        assert_eq!(loads.iter().map(|l| l.active_requests).sum::<u32>(), 1);
+        // Past the last shard: nothing booked, nothing written.
+        assert!(update_slot(&store, MANY, 300, 10, |t| t.admit(6, 300, 1, 1, None, 10)).is_err());
+        let mut pending = PendingReleases::default();
+        assert_eq!(pending.release(&store, MANY, ticket, 30), Release::Released);
+        assert!(view(&store, MANY, 40)
+            .iter()
+            .all(|l| *l == SlotLoad::default()));
+        // A table of 128 slots or fewer keeps the one key it always had.
+        let small = MemStore::new();
+        init(&small, SHARD_SLOTS, 900_000);
+        assert_eq!(small.key_count(), 1);
+        assert!(small.peek(LOAD_KEY).is_some());
+    }
+
+    /// Random bookings, first tokens, releases (some deferred by contention), moves within and
+    /// across shards, departed slots and reaping, through the sharded store and on one whole
+    /// table: every slot's load is the same after every step.
+    #[test]
+    fn the_sharded_table_loads_like_one_whole_table() {
+        let timeout = 4_000;
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n.max(1)
+        };
+        let store = MemStore::new();
+        init(&store, MANY, timeout);
+        let mut whole = LoadTable::with_timeout(MANY, timeout);
+        let mut pending = PendingReleases::default();
+        // (sharded ticket, whole-table ticket)
+        let mut open: Vec<(Ticket, Ticket)> = Vec::new();
+        let mut now = 0u64;
+        // What the run exercised: cross-shard moves, deferred releases, requests cleared.
+        let (mut moved_across, mut deferred, mut cleared_total) = (0, 0, 0);
+        for step in 0..3_000u64 {
+            now += next(40);
+            let slot = next(MANY as u64) as SlotIdx;
+            // Both drop dead buckets at the same times: a view before and after that differs
+            // for a slot whose anchor died (its successor's clock starts at the drop).
+            reap(&store, MANY, now, timeout);
+            whole.expire(now);
+            match next(10) {
+                0..=3 => {
+                    let (tokens, blocks) = (next(5_000) as u32, next(80) as u32);
+                    let expected = (next(2) == 0).then_some(next(900) as f64 + 1.0);
+                    let a = update_slot(&store, MANY, slot, now, |t| {
+                        t.admit(step, slot, tokens, blocks, expected, now)
+                    });
+                    let b = whole.admit(step, slot, tokens, blocks, expected, now);
+                    assert_eq!(a.is_ok(), b.is_some(), "step {step}");
+                    if let (Ok(a), Some(b)) = (a, b) {
+                        open.push((a, b));
+                    }
+                }
+                4 if !open.is_empty() => {
+                    let i = next(open.len() as u64) as usize;
+                    let (a, b) = open[i];
+                    let a = update_slot(&store, MANY, a.slot, now, |t| t.first_token(&a, now));
+                    let b = whole.first_token(&b, now);
+                    assert_eq!(a.is_ok(), b.is_some(), "step {step}");
+                    if let (Ok(a), Some(b)) = (a, b) {
+                        open[i] = (a, b);
+                    }
+                }
+                5..=7 if !open.is_empty() => {
+                    let (a, b) = open.swap_remove(next(open.len() as u64) as usize);
+                    // Now and then another writer outlasts every attempt: the release waits.
+                    let shard = shard_of(a.slot);
+                    let other_slot = (shard * SHARD_SLOTS) as SlotIdx;
+                    let others = (next(6) == 0).then(|| {
+                        let booked = Rc::new(Cell::new(0u64));
+                        let counter = Rc::clone(&booked);
+                        store.set_hook(move |s: &MemStore, op: &Op| {
+                            let mine = *op == Op::Set(shard_key(shard).into_owned());
+                            if mine && counter.get() < CAS_ATTEMPTS as u64 {
+                                counter.set(counter.get() + 1);
+                                let key = 1 << 40 | step << 8 | counter.get();
+                                update_slot(s, MANY, other_slot, now, |t| {
+                                    t.admit(key, other_slot, 100, 4, None, now)
+                                })
+                                .unwrap();
+                            }
+                        });
+                        booked
+                    });
+                    let released = pending.release(&store, MANY, a, now);
+                    store.clear_hook();
+                    if let Some(others) = others {
+                        // What the other writer booked counts in both.
+                        for k in 0..others.get() {
+                            whole.admit(
+                                1 << 40 | step << 8 | (k + 1),
+                                other_slot,
+                                100,
+                                4,
+                                None,
+                                now,
+                            );
+                        }
+                    }
+                    let expected = whole.release_at(&b, now);
+                    if released == Release::Deferred {
+                        deferred += 1;
+                    } else {
+                        assert_eq!(released == Release::Released, expected, "step {step}");
+                    }
+                }
+                8 if !open.is_empty() => {
+                    let i = next(open.len() as u64) as usize;
+                    let (a, b) = open[i];
+                    let moved = move_booking(&store, MANY, a, slot, now);
+                    let b = whole.move_to(&b, slot, now);
+                    assert_eq!(moved.is_ok(), b.is_some(), "step {step}: move to {slot}");
+                    match (moved, b) {
+                        (Ok(moved), Some(b)) => {
+                            moved_across += usize::from(shard_of(moved.slot) != shard_of(a.slot));
+                            open[i] = (moved, b);
+                        }
+                        _ => {
+                            open.swap_remove(i);
+                        }
+                    }
+                }
+                9 if next(20) == 0 => {
+                    let range = slot..slot.saturating_add(3).min(MANY as SlotIdx);
+                    let cleared: u64 =
+                        update_each(&store, MANY, |t| Some(t.clear_slots(range.clone(), now)))
+                            .into_iter()
+                            .flatten()
+                            .sum();
+                    assert_eq!(cleared, whole.clear_slots(range, now), "step {step}");
+                    cleared_total += cleared;
+                }
+                _ => {}
+            }
+            if step % 50 == 0 {
+                pending.flush(&store, MANY);
+            }
+            if pending.is_empty() {
+                let (sharded, one) = (view(&store, MANY, now), whole.view(now));
+                let differs = (0..MANY).find(|&i| sharded[i] != one[i]);
+                assert_eq!(
+                    differs,
+                    None,
+                    "step {step}: {:?}",
+                    differs.map(|i| (sharded[i], one[i]))
+                );
+            }
+        }
+        assert!(
+            moved_across > 20 && deferred > 20 && cleared_total > 0,
+            "{moved_across} {deferred} {cleared_total}"
+        );
     }
 }

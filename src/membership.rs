@@ -355,14 +355,17 @@ pub fn publish(
     if !committed {
         return None;
     }
-    let mut load_cleared = 0u64;
-    let _ = load_store::update(store, config.slots.len(), |table| {
-        load_cleared = cleared
-            .iter()
-            .map(|&w| table.clear_slots(config.worker_slots(w), now_ms))
-            .sum();
-        Some(())
-    });
+    let load_cleared = load_store::update_each(store, config.slots.len(), |table| {
+        Some(
+            cleared
+                .iter()
+                .map(|&w| table.clear_slots(config.worker_slots(w), now_ms))
+                .sum::<u64>(),
+        )
+    })
+    .into_iter()
+    .flatten()
+    .sum();
     Some(Published {
         changes,
         load_cleared,

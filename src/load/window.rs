@@ -31,11 +31,13 @@ pub fn view_bytes(
     now_ms: u64,
     out: &mut Vec<SlotLoad>,
 ) -> Result<(), LoadDecodeError> {
+    out.clear();
     view_bytes_at(bytes, num_slots, now_ms, out, None)
 }
 
-/// [`view_bytes`] that also records where each slot's details start in `bytes` (`num_slots + 1`
-/// offsets, the last one the end), for [`Window::decode_at`]. Left empty on an error.
+/// [`view_bytes`] appending to `out` (a shard's slots after the shards before it), that also
+/// records where each slot's details start in `bytes` (`num_slots + 1` offsets, the last one the
+/// end), for [`Window::decode_at`]. On an error `out` is as it was and the offsets are empty.
 pub fn view_bytes_at(
     bytes: &[u8],
     num_slots: usize,
@@ -43,12 +45,12 @@ pub fn view_bytes_at(
     out: &mut Vec<SlotLoad>,
     mut offsets: Option<&mut Vec<usize>>,
 ) -> Result<(), LoadDecodeError> {
-    out.clear();
+    let before = out.len();
     if let Some(o) = offsets.as_deref_mut() {
         o.clear();
     }
     if bytes.is_empty() {
-        out.resize(num_slots, SlotLoad::default());
+        out.resize(before + num_slots, SlotLoad::default());
         return Ok(());
     }
     let (table, _) = LoadTable::decode_header(bytes, num_slots)?;
@@ -86,7 +88,7 @@ pub fn view_bytes_at(
         None => view_slots(&ctx, summaries, start, out, |_| {}),
     };
     let fail = |out: &mut Vec<SlotLoad>, offsets: Option<&mut Vec<usize>>| {
-        out.clear();
+        out.truncate(before);
         if let Some(o) = offsets {
             o.clear();
         }
@@ -96,7 +98,7 @@ pub fn view_bytes_at(
             fail(out, offsets);
             return Err(LoadDecodeError::Malformed);
         }
-        Some(pos) if pos != bytes.len() || out.len() != num_slots => {
+        Some(pos) if pos != bytes.len() || out.len() - before != num_slots => {
             fail(out, offsets);
             return Err(LoadDecodeError::Truncated {
                 len: bytes.len(),
@@ -330,13 +332,13 @@ impl Window {
             return Err(LoadDecodeError::Malformed);
         }
         table.slots = vec![decoded];
-        table.first = index;
+        table.first = table.base + index;
         Ok(Window { table, start, end })
     }
 
     /// Where this slot's summary starts.
     fn summary_at(&self) -> usize {
-        HEADER_LEN + self.table.first * SLOT_FIXED_LEN
+        HEADER_LEN + self.table.first.saturating_sub(self.table.base) * SLOT_FIXED_LEN
     }
 
     /// [`Window::encode`] in place: `bytes` (what [`Window::decode`] read) becomes the whole
@@ -522,6 +524,7 @@ mod tests {
             let mut out = Vec::new();
             let mut offsets = Vec::new();
             for now in [0, 1_000, 2_500, 4_000, 5_200, 9_000] {
+                out.clear();
                 view_bytes_at(&bytes, slots, now, &mut out, Some(&mut offsets)).unwrap();
                 assert_eq!(out, t.view(now), "round {round}, now {now}");
                 assert_eq!(offsets.len(), slots + 1);
@@ -622,6 +625,7 @@ mod tests {
             let mut now = 0;
             for step in 0..250u64 {
                 now += next(120);
+                out.clear();
                 view_bytes_at(&bytes, slots, now, &mut out, Some(&mut offsets)).unwrap();
                 assert_eq!(out, reference.view(now), "round {round} step {step}");
                 let slot = next(slots as u64 + 1) as SlotIdx; // sometimes out of range

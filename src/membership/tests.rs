@@ -340,9 +340,8 @@ mod churn {
                 let generation = replica.head.member_generation(entry);
                 assert!(store_block(&store, &c, entry, generation, now + 1));
                 let slot = c.worker_slots(entry).start;
-                load_store::update(&store, c.slots.len(), |t| {
-                    t.admit(now, slot, 100, 2, None, now);
-                    Some(())
+                load_store::update_slot(&store, c.slots.len(), slot, now, |t| {
+                    t.admit(now, slot, 100, 2, None, now)
                 })
                 .unwrap();
                 replica.sync(&store, &c, now + 1);
@@ -352,8 +351,8 @@ mod churn {
                 assert_eq!(done.changes.left.len(), 1);
                 assert_eq!(done.load_cleared, 1, "its in-flight load goes at once");
                 assert_eq!(replica.index.entries(), 0, "its blocks left the index");
-                let table = load_store::read(&store, c.slots.len());
-                assert_eq!(table.active_requests(now), 0);
+                let view = load_store::view(&store, c.slots.len(), now);
+                assert!(view.iter().all(|l| l.active_requests == 0));
             }
         }
         assert_eq!(

@@ -793,9 +793,9 @@ impl RequestContext {
         };
         let ticket = booking.ticket;
         let now = host::now_ms();
-        if let Ok(moved) = load_store::update(&HostStore, config.slots.len(), |table| {
-            table.move_to(&ticket, slot, now)
-        }) {
+        if let Ok(moved) =
+            load_store::move_booking(&HostStore, config.slots.len(), ticket, slot, now)
+        {
             booking.ticket = moved;
             booking.address = upstream;
             if let Some(detail) = self.outcome.as_mut().and_then(|o| o.detail.as_mut()) {
@@ -1109,9 +1109,14 @@ impl RequestContext {
         let Ok(mut vm) = self.vm.try_borrow_mut() else {
             // Never expected (no other callback runs inside on_log); release without the queue.
             if let Some(config) = self.config() {
-                let _ = load_store::update(&HostStore, config.slots.len(), |table| {
-                    table.release_at(&booking.ticket, now).then_some(())
-                });
+                let ticket = booking.ticket;
+                let _ = load_store::update_slot(
+                    &HostStore,
+                    config.slots.len(),
+                    ticket.slot,
+                    now,
+                    |t| t.release_at(&ticket, now).then_some(()),
+                );
             }
             return;
         };

@@ -450,8 +450,7 @@ impl VmState {
         let stale = self.replica.head.workers.iter().filter(|w| w.stale).count();
         self.metrics.gauge("workers.stale", stale as u64);
         self.membership_gauges();
-        let mut view = Vec::with_capacity(slots);
-        load_store::read_snapshot(&HostStore, slots).view_into(now, &mut view);
+        let view = load_store::view(&HostStore, slots, now);
         for (slot_idx, load) in view.iter().enumerate() {
             let Some(slot) = config.slots.get(slot_idx) else {
                 continue;
