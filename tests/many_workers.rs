@@ -55,3 +55,53 @@ fn four_hundred_workers_keep_every_replica_in_step() {
     assert_eq!(envoy.router_stat("log.snapshot_loaded"), 0);
     assert_eq!(envoy.router_stat("workers.marked_stale"), 0);
 }
+
+/// The load table of 400 entries spans four shard keys: a request pinned to an entry in the
+/// third shard is booked there (its gauge, no other), and its release leaves no load anywhere.
+#[test]
+fn a_request_past_the_first_load_shard_is_booked_and_released_there() {
+    let mocks = echo_workers(4, BLOCK);
+    let entries: Vec<Value> = (0..ENTRIES)
+        .map(|k| json!({"id": k + 1, "address": mocks[k % 4].addr}))
+        .collect();
+    let config = json!({"mode": "kv", "block_size": BLOCK, "workers": entries,
+                        "response_headers": true, "client_routing_hints": "honor"});
+    let envoy = start_envoy(&mocks, config);
+    let pinned = 301;
+    let body = json!({"model": "m", "prompt": tokens(1, 50 * BLOCK), "stream": true,
+        "max_tokens": 2, "nvext": {"backend_instance_id": pinned},
+        "mock": {"first_token_delay_ms": 3000, "chunks": 2, "chunk_interval_ms": 100}});
+    let listener = envoy.listener.clone();
+    let held = std::thread::spawn(move || {
+        let mut s = http::request_streaming(
+            &listener,
+            "POST",
+            "/v1/completions",
+            &[],
+            body.to_string().as_bytes(),
+            Duration::from_secs(20),
+        )
+        .expect("pinned request");
+        while let Ok(Some(_)) = s.next_event() {}
+    });
+    let gauge = format!("worker.{pinned}.rank.0.prefill_tokens");
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| e.router_stat(&gauge) > 0),
+        "the booking shows on entry {pinned}"
+    );
+    // No prefix cached anywhere: 800 prefill tokens, 50 decode blocks, 1 request (the load
+    // model is `none`: nothing decays before the first token).
+    assert_eq!(envoy.router_stat(&gauge), 50 * u64::from(BLOCK));
+    assert_eq!(
+        total_load(&envoy),
+        (50 * u64::from(BLOCK) + 50 + 1, 1),
+        "booked on entry {pinned} only"
+    );
+    held.join().expect("pinned request");
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| total_load(e) == (0, 0)),
+        "load left after the release: {:?}",
+        total_load(&envoy)
+    );
+    assert_eq!(envoy.router_stat("load.release_unknown"), 0);
+}
