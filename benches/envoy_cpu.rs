@@ -27,7 +27,8 @@
 //!   `ENVOY_CPU_SIZE_ROUNDS=60` more rounds (the machine is noisy), `ENVOY_CPU_TOKENS=4096,65536`
 //!   a subset of the prompt sizes, `ENVOY_CPU_SIZE_HELD=1` only the prompt's first block(s) in
 //!   the index (a low overlap; default: every block);
-//! * table 2: `ENVOY_CPU_FLEET_WASM=before=a.wasm,after=b.wasm`, `ENVOY_CPU_REPEAT`,
+//! * table 2: `ENVOY_CPU_FLEET_WASM=before=a.wasm,after=b.wasm` (`plain=none`: no filter),
+//!   `ENVOY_CPU_REPEAT`,
 //!   `ENVOY_CPU_FLEET=8,1000`, `ENVOY_CPU_HELD=100,10000` (see `fleet_scale`);
 //! * `-- --only hostcalls`: host calls per request of `count-host-calls` builds
 //!   (`scripts/build-wasm.sh --count-host-calls`; `ENVOY_CPU_COUNT_WASM=before=a.wasm,after=b.wasm`).
@@ -658,6 +659,8 @@ fn fleet_paired(max_held: usize, http2: bool) {
     println!("|---|---|---|---|---|");
     for rep in 0..repeat {
         for (build, wasm) in &builds {
+            // `plain=none`: Envoy without the filter, for what holding the streams costs Envoy.
+            let plain = wasm.as_deref() == Some("none");
             let envoys: Vec<Envoy> = sides
                 .iter()
                 .map(|&(n, _)| {
@@ -666,10 +669,13 @@ fn fleet_paired(max_held: usize, http2: bool) {
                         .collect();
                     let events = json!({"poll_interval_ms": 10_000, "stale_after_ms": 3_600_000});
                     let config = kv_config(json!(workers), events);
+                    if plain {
+                        return start_envoy_with(Value::Null, addrs.clone(), None, false, http2);
+                    }
                     start_envoy_with(config, addrs.clone(), wasm.as_deref(), true, http2)
                 })
                 .collect();
-            for e in &envoys {
+            for e in envoys.iter().filter(|_| !plain) {
                 let ok = e.wait_for(Duration::from_secs(60), |e| {
                     e.router_stat("events.applied") > 0
                 });
@@ -682,7 +688,9 @@ fn fleet_paired(max_held: usize, http2: bool) {
                 .collect();
             let mut held = Vec::new();
             for (k, e) in envoys.iter().enumerate() {
-                closed_loop(&mut conns[k], &body, 4 * CLIENTS, e.pid());
+                // Long enough for V8 to have tiered the hot wasm functions up (its baseline
+                // compiler is several times slower): else a pass measures partly Liftoff code.
+                closed_loop(&mut conns[k], &body, 500, e.pid());
                 let mut h = Vec::new();
                 hold(e, &mut h, sides[k].1);
                 held.push(h);

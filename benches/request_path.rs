@@ -132,9 +132,10 @@ fn stage_load(
     slots: usize,
     now: u64,
     out: &mut Vec<SlotLoad>,
+    cache: &mut load_store::ViewCache,
 ) -> load_store::Snapshot {
     let mut snapshot = load_store::read_snapshot(store, slots);
-    snapshot.view_into(now, out);
+    snapshot.view_with(now, out, cache);
     snapshot
 }
 
@@ -221,6 +222,7 @@ fn main() {
     let mut selector = SelectorState::new(7);
     let mut overlaps = Vec::new();
     let mut load = Vec::new();
+    let mut view_cache = load_store::ViewCache::default();
     let mut chosen = vec![0usize; workers];
     let start = Instant::now();
     for i in 0..iters {
@@ -228,7 +230,7 @@ fn main() {
         let mut req = stage_parse(black_box(body.as_bytes()));
         let hashes = stage_hash(&mut req, body.as_bytes(), &index);
         stage_lookup(&index, &hashes, &mut overlaps);
-        let snapshot = stage_load(&store, config.slots.len(), now, &mut load);
+        let snapshot = stage_load(&store, config.slots.len(), now, &mut load, &mut view_cache);
         let d = stage_decide(&config, &req, &overlaps, &load, &mut selector);
         stage_book(&store, config.slots.len(), snapshot, i as u64, &d, now);
         chosen[usize::from(d.slot)] += 1;

@@ -111,15 +111,63 @@ impl Snapshot {
     /// Per-slot load at `now_ms` into `out` (idle slots for a shard whose bytes do not decode:
     /// the next write replaces them with a fresh table).
     pub fn view_into(&mut self, now_ms: u64, out: &mut Vec<SlotLoad>) {
+        self.view_with(now_ms, out, &mut ViewCache::default());
+    }
+
+    /// [`Snapshot::view_into`] that takes a shard's loads from `cache` when its bytes are the
+    /// ones viewed last (same CAS version) and that view still holds at `now_ms`; other shards
+    /// are viewed from their bytes and remembered. Most requests book or release on a single
+    /// shard, so at 1,000 slots most of the view is a copy rather than a decode.
+    pub fn view_with(&mut self, now_ms: u64, out: &mut Vec<SlotLoad>, cache: &mut ViewCache) {
         out.clear();
-        for (shard, read) in self.shards.iter_mut().enumerate() {
+        cache
+            .shards
+            .resize_with(self.shards.len(), CachedView::default);
+        let ViewCache { shards, reused } = cache;
+        for ((shard, read), cached) in self.shards.iter_mut().enumerate().zip(shards.iter_mut()) {
             let (_, len) = shard_slots(self.num_slots, shard);
+            let fresh = read.cas.is_some() && read.cas == cached.cas && cached.loads.len() == len;
+            if fresh && now_ms < cached.until_ms {
+                out.extend_from_slice(&cached.loads);
+                *reused += 1;
+                continue;
+            }
+            let start = out.len();
             let offsets = Some(&mut read.offsets);
-            if view_bytes_at(&read.bytes, len, now_ms, out, offsets).is_err() {
-                out.resize(out.len() + len, SlotLoad::default());
+            match view_bytes_at(&read.bytes, len, now_ms, out, offsets) {
+                Ok(until_ms) => {
+                    cached.cas = read.cas;
+                    cached.until_ms = until_ms;
+                    cached.loads.clear();
+                    cached
+                        .loads
+                        .extend_from_slice(out.get(start..).unwrap_or_default());
+                }
+                Err(_) => {
+                    cached.cas = None;
+                    out.resize(start + len, SlotLoad::default());
+                }
             }
         }
     }
+}
+
+/// A VM's memory of the load shards it viewed last (see [`Snapshot::view_with`]): at most one
+/// view of each shard, so its size is the slot count's.
+#[derive(Debug, Default)]
+pub struct ViewCache {
+    shards: Vec<CachedView>,
+    /// Shard views served from memory so far.
+    pub reused: u64,
+}
+
+#[derive(Debug, Default)]
+struct CachedView {
+    /// The CAS version the loads were viewed at (`None`: nothing cached).
+    cas: Option<u32>,
+    /// The loads hold before this time (a bucket dies then, or a prefill decays).
+    until_ms: u64,
+    loads: Vec<SlotLoad>,
 }
 
 pub fn read_snapshot(store: &dyn SharedStore, num_slots: usize) -> Snapshot {
@@ -733,6 +781,7 @@ mod tests {
         init(&store, MANY, timeout);
         let mut whole = LoadTable::with_timeout(MANY, timeout);
         let mut pending = PendingReleases::default();
+        let mut cache = ViewCache::default();
         // (sharded ticket, whole-table ticket)
         let mut open: Vec<(Ticket, Ticket)> = Vec::new();
         let mut now = 0u64;
@@ -842,6 +891,10 @@ mod tests {
             if step % 50 == 0 {
                 pending.flush(&store, MANY);
             }
+            // A view that remembers the shards it saw equals one that decodes every shard.
+            let mut remembered = Vec::new();
+            read_snapshot(&store, MANY).view_with(now, &mut remembered, &mut cache);
+            assert_eq!(remembered, view(&store, MANY, now), "step {step}");
             if pending.is_empty() {
                 let (sharded, one) = (view(&store, MANY, now), whole.view(now));
                 let differs = (0..MANY).find(|&i| sharded[i] != one[i]);
@@ -853,9 +906,69 @@ mod tests {
                 );
             }
         }
+        // Decaying prefills and dying buckets keep most views fresh here; some are reused.
+        assert!(cache.reused > 100, "{} shard views reused", cache.reused);
         assert!(
             moved_across > 20 && deferred > 20 && cleared_total > 0,
             "{moved_across} {deferred} {cleared_total}"
         );
+    }
+
+    /// One booking or release per step writes one shard: the next view decodes that shard and
+    /// takes the other two from memory, until a time bucket dies (then every shard is decoded).
+    #[test]
+    fn a_view_decodes_only_the_shards_written_since_the_last() {
+        let store = MemStore::new();
+        init(&store, MANY, 3_000);
+        let mut cache = ViewCache::default();
+        let mut out = Vec::new();
+        read_snapshot(&store, MANY).view_with(0, &mut out, &mut cache);
+        assert_eq!(cache.reused, 0);
+        let mut tickets = Vec::new();
+        for step in 0..30u64 {
+            let slot = (step * 37 % MANY as u64) as SlotIdx;
+            let now = 10 + step;
+            if step % 3 == 2 {
+                let ticket: Ticket = tickets.remove(0);
+                let mut pending = PendingReleases::default();
+                assert_eq!(
+                    pending.release(&store, MANY, ticket, now),
+                    Release::Released
+                );
+            } else {
+                tickets.push(
+                    update_slot(&store, MANY, slot, now, |t| {
+                        t.admit(step, slot, 100, 2, None, now)
+                    })
+                    .unwrap(),
+                );
+            }
+            let before = cache.reused;
+            read_snapshot(&store, MANY).view_with(now, &mut out, &mut cache);
+            assert_eq!(cache.reused - before, 2, "step {step}");
+            assert_eq!(out, view(&store, MANY, now), "step {step}");
+        }
+        // Buckets are 1 s wide and live 4: at 4 s the first one dies, so no shard's view holds.
+        let before = cache.reused;
+        read_snapshot(&store, MANY).view_with(4_000, &mut out, &mut cache);
+        assert_eq!(cache.reused, before);
+        assert_eq!(out, view(&store, MANY, 4_000));
+        assert!(
+            out.iter().all(|l| *l == SlotLoad::default()),
+            "all reaped by age"
+        );
+        // A decaying prefill moves with the clock: its shard is decoded every time.
+        update_slot(&store, MANY, 5, 4_000, |t| {
+            t.admit(99, 5, 500, 2, Some(1_000.0), 4_000)
+        })
+        .unwrap();
+        read_snapshot(&store, MANY).view_with(4_000, &mut out, &mut cache);
+        for now in [4_100, 4_500] {
+            let before = cache.reused;
+            read_snapshot(&store, MANY).view_with(now, &mut out, &mut cache);
+            assert_eq!(cache.reused - before, 2, "only the other two shards");
+            assert_eq!(out, view(&store, MANY, now));
+        }
+        assert!(out[5].prefill_tokens < 500.0 && out[5].prefill_tokens > 0.0);
     }
 }

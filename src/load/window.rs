@@ -32,26 +32,29 @@ pub fn view_bytes(
     out: &mut Vec<SlotLoad>,
 ) -> Result<(), LoadDecodeError> {
     out.clear();
-    view_bytes_at(bytes, num_slots, now_ms, out, None)
+    view_bytes_at(bytes, num_slots, now_ms, out, None).map(|_| ())
 }
 
 /// [`view_bytes`] appending to `out` (a shard's slots after the shards before it), that also
 /// records where each slot's details start in `bytes` (`num_slots + 1` offsets, the last one the
 /// end), for [`Window::decode_at`]. On an error `out` is as it was and the offsets are empty.
+///
+/// Returns until when (exclusive) the view of these bytes stays what it is now: the next time
+/// a live bucket dies, or `now_ms` when a slot queues a decaying prefill (it moves every ms).
 pub fn view_bytes_at(
     bytes: &[u8],
     num_slots: usize,
     now_ms: u64,
     out: &mut Vec<SlotLoad>,
     mut offsets: Option<&mut Vec<usize>>,
-) -> Result<(), LoadDecodeError> {
+) -> Result<u64, LoadDecodeError> {
     let before = out.len();
     if let Some(o) = offsets.as_deref_mut() {
         o.clear();
     }
     if bytes.is_empty() {
         out.resize(before + num_slots, SlotLoad::default());
-        return Ok(());
+        return Ok(u64::MAX);
     }
     let (table, _) = LoadTable::decode_header(bytes, num_slots)?;
     let now_epoch = table.epoch_of(now_ms);
@@ -96,18 +99,24 @@ pub fn view_bytes_at(
     match end {
         None => {
             fail(out, offsets);
-            return Err(LoadDecodeError::Malformed);
+            Err(LoadDecodeError::Malformed)
         }
-        Some(pos) if pos != bytes.len() || out.len() - before != num_slots => {
+        Some((pos, _)) if pos != bytes.len() || out.len() - before != num_slots => {
             fail(out, offsets);
-            return Err(LoadDecodeError::Truncated {
+            Err(LoadDecodeError::Truncated {
                 len: bytes.len(),
                 needed: pos,
-            });
+            })
         }
-        Some(_) => {}
+        Some((_, true)) => Ok(now_ms),
+        Some((_, false)) => Ok(table
+            .ring
+            .iter()
+            .filter(|&&e| LoadTable::alive(e, now_epoch))
+            .map(|&e| (e + BUCKETS as u64).saturating_mul(table.bucket_ms))
+            .min()
+            .unwrap_or(u64::MAX)),
     }
-    Ok(())
 }
 
 /// What every slot's view needs besides its own bytes.
@@ -122,8 +131,8 @@ struct ViewContext<'a> {
 }
 
 /// Views the slots whose summaries are `summaries` (their details from `pos` on) into `out`,
-/// telling `record` where each slot's details start (and where the last ends); the end, or
-/// `None` on bad framing.
+/// telling `record` where each slot's details start (and where the last ends); the end and
+/// whether any slot queues prefills, or `None` on bad framing.
 #[inline(always)]
 fn view_slots(
     ctx: &ViewContext<'_>,
@@ -131,16 +140,18 @@ fn view_slots(
     mut pos: usize,
     out: &mut Vec<SlotLoad>,
     mut record: impl FnMut(usize),
-) -> Option<usize> {
+) -> Option<(usize, bool)> {
+    let mut queued = 0u8;
     for summary in summaries.chunks_exact(SLOT_FIXED_LEN) {
         let summary: &[u8; SLOT_FIXED_LEN] = summary.try_into().ok()?;
         record(pos);
+        queued |= summary[12];
         let (load, next) = view_slot(ctx, summary, pos)?;
         out.push(load);
         pos = next;
     }
     record(pos);
-    Some(pos)
+    Some((pos, queued != 0))
 }
 
 /// The load of the slot whose summary is `summary` and whose details start at `pos`, and where

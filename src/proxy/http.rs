@@ -522,7 +522,7 @@ impl RequestContext {
         // One get and decode serve both the decision and the booking's first CAS attempt.
         let mut snapshot = load_store::read_snapshot(&HostStore, config.slots.len());
         let mut load = std::mem::take(&mut vm.load_view);
-        snapshot.view_into(now, &mut load);
+        snapshot.view_with(now, &mut load, &mut vm.load_views);
         if config.load.reported_load {
             vm.merge_reported_load(&mut load);
         }

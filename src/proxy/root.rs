@@ -344,6 +344,8 @@ impl VmState {
         self.sync_replica();
         self.sync_predictions(now);
         if !leader {
+            // Another VM records the gauges meanwhile: on taking the lease back, record all.
+            self.slot_gauges.clear();
             return;
         }
         self.fill_orphaned_batch(now);
@@ -451,24 +453,34 @@ impl VmState {
         self.metrics.gauge("workers.stale", stale as u64);
         self.membership_gauges();
         let view = load_store::view(&HostStore, slots, now);
-        for (slot_idx, load) in view.iter().enumerate() {
+        self.slot_gauges.resize(slots, None);
+        for ((slot_idx, load), published) in view.iter().enumerate().zip(&mut self.slot_gauges) {
             let Some(slot) = config.slots.get(slot_idx) else {
                 continue;
             };
             let id = worker_id(&config, slot.worker);
-            let name = format!("worker.{id}.rank.{}", slot.dp_rank);
-            self.metrics.gauge(
-                &format!("{name}.active_requests"),
+            let values = [
                 u64::from(load.active_requests),
-            );
-            self.metrics.gauge(
-                &format!("{name}.prefill_tokens"),
                 load.prefill_tokens.ceil() as u64,
-            );
-            self.metrics.gauge(
-                &format!("{name}.decode_blocks"),
                 load.decode_blocks.ceil() as u64,
-            );
+            ];
+            // At 1,000 slots every tick would be 3,000 host calls (and names to format): only
+            // what changed since the last tick is recorded.
+            if *published == Some((id, values)) {
+                continue;
+            }
+            let before = published.filter(|(was, _)| *was == id).map(|(_, v)| v);
+            let name = format!("worker.{id}.rank.{}", slot.dp_rank);
+            for ((suffix, value), old) in ["active_requests", "prefill_tokens", "decode_blocks"]
+                .iter()
+                .zip(values)
+                .zip(0..)
+            {
+                if before.and_then(|b| b.get(old).copied()) != Some(value) {
+                    self.metrics.gauge(&format!("{name}.{suffix}"), value);
+                }
+            }
+            *published = Some((id, values));
         }
         self.metrics.gauge(
             "load.active_entries",
@@ -515,6 +527,8 @@ impl RootContext for RouterRoot {
             next_request_key: 0,
             overlaps: Vec::with_capacity(config.slots.len()),
             load_view: Vec::with_capacity(config.slots.len()),
+            load_views: Default::default(),
+            slot_gauges: Vec::new(),
             block_size_warned: vec![false; workers],
             stale_slots: vec![false; config.slots.len()],
             fingerprint,

@@ -6,7 +6,7 @@ use super::poller::Poller;
 use crate::approx::PredictedStore;
 use crate::config::Config;
 use crate::load::{merge_reported, SlotLoad};
-use crate::load_store::PendingReleases;
+use crate::load_store::{PendingReleases, ViewCache};
 use crate::render::RenderCache;
 use crate::replication::log::Replica;
 use crate::router::SelectorState;
@@ -37,6 +37,10 @@ pub struct VmState {
     pub overlaps: Vec<Overlap>,
     /// Reused per request: the load table's per-slot view.
     pub load_view: Vec<SlotLoad>,
+    /// The load shards this VM viewed last, reused while their bytes are unchanged.
+    pub load_views: ViewCache,
+    /// Per slot, the worker id and the load gauges last recorded for it (only changes are).
+    pub slot_gauges: Vec<Option<(u64, [u64; 3])>>,
     pub(super) block_size_warned: Vec<bool>,
     /// Stale flags per slot, from the poller's last published head (refreshed on each sync).
     pub stale_slots: Vec<bool>,
