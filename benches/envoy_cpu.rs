@@ -277,7 +277,9 @@ fn feed(envoy: &Envoy, worker: &Worker, events: &Value) {
 }
 
 fn kv_config(workers: Value, events: Value) -> Value {
-    json!({"mode": "kv", "block_size": BLOCK_SIZE, "events": events, "workers": workers})
+    // `ENVOY_CPU_MODE=round-robin`: another routing mode, to tell the decision's cost from the rest.
+    let mode = std::env::var("ENVOY_CPU_MODE").unwrap_or_else(|_| "kv".to_string());
+    json!({"mode": mode, "block_size": BLOCK_SIZE, "events": events, "workers": workers})
 }
 
 fn start_envoy(config: Value, addrs: Vec<String>, wasm: Option<&str>, filter: bool) -> Envoy {

@@ -112,6 +112,33 @@ fn count_block(out: &mut [Overlap], slot: SlotIdx, mask: u8, depth: u32) -> bool
     true
 }
 
+/// Adds `repeats` more blocks to every one of `holders` whose overlap is `reached` blocks (the
+/// holders that counted the block before, all of these blocks having the same holders and
+/// tiers): what `repeats` rounds of [`count_block`] would add.
+fn repeat_wide(out: &mut [Overlap], holders: &[u32], reached: u32, repeats: u32) {
+    if repeats == 0 {
+        return;
+    }
+    for &h in holders {
+        let Some(o) = out.get_mut((h >> 8) as usize) else {
+            continue;
+        };
+        if o.total_blocks() != reached {
+            continue;
+        }
+        // count_block's tier for this mask given what the slot counted so far: the same
+        // branch as for the block before (same mask), so the same counter.
+        let mask = h as u8;
+        if mask & DEVICE_BIT != 0 && o.host_blocks == 0 && o.disk_blocks == 0 {
+            o.device_blocks += repeats;
+        } else if mask & (tier_bit(StorageTier::Host) | DEVICE_BIT) != 0 {
+            o.host_blocks += repeats;
+        } else {
+            o.disk_blocks += repeats;
+        }
+    }
+}
+
 /// Chains longer than this also keep their holders as an array (see `KvIndex::wide`).
 const WIDE_CHAIN: usize = 8;
 
@@ -135,7 +162,24 @@ impl core::hash::Hasher for SeqHasher {
     }
 }
 
-type WideMap = hashbrown::HashMap<u64, Vec<u32>, core::hash::BuildHasherDefault<SeqHasher>>;
+type WideMap = hashbrown::HashMap<u64, Holders, core::hash::BuildHasherDefault<SeqHasher>>;
+
+/// A widely held prefix's holders (`slot << 8 | tier mask`, in chain order) and a fingerprint
+/// of them: a prompt cached alike on many workers has block after block with the same holders,
+/// which [`KvIndex::find_overlaps`] then counts once per run instead of once per block.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Holders {
+    fingerprint: u64,
+    slots: Vec<u32>,
+}
+
+impl Holders {
+    fn fingerprint_of(slots: &[u32]) -> u64 {
+        slots.iter().fold(slots.len() as u64, |h, &s| {
+            mix(h ^ u64::from(s)).wrapping_add(0x9e37_79b9_7f4a_7c15)
+        })
+    }
+}
 
 /// A slot's FIFO: oldest and newest entry (NIL when empty).
 #[derive(Clone, Copy, Debug)]
@@ -589,12 +633,13 @@ impl KvIndex {
             return;
         }
         let mut holders = self.wide.remove(&seq).unwrap_or_default();
-        holders.clear();
+        holders.slots.clear();
         let mut cur = head;
         while let Some((slot, mask, next)) = self.group(cur) {
-            holders.push((u32::from(slot) << 8) | u32::from(mask));
+            holders.slots.push((u32::from(slot) << 8) | u32::from(mask));
             cur = next;
         }
+        holders.fingerprint = Holders::fingerprint_of(&holders.slots);
         self.wide.insert(seq, holders);
     }
 
@@ -750,26 +795,47 @@ impl KvIndex {
     pub fn find_overlaps(&self, prompt: &[SequenceHash], out: &mut Vec<Overlap>) {
         out.clear();
         out.resize(self.fifos.len(), Overlap::default());
+        // The last wide holder array counted, the overlap its holders reached with it, and how
+        // many blocks right after it had the very same holders (not counted yet: `repeat_wide`
+        // adds them).
+        let mut run: Option<(&Holders, u32, u32)> = None;
         for (depth, seq) in prompt.iter().enumerate() {
             let Ok(depth) = u32::try_from(depth) else {
-                return;
+                break;
             };
             let Some((_, head)) = self.find_prefix(seq.0) else {
-                return;
+                break;
             };
             // One pass over the chain (one read per holder), a slot's adjacent entries OR-ed.
             let mut any = false;
             if self.pool.get(head).is_some_and(Entry::wide) {
                 if let Some(holders) = self.wide.get(&seq.0) {
-                    for &h in holders {
+                    // Same holders, same tiers as the block before: every slot that counted
+                    // that block counts this one alike.
+                    if let Some((last, _, repeats)) = run.as_mut() {
+                        if last.fingerprint == holders.fingerprint
+                            && last.slots.len() == holders.slots.len()
+                        {
+                            *repeats += 1;
+                            continue;
+                        }
+                    }
+                    if let Some((last, reached, repeats)) = run.take() {
+                        repeat_wide(out, &last.slots, reached, repeats);
+                    }
+                    for &h in &holders.slots {
                         let slot = SlotIdx::try_from(h >> 8).unwrap_or(SlotIdx::MAX);
                         any |= count_block(out, slot, h as u8, depth);
                     }
                     if !any {
                         return;
                     }
+                    run = Some((holders, depth + 1, 0));
                     continue;
                 }
+            }
+            if let Some((last, reached, repeats)) = run.take() {
+                repeat_wide(out, &last.slots, reached, repeats);
             }
             let mut group: Option<(SlotIdx, u8)> = None;
             let mut cur = head;
@@ -792,6 +858,9 @@ impl KvIndex {
             if !any {
                 return;
             }
+        }
+        if let Some((last, reached, repeats)) = run {
+            repeat_wide(out, &last.slots, reached, repeats);
         }
     }
 
@@ -975,7 +1044,11 @@ mod tests {
             let flagged = index.pool.get(head).unwrap().wide();
             assert_eq!(flagged, len > WIDE_CHAIN, "wide flag of {seq}");
             if len > WIDE_CHAIN {
-                assert_eq!(index.wide.get(&seq), Some(&groups), "holders of {seq}");
+                assert_eq!(
+                    index.wide.get(&seq).map(|h| &h.slots),
+                    Some(&groups),
+                    "holders of {seq}"
+                );
                 wide += 1;
             }
         }
@@ -1568,6 +1641,52 @@ mod tests {
             check_invariants(&index);
         }
         assert!(index.wide.is_empty());
+    }
+
+    /// A prompt cached alike on many slots: runs of blocks with the same holders are counted
+    /// once per run, with the same result as block by block (the chain path) and as expected.
+    #[test]
+    fn runs_of_blocks_with_the_same_holders_count_as_block_by_block() {
+        let prompt = Prompt::new(&tokens(7, 30));
+        let mut index = KvIndex::new(24, 10_000);
+        for slot in 0..24u16 {
+            let (blocks, tier) = match slot {
+                0..=11 => (0..30, StorageTier::Device),
+                12..=15 => (0..10, StorageTier::Device),
+                16..=19 => (0..30, StorageTier::Host),
+                // Device for 20 blocks, then the rest on the host tier.
+                _ => (0..20, StorageTier::Device),
+            };
+            index
+                .apply(slot, &prompt.stored(slot, blocks, tier))
+                .unwrap();
+            if slot >= 20 {
+                let host = prompt.stored(slot, 20..30, StorageTier::Host);
+                index.apply(slot, &host).unwrap();
+            }
+        }
+        let got = overlaps(&index, &prompt.seqs);
+        let expected: Vec<Overlap> = (0..24)
+            .map(|slot| match slot {
+                0..=11 => ov(30, 0, 0),
+                12..=15 => ov(10, 0, 0),
+                16..=19 => ov(0, 30, 0),
+                _ => ov(20, 10, 0),
+            })
+            .collect();
+        assert_eq!(got, expected);
+        // A prompt that stops part way through a run, and one longer than what is held.
+        assert_eq!(overlaps(&index, &prompt.seqs[..25])[0], ov(25, 0, 0));
+        let longer = Prompt::new(&tokens(7, 34));
+        assert_eq!(overlaps(&index, &longer.seqs), expected);
+        let mut chains_only = index.clone();
+        chains_only.wide.clear();
+        for id in 0..chains_only.pool.high() {
+            if let Some(e) = chains_only.pool.get_mut(id) {
+                e.set_wide(false);
+            }
+        }
+        assert_eq!(overlaps(&chains_only, &prompt.seqs), expected);
     }
 
     #[test]
