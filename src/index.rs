@@ -18,7 +18,10 @@
 //! * `wide`: for prefixes whose chain is longer than `WIDE_CHAIN` (held by many workers, e.g. a
 //!   shared system prompt), the chain's slot groups also as a packed array (`slot << 8 | mask`),
 //!   flagged on the chain head, so a lookup reads one array instead of chasing the chain. It is
-//!   rebuilt on every change to such a chain: O(holders), as the old holder vectors were.
+//!   rebuilt on every change to such a chain: O(holders), as the old holder vectors were. With
+//!   it a 64-bit fingerprint of the holders: consecutive prompt blocks whose arrays have the same
+//!   fingerprint (a prompt cached alike on many workers) are counted once per run, so a lookup
+//!   costs O(holders) per change of holders rather than per block.
 //! * Per slot, an intrusive FIFO (`prev`/`next`), oldest first; a re-store moves the entry to the
 //!   back. Eviction takes the front of the fullest slot's FIFO, the fullest slot read from a
 //!   tournament tree (`fullest`): O(log slots) per eviction, no scan.
