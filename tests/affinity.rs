@@ -36,15 +36,7 @@ fn follow_up(extra: Value) -> Vec<(u64, u32, u32, std::collections::BTreeMap<u64
     let held_body = json!({"model": "m", "prompt": tokens(50_000, 200 * BLOCK), "stream": true,
         "max_tokens": 2, "nvext": {"backend_instance_id": 1},
         "mock": {"chunks": 2, "chunk_interval_ms": 4000}});
-    let mut held = http::request_streaming(
-        &envoy.listener,
-        "POST",
-        "/v1/completions",
-        &[],
-        held_body.to_string().as_bytes(),
-        Duration::from_secs(20),
-    )
-    .expect("held request");
+    let mut held = stream_completion(&envoy.listener, &held_body).expect("held request");
     let _ = held.next_event();
     assert!(envoy.wait_for(Duration::from_secs(5), |e| {
         e.router_stat("worker.1.rank.0.decode_blocks") >= 200

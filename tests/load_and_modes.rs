@@ -58,15 +58,7 @@ fn a_long_prefill_repels_requests_until_its_first_token() {
         "nvext": {"backend_instance_id": 1}, "mock": {"first_token_delay_ms": 2000, "chunks": 2, "chunk_interval_ms": 3000}});
     let listener = envoy.listener.clone();
     let long = std::thread::spawn(move || {
-        let mut s = http::request_streaming(
-            &listener,
-            "POST",
-            "/v1/completions",
-            &[],
-            body.to_string().as_bytes(),
-            Duration::from_secs(20),
-        )
-        .expect("long");
+        let mut s = stream_completion(&listener, &body).expect("long");
         let _ = s.next_event();
         std::thread::sleep(Duration::from_millis(200));
         s.abort();

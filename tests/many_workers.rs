@@ -15,15 +15,25 @@ use std::time::Duration;
 const BLOCK: u32 = 16;
 const ENTRIES: usize = 400;
 
-#[test]
-fn four_hundred_workers_keep_every_replica_in_step() {
+/// 4 mock workers behind `ENTRIES` worker entries (entry `k` is mock `k % 4 + 1`), in `kv`
+/// mode with response headers, `extra` merged into the configuration.
+fn four_hundred_entries(extra: Value) -> (Vec<Worker>, Envoy) {
     let mocks = echo_workers(4, BLOCK);
     let entries: Vec<Value> = (0..ENTRIES)
         .map(|k| json!({"id": k + 1, "address": mocks[k % 4].addr}))
         .collect();
-    let config = json!({"mode": "kv", "block_size": BLOCK, "workers": entries,
-                        "response_headers": true});
+    let mut config = json!({"mode": "kv", "block_size": BLOCK, "workers": entries,
+                            "response_headers": true});
+    if let (Some(c), Some(e)) = (config.as_object_mut(), extra.as_object()) {
+        c.extend(e.clone());
+    }
     let envoy = start_envoy(&mocks, config);
+    (mocks, envoy)
+}
+
+#[test]
+fn four_hundred_workers_keep_every_replica_in_step() {
+    let (mocks, envoy) = four_hundred_entries(json!({}));
     // At least 10 polls of every entry, all appended to the log.
     assert!(
         envoy.wait_for(Duration::from_secs(30), |e| e
@@ -60,28 +70,14 @@ fn four_hundred_workers_keep_every_replica_in_step() {
 /// third shard is booked there (its gauge, no other), and its release leaves no load anywhere.
 #[test]
 fn a_request_past_the_first_load_shard_is_booked_and_released_there() {
-    let mocks = echo_workers(4, BLOCK);
-    let entries: Vec<Value> = (0..ENTRIES)
-        .map(|k| json!({"id": k + 1, "address": mocks[k % 4].addr}))
-        .collect();
-    let config = json!({"mode": "kv", "block_size": BLOCK, "workers": entries,
-                        "response_headers": true, "client_routing_hints": "honor"});
-    let envoy = start_envoy(&mocks, config);
+    let (_mocks, envoy) = four_hundred_entries(json!({"client_routing_hints": "honor"}));
     let pinned = 301;
     let body = json!({"model": "m", "prompt": tokens(1, 50 * BLOCK), "stream": true,
         "max_tokens": 2, "nvext": {"backend_instance_id": pinned},
         "mock": {"first_token_delay_ms": 3000, "chunks": 2, "chunk_interval_ms": 100}});
     let listener = envoy.listener.clone();
     let held = std::thread::spawn(move || {
-        let mut s = http::request_streaming(
-            &listener,
-            "POST",
-            "/v1/completions",
-            &[],
-            body.to_string().as_bytes(),
-            Duration::from_secs(20),
-        )
-        .expect("pinned request");
+        let mut s = stream_completion(&listener, &body).expect("pinned request");
         while let Ok(Some(_)) = s.next_event() {}
     });
     let gauge = format!("worker.{pinned}.rank.0.prefill_tokens");

@@ -44,6 +44,18 @@ pub fn start_envoy_with(
 }
 
 /// The worker id that served a response (the mock worker's `x-worker-id`).
+/// A streamed `/v1/completions` request with `body`, its response open (20 s limit).
+pub fn stream_completion(listener: &str, body: &Value) -> std::io::Result<http::StreamingResponse> {
+    http::request_streaming(
+        listener,
+        "POST",
+        "/v1/completions",
+        &[],
+        body.to_string().as_bytes(),
+        std::time::Duration::from_secs(20),
+    )
+}
+
 pub fn served_by(resp: &http::Response) -> Option<u64> {
     resp.header("x-worker-id")?.parse().ok()
 }
