@@ -12,8 +12,12 @@
 //! Usage:
 //!   cargo bench --bench request_path --no-run   # builds target/release/deps/request_path-*
 //!   valgrind --tool=callgrind --callgrind-out-file=cg.out <binary> <tokens> <iters>
-//!     [<workers> <in flight> <held blocks>]
-//! (`<held blocks>`: only the prompt's first blocks in the index, default all of them.)
+//!     [<workers> <in flight> <held blocks> <addresses> <holder every>]
+//! (`<held blocks>`: only the prompt's first blocks in the index, default all of them;
+//! `<addresses>`: the workers share this many addresses round-robin, default one each;
+//! `<holder every>`: every this many-th worker holds the prompt, default only the first. The
+//! Envoy fleet bench is `4096 N 1000 10000 64 4 4`: 1,000 entries over 4 mocks, the first
+//! mock's 250 entries holding the prompt.)
 //! Instructions per request = (Ir at iters N) - (Ir at iters 0), divided by N (the binary does
 //! its setup either way). Without valgrind it prints the wall time per request.
 
@@ -63,14 +67,15 @@ impl SharedStore for Store {
     }
 }
 
-fn config(workers: usize) -> Config {
+fn config(workers: usize, addresses: usize) -> Config {
     let workers: Vec<String> = (0..workers)
         .map(|i| {
+            let a = i % addresses.max(1);
             format!(
                 r#"{{"id": {}, "address": "10.{}.{}.1:8000"}}"#,
                 i + 1,
-                i / 256,
-                i % 256
+                a / 256,
+                a % 256
             )
         })
         .collect();
@@ -188,7 +193,9 @@ fn main() {
     let in_flight = nums.get(3).copied().unwrap_or(0);
     // Leading blocks of the prompt held in the index (default: all of them).
     let held = nums.get(4).copied();
-    let config = config(workers);
+    let addresses = nums.get(5).copied().unwrap_or(workers);
+    let holder_every = nums.get(6).copied().unwrap_or(usize::MAX);
+    let config = config(workers, addresses);
     let toks = tokens(n_tokens);
     let body = serde_json::json!({"model": "m", "prompt": toks, "max_tokens": 1}).to_string();
     // Every block held by slot 0 (unless `held` says fewer): lazy hashing hashes the whole
@@ -208,7 +215,9 @@ fn main() {
             .collect(),
     };
     if !locals.is_empty() {
-        index.apply(0, &stored).unwrap();
+        for slot in (0..workers).step_by(holder_every.min(workers).max(1)) {
+            index.apply(slot as u16, &stored).unwrap();
+        }
     }
     let store = Store::default();
     load_store::init(&store, config.slots.len(), 900_000);

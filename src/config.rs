@@ -123,7 +123,7 @@ pub enum Device {
 }
 
 /// Cost weights of Dynamo's KV router (`kv_router` config). All finite and `>= 0`; `overlap_score_credit <= 1`.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields, expecting = "an object")]
 pub struct CostWeights {
     pub overlap_score_credit: f64,

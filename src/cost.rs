@@ -81,8 +81,10 @@ pub fn preferred_taint_multiplier(worker_taints: &[String], preferred: &[(String
 /// The cost's per-request terms, computed once for every slot of a decision (the one place the
 /// formula above is written).
 #[derive(Clone, Copy, Debug)]
-pub struct KvCost<'a> {
-    weights: &'a CostWeights,
+pub struct KvCost {
+    /// A copy: the per-slot loop keeps the weights in registers, where a reference would be
+    /// re-read after every cost it stores.
+    weights: CostWeights,
     bs: f64,
     isl: f64,
     prompt_blocks: u32,
@@ -92,16 +94,16 @@ pub struct KvCost<'a> {
     zero_new_blocks: f64,
 }
 
-impl<'a> KvCost<'a> {
+impl KvCost {
     pub fn new(
-        weights: &'a CostWeights,
+        weights: &CostWeights,
         block_size: u32,
         isl_tokens: u32,
         prompt_blocks: u32,
     ) -> Self {
         let zero = Overlap::default();
         KvCost {
-            weights,
+            weights: *weights,
             bs: f64::from(block_size.max(1)),
             isl: f64::from(isl_tokens),
             prompt_blocks,
@@ -122,7 +124,7 @@ impl<'a> KvCost<'a> {
         let new_blocks = f64::from(new_decode_blocks(self.prompt_blocks, o));
         self.terms_from(
             load,
-            credit_blocks(self.weights, o),
+            credit_blocks(&self.weights, o),
             new_blocks,
             preferred_multiplier,
         )
@@ -137,9 +139,25 @@ impl<'a> KvCost<'a> {
         new_blocks: f64,
         preferred_multiplier: f64,
     ) -> Result<SlotCost, NonFiniteCost> {
-        let w = self.weights;
+        let t = self.unchecked_terms(load, credit_blocks, new_blocks, preferred_multiplier);
+        if !t.cost.is_finite() {
+            return Err(NonFiniteCost { cost: t.cost });
+        }
+        Ok(t)
+    }
+
+    /// The formula itself; the cost may be NaN or infinite (callers check).
+    #[inline(always)]
+    fn unchecked_terms(
+        &self,
+        load: &SlotLoad,
+        credit_blocks: f64,
+        new_blocks: f64,
+        preferred_multiplier: f64,
+    ) -> SlotCost {
+        let w = &self.weights;
         let raw_prefill_blocks = (load.prefill_tokens + self.isl) / self.bs;
-        // `f64::max` would turn a NaN into 0 and hide corrupt inputs: keep NaN for the check below.
+        // `f64::max` would turn a NaN into 0 and hide corrupt inputs: keep NaN for the check.
         let diff = raw_prefill_blocks - credit_blocks;
         let adjusted_prefill_blocks = if diff.is_nan() { diff } else { diff.max(0.0) };
         let decode_blocks = load.decode_blocks + new_blocks;
@@ -147,16 +165,27 @@ impl<'a> KvCost<'a> {
             + decode_blocks
             + w.decode_active_request_weight * f64::from(load.active_requests))
             * preferred_multiplier;
-        if !cost.is_finite() {
-            return Err(NonFiniteCost { cost });
-        }
-        Ok(SlotCost {
+        SlotCost {
             raw_prefill_blocks,
             credit_blocks,
             adjusted_prefill_blocks,
             decode_blocks,
             cost,
-        })
+        }
+    }
+
+    /// [`KvCost::cost`] without a preference, possibly not finite: for a loop that checks every
+    /// slot's cost at once. An empty overlap takes the terms computed once per request.
+    #[inline(always)]
+    pub fn unchecked_cost(&self, o: &Overlap, load: &SlotLoad) -> f64 {
+        if *o == Overlap::default() {
+            self.unchecked_terms(load, self.zero_credit, self.zero_new_blocks, 1.0)
+                .cost
+        } else {
+            let new_blocks = f64::from(new_decode_blocks(self.prompt_blocks, o));
+            self.unchecked_terms(load, credit_blocks(&self.weights, o), new_blocks, 1.0)
+                .cost
+        }
     }
 
     /// [`KvCost::cost`] of a slot with no overlap and no preference (multiplier 1): the same

@@ -17,7 +17,7 @@
 //! A shard's size is fixed by its slot count (see [`crate::load`]), so every CAS round costs
 //! the same whatever the requests in flight.
 
-use std::borrow::Cow;
+use std::fmt;
 
 use crate::load::{bucket_ms_for, reap_due, view_bytes_at, LoadTable, SlotLoad, Ticket, Window};
 use crate::store::{SharedStore, StoreError};
@@ -47,12 +47,71 @@ fn shard_slots(num_slots: usize, shard: usize) -> (usize, usize) {
     (base, num_slots.saturating_sub(base).min(SHARD_SLOTS))
 }
 
-/// The shared-data key of `shard` (bounded by the configured slots: never per request).
-pub fn shard_key(shard: usize) -> Cow<'static, str> {
-    if shard == 0 {
-        Cow::Borrowed(LOAD_KEY)
-    } else {
-        Cow::Owned(format!("{LOAD_KEY}.{shard}"))
+/// The shared-data key of `shard` (bounded by the configured slots: never per request):
+/// `ekr.load`, then `ekr.load.1`, `ekr.load.2`, ... Built on the stack: the request path names
+/// every shard once per decision.
+pub fn shard_key(shard: usize) -> ShardKey {
+    let mut key = ShardKey {
+        buf: [0; SHARD_KEY_MAX],
+        len: 0,
+    };
+    key.push(LOAD_KEY.as_bytes());
+    if shard > 0 {
+        let mut digits = [0u8; 20];
+        let mut at = digits.len();
+        let mut n = shard;
+        while n > 0 && at > 0 {
+            at -= 1;
+            if let Some(d) = digits.get_mut(at) {
+                *d = b'0' + (n % 10) as u8;
+            }
+            n /= 10;
+        }
+        key.push(b".");
+        key.push(digits.get(at..).unwrap_or_default());
+    }
+    key
+}
+
+/// `ekr.load.` and the 20 digits of the largest `usize`.
+const SHARD_KEY_MAX: usize = LOAD_KEY.len() + 1 + 20;
+
+/// A shard's key, as [`shard_key`] builds it.
+#[derive(Clone, Copy)]
+pub struct ShardKey {
+    buf: [u8; SHARD_KEY_MAX],
+    len: usize,
+}
+
+impl ShardKey {
+    fn push(&mut self, bytes: &[u8]) {
+        let end = (self.len + bytes.len()).min(SHARD_KEY_MAX);
+        if let (Some(to), Some(from)) =
+            (self.buf.get_mut(self.len..end), bytes.get(..end - self.len))
+        {
+            to.copy_from_slice(from);
+            self.len = end;
+        }
+    }
+}
+
+impl std::ops::Deref for ShardKey {
+    type Target = str;
+    fn deref(&self) -> &str {
+        // ASCII only (the prefix and digits).
+        std::str::from_utf8(self.buf.get(..self.len).unwrap_or_default()).unwrap_or(LOAD_KEY)
+    }
+}
+
+impl fmt::Display for ShardKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self)
+    }
+}
+
+impl fmt::Debug for ShardKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&**self, f)
     }
 }
 
@@ -726,6 +785,14 @@ mod tests {
     const MANY: usize = 300;
 
     #[test]
+    fn shard_keys_are_the_load_key_then_numbered() {
+        assert_eq!(&*shard_key(0), "ekr.load");
+        assert_eq!(&*shard_key(1), "ekr.load.1");
+        assert_eq!(&*shard_key(511), "ekr.load.511");
+        assert_eq!(&*shard_key(usize::MAX), format!("ekr.load.{}", usize::MAX));
+    }
+
+    #[test]
     fn a_large_table_is_one_key_per_shard_and_a_slot_edit_writes_its_shard_only() {
         let store = MemStore::new();
         init(&store, MANY, 900_000);
@@ -826,7 +893,7 @@ mod tests {
                         let booked = Rc::new(Cell::new(0u64));
                         let counter = Rc::clone(&booked);
                         store.set_hook(move |s: &MemStore, op: &Op| {
-                            let mine = *op == Op::Set(shard_key(shard).into_owned());
+                            let mine = *op == Op::Set(shard_key(shard).to_string());
                             if mine && counter.get() < CAS_ATTEMPTS as u64 {
                                 counter.set(counter.get() + 1);
                                 let key = 1 << 40 | step << 8 | counter.get();

@@ -182,11 +182,12 @@ pub fn decide(
             let no_taints = request.preferred_taints.is_empty();
             // The scores' costs alone, contiguous for the pick.
             let mut costs: Vec<f64> = Vec::with_capacity(candidates.len());
+            let mut min_cost = None;
             if no_taints && config.ttft.is_none() {
                 // The usual case in a loop of its own: nothing per slot but its inputs and cost
                 // (the same values and the same cost as the general loop below).
                 let overlaps = if has_prefix { input.overlaps } else { &[] };
-                score_plain(&kv, &candidates, overlaps, input, &mut costs)?;
+                min_cost = Some(score_plain(&kv, &candidates, overlaps, input, &mut costs)?);
                 scores.extend(candidates.iter().copied().zip(costs.iter().copied()));
             }
             // Otherwise (preferred taints, TTFT scores): the general loop.
@@ -236,8 +237,12 @@ pub fn decide(
                 _ => None,
             };
             affine.or_else(|| {
-                select::pick_by_cost(&costs, config.router_temperature, rng)
-                    .and_then(|i| scores.get(i).map(|(s, _)| *s))
+                let t = config.router_temperature;
+                match min_cost {
+                    Some(min) => select::pick_by_cost_given_min(&costs, min, t, rng),
+                    None => select::pick_by_cost(&costs, t, rng),
+                }
+                .and_then(|i| scores.get(i).map(|(s, _)| *s))
             })
         }
         RoutingMode::Random => select::random(&candidates, rng),
@@ -290,35 +295,60 @@ pub fn decide(
 }
 
 /// The usual KV scoring (no preferred taints, no TTFT): each candidate's cost, in candidate
-/// order, appended to `costs`. One tight pass (at 1,000 slots it dominates the decision); a slot
-/// without overlap (most of them) skips the credit terms, with the same result.
+/// order, appended to `costs`; returns their minimum (`f64::min` folded from infinity). One tight
+/// pass (at 1,000 slots it dominates the decision): the costs are checked for finiteness once,
+/// after the loop, and every slot is read straight from the slices when all of them are
+/// candidates and every input covers them (the usual case).
 fn score_plain(
     kv: &cost::KvCost,
     candidates: &[SlotIdx],
     overlaps: &[Overlap],
     input: &RouteInput,
     costs: &mut Vec<f64>,
-) -> Result<(), RouteError> {
-    let idle = SlotLoad::default();
-    let mut first_bad = None;
-    // `extend` over a slice's map writes without a capacity check per slot.
-    costs.extend(candidates.iter().map(|&slot| {
-        let i = usize::from(slot);
-        let load = input.load.get(i).unwrap_or(&idle);
-        let overlap = match input.stale_slots.get(i) {
-            Some(true) => None,
-            _ => overlaps.get(i).filter(|o| **o != Overlap::default()),
-        };
-        let cost = match overlap {
-            Some(o) => kv.cost(o, load, 1.0),
-            None => kv.cost_without_overlap(load),
-        };
-        cost.unwrap_or_else(|cost| {
-            first_bad.get_or_insert(RouteError::NonFiniteCost { slot, cost });
-            cost
-        })
-    }));
-    first_bad.map_or(Ok(()), Err)
+) -> Result<f64, RouteError> {
+    let n = candidates.len();
+    // Candidates are distinct and ascending, so `n` of them ending at slot `n - 1` are every
+    // slot, in order: then each slot's inputs are the slices' items, read in step.
+    let every_slot = candidates.last().is_none_or(|&s| usize::from(s) + 1 == n)
+        && input.load.len() == n
+        && overlaps.len() == n
+        && !input.stale_slots.iter().any(|&s| s);
+    if every_slot {
+        costs.extend(
+            input
+                .load
+                .iter()
+                .zip(overlaps)
+                .map(|(l, o)| kv.unchecked_cost(o, l)),
+        );
+    } else {
+        let idle = SlotLoad::default();
+        let none = Overlap::default();
+        costs.extend(candidates.iter().map(|&slot| {
+            let i = usize::from(slot);
+            let overlap = match input.stale_slots.get(i) {
+                Some(true) => &none,
+                _ => overlaps.get(i).unwrap_or(&none),
+            };
+            kv.unchecked_cost(overlap, input.load.get(i).unwrap_or(&idle))
+        }));
+    }
+    // The minimum as `f64::min` folds it, and the sum: a cost that is not finite makes the sum
+    // so (or a sum of huge costs overflows: then the scan below finds nothing), so the costs
+    // are checked once, after the loop.
+    let (min, sum) = costs.iter().fold((f64::INFINITY, 0.0), |(m, s), &c| {
+        (if c < m { c } else { m }, s + c)
+    });
+    if !sum.is_finite() {
+        let bad = candidates
+            .iter()
+            .zip(costs.iter())
+            .find(|(_, c)| !c.is_finite());
+        if let Some((&slot, &cost)) = bad {
+            return Err(RouteError::NonFiniteCost { slot, cost });
+        }
+    }
+    Ok(min)
 }
 
 /// The cost `scores` gives `slot` (scores are in ascending slot order, as the candidates).
@@ -359,10 +389,12 @@ fn ttft_score(
     )
 }
 
-/// Candidates ranked first by [`fallbacks`]: enough for the usual case (distinct addresses among
-/// the best few) without sorting every slot; all of them are sorted only when these run out.
-const FALLBACK_HEAD_PER_PICK: usize = 4;
-
+/// The fallbacks: the best `fallback_count` candidates (by cost, else fewest in flight; ties by
+/// slot) on distinct addresses other than the choice's, best first. That is each address's best
+/// candidate, and of those the best few, so one pass keeps them: a candidate that does not beat
+/// the worst kept is dropped at one compare (at 1,000 slots nearly all are), one that does
+/// replaces its address's entry if it beats it, or else takes a place. Slots sharing an address
+/// (DP ranks of one engine, or entries on one host) cost no sort.
 fn fallbacks(
     config: &Config,
     chosen: SlotIdx,
@@ -370,7 +402,8 @@ fn fallbacks(
     scores: &[(SlotIdx, f64)],
     load: &[SlotLoad],
 ) -> Vec<SlotIdx> {
-    if config.fallback_count == 0 {
+    let k = config.fallback_count;
+    if k == 0 {
         return Vec::new();
     }
     let by_load = |s: &SlotIdx| {
@@ -380,83 +413,57 @@ fn fallbacks(
                 .map_or(0.0, |l| f64::from(l.active_requests)),
         )
     };
-    let ranked = || -> Vec<(SlotIdx, f64)> {
-        if scores.is_empty() {
-            candidates.iter().map(by_load).collect()
-        } else {
-            scores.to_vec()
-        }
-    };
-    // Total (slots are distinct), so the best `head` in order are exactly a full sort's first.
-    let order = |a: &(SlotIdx, f64), b: &(SlotIdx, f64)| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0));
     let address = |s: SlotIdx| config.worker_of_slot(s).map(|w| w.address);
-    let pick = |ranked: &[(SlotIdx, f64)]| {
-        let mut used = vec![address(chosen)];
-        let mut out = Vec::new();
-        for &(slot, _) in ranked {
-            if out.len() >= config.fallback_count {
-                break;
-            }
-            let a = address(slot);
-            if a.is_some() && !used.contains(&a) {
-                used.push(a);
-                out.push(slot);
-            }
-        }
-        out
-    };
-    let head = FALLBACK_HEAD_PER_PICK.saturating_mul(config.fallback_count.saturating_add(1));
-    let total = if scores.is_empty() {
-        candidates.len()
+    let taken = address(chosen);
+    if scores.is_empty() {
+        best_on_distinct_addresses(candidates.iter().map(by_load), k, taken, address)
     } else {
-        scores.len()
+        best_on_distinct_addresses(scores.iter().copied(), k, taken, address)
+    }
+}
+
+/// The pass of [`fallbacks`] over `items`, in a loop of its own: the worst kept stays in
+/// registers, and the kept list is touched only by an item that beats it.
+fn best_on_distinct_addresses(
+    items: impl Iterator<Item = (SlotIdx, f64)>,
+    k: usize,
+    taken: Option<std::net::SocketAddr>,
+    address: impl Fn(SlotIdx) -> Option<std::net::SocketAddr>,
+) -> Vec<SlotIdx> {
+    // Total (slots are distinct).
+    let better = |a: &(SlotIdx, f64), b: &(SlotIdx, f64)| {
+        a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)) == std::cmp::Ordering::Less
     };
-    if total > head {
-        // One pass keeping the best `head`, sorted (most items lose to the worst kept at once).
-        let mut best: Vec<(SlotIdx, f64)> = Vec::with_capacity(head + 1);
-        // Keeps `item` if it beats the worst kept; returns the worst kept once `head` are kept.
-        let mut offer = |item: (SlotIdx, f64)| -> Option<(SlotIdx, f64)> {
-            if best.len() < head
-                || best
-                    .last()
-                    .is_some_and(|worst| order(&item, worst) == std::cmp::Ordering::Less)
+    let mut best: Vec<((SlotIdx, f64), std::net::SocketAddr)> = Vec::with_capacity(k + 1);
+    // The worst kept once `k` are kept: a higher score, or the same score (bit for bit) on a
+    // higher slot, loses at once (anything else, such as -0 against +0, is left to `better`).
+    let mut bar: Option<(SlotIdx, f64)> = None;
+    for item in items {
+        if let Some((bar_slot, bar_score)) = bar {
+            if item.1 > bar_score
+                || (item.1.to_bits() == bar_score.to_bits() && item.0 > bar_slot)
+                || !better(&item, &(bar_slot, bar_score))
             {
-                let at = best.partition_point(|x| order(x, &item) == std::cmp::Ordering::Less);
-                best.insert(at, item);
-                best.truncate(head);
-            }
-            best.last().copied().filter(|_| best.len() >= head)
-        };
-        // An item that is not `order`-less than the worst kept loses at once, without a call:
-        // a higher score, or the same score (bit for bit) on a higher slot. (Anything else, such
-        // as -0 against +0, is left to `offer`'s `order`.)
-        let loses = |item: &(SlotIdx, f64), worst: Option<(SlotIdx, f64)>| {
-            worst.is_some_and(|w| {
-                item.1 > w.1 || (item.1.to_bits() == w.1.to_bits() && item.0 > w.0)
-            })
-        };
-        let mut worst = None;
-        if scores.is_empty() {
-            for item in candidates.iter().map(by_load) {
-                if !loses(&item, worst) {
-                    worst = offer(item);
-                }
-            }
-        } else {
-            for item in scores {
-                if !loses(item, worst) {
-                    worst = offer(*item);
-                }
+                continue;
             }
         }
-        let out = pick(&best);
-        if out.len() >= config.fallback_count {
-            return out;
+        let Some(a) = address(item.0).filter(|a| Some(*a) != taken) else {
+            continue;
+        };
+        if let Some(i) = best.iter().position(|(_, other)| *other == a) {
+            if best.get(i).is_some_and(|(kept, _)| !better(&item, kept)) {
+                continue;
+            }
+            best.remove(i);
+        }
+        let at = best.partition_point(|(kept, _)| better(kept, &item));
+        best.insert(at, (item, a));
+        best.truncate(k);
+        if best.len() >= k {
+            bar = best.last().map(|(worst, _)| *worst);
         }
     }
-    let mut all = ranked();
-    all.sort_unstable_by(order);
-    pick(&all)
+    best.into_iter().map(|((slot, _), _)| slot).collect()
 }
 
 #[cfg(test)]
@@ -468,7 +475,7 @@ fn fallbacks(
 )]
 mod tests {
     use super::*;
-    use crate::config::Config;
+    use crate::config::{Config, CostWeights};
 
     fn config(extra: &str, workers: &str) -> Config {
         let sep = if extra.is_empty() { "" } else { "," };
@@ -1134,6 +1141,114 @@ mod tests {
             }
         }
         out
+    }
+
+    /// The plain scoring loop against the per-slot cost (the general loop's formula), on random
+    /// loads, overlaps, stale flags and candidate subsets: the same cost for every candidate,
+    /// bit for bit, the same minimum as `f64::min` folds, and the first non-finite cost in
+    /// candidate order reported as the error.
+    #[test]
+    fn the_plain_scoring_loop_scores_as_the_per_slot_cost() {
+        let mut rng = Rng::new(5);
+        let weights = CostWeights {
+            decode_active_request_weight: 0.5,
+            prefill_load_scale: 1.5,
+            ..CostWeights::default()
+        };
+        let (mut every_slot, mut subsets, mut errors) = (0, 0, 0);
+        for round in 0..600u64 {
+            let n = 1 + rng.index(200);
+            let isl = rng.index(20_000) as u32;
+            let prompt_blocks = isl.div_ceil(16);
+            let kv = cost::KvCost::new(&weights, 16, isl, prompt_blocks);
+            let load: Vec<SlotLoad> = (0..n)
+                .map(|_| SlotLoad {
+                    prefill_tokens: rng.index(50_000) as f64,
+                    decode_blocks: rng.index(5_000) as f64 / 3.0,
+                    active_requests: rng.index(40) as u32,
+                })
+                .collect();
+            let mut load = load;
+            // Some rounds corrupt a few loads (NaN, infinity).
+            if round % 7 == 0 {
+                for _ in 0..1 + rng.index(3) {
+                    let i = rng.index(n);
+                    load[i].decode_blocks = [f64::NAN, f64::INFINITY][rng.index(2)];
+                }
+            }
+            let overlaps: Vec<Overlap> = (0..n)
+                .map(|_| match rng.index(4) {
+                    0 => Overlap {
+                        device_blocks: rng.index(100) as u32,
+                        host_blocks: rng.index(3) as u32 * rng.index(20) as u32,
+                        disk_blocks: 0,
+                    },
+                    _ => Overlap::default(),
+                })
+                .collect();
+            let stale: Vec<bool> = match rng.index(3) {
+                0 => (0..n).map(|_| rng.index(5) == 0).collect(),
+                1 => vec![false; n],
+                _ => Vec::new(),
+            };
+            let candidates: Vec<SlotIdx> = if rng.index(2) == 0 {
+                (0..n as SlotIdx).collect()
+            } else {
+                (0..n as SlotIdx).filter(|_| rng.index(3) != 0).collect()
+            };
+            if candidates.len() == n && !stale.contains(&true) {
+                every_slot += 1;
+            } else {
+                subsets += 1;
+            }
+            let req = LlmRequest::default();
+            let input = RouteInput {
+                request: &req,
+                header_pin: Pin::default(),
+                prompt_blocks,
+                overlaps: &overlaps,
+                load: &load,
+                stale_slots: &stale,
+            };
+            let mut costs = Vec::new();
+            let got = score_plain(&kv, &candidates, &overlaps, &input, &mut costs);
+            let want: Vec<(SlotIdx, Result<f64, f64>)> = candidates
+                .iter()
+                .map(|&s| {
+                    let i = usize::from(s);
+                    let o = if stale.get(i) == Some(&true) {
+                        Overlap::default()
+                    } else {
+                        overlaps[i]
+                    };
+                    (s, kv.cost(&o, &load[i], 1.0))
+                })
+                .collect();
+            match want.iter().find(|(_, c)| c.is_err()) {
+                Some(&(slot, Err(cost))) => {
+                    errors += 1;
+                    match got {
+                        Err(RouteError::NonFiniteCost { slot: s, cost: c }) => {
+                            assert_eq!(s, slot, "round {round}");
+                            assert_eq!(c.is_nan(), cost.is_nan(), "round {round}");
+                        }
+                        other => panic!("round {round}: {other:?}, want slot {slot} not finite"),
+                    }
+                }
+                _ => {
+                    let want_costs: Vec<u64> = want
+                        .iter()
+                        .map(|(_, c)| c.unwrap_or(f64::NAN).to_bits())
+                        .collect();
+                    let got_costs: Vec<u64> = costs.iter().map(|c| c.to_bits()).collect();
+                    assert_eq!(got_costs, want_costs, "round {round}");
+                    let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+                    assert_eq!(got.unwrap().to_bits(), min.to_bits(), "round {round}");
+                }
+            }
+        }
+        // Both loops and the error path ran.
+        assert!(every_slot > 100 && subsets > 100 && errors > 30);
     }
 
     #[test]

@@ -13,21 +13,56 @@ use crate::types::SlotIdx;
 const TIE_EPSILON: f64 = 1e-9;
 
 fn tied(a: f64, b: f64) -> bool {
-    (a - b).abs() <= TIE_EPSILON * a.abs().max(b.abs()).max(1.0)
+    // An infinity ties only with itself (its distance to a finite cost is within an infinite
+    // tolerance, which would make it a minimum).
+    a == b || (a - b).abs() <= TIE_EPSILON * a.abs().max(b.abs()).max(1.0) && (a - b).is_finite()
+}
+
+/// A cost above this does not tie with `min` when no cost is below `min`: for `c >= min`,
+/// `tied(c, min)` needs `c - min <= eps * max(|c|, |min|, 1)`, which for `c >= 0` means
+/// `c <= (min + eps * (|min| + 1)) / (1 - eps)` and for `c < 0` (so `|c| <= |min|`)
+/// `c <= min + eps * (|min| + 1)`; both are below `min + 4 * eps * (|min| + 1)`, whose rounding
+/// is far smaller than the slack.
+fn tie_bound(min: f64) -> f64 {
+    let bound = min + 4.0 * TIE_EPSILON * (min.abs() + 1.0);
+    // `min` = -inf: -inf ties with it.
+    if bound.is_nan() {
+        f64::INFINITY
+    } else {
+        bound
+    }
 }
 
 /// Index (into `costs`) of a minimum cost; ties are broken uniformly at random. `None` if empty.
 pub fn argmin_random_ties(costs: &[f64], rng: &mut Rng) -> Option<usize> {
     let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
-    // The `rng.index(ties)`-th tie, without collecting the ties.
-    let ties = costs.iter().filter(|c| tied(**c, min)).count();
-    let nth = rng.index(ties);
-    costs
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| tied(**c, min))
-        .nth(nth)
-        .map(|(i, _)| i)
+    argmin_given_min(costs, min, rng)
+}
+
+/// [`argmin_random_ties`] when the caller already folded `min` (`f64::min` over `costs`, from
+/// `f64::INFINITY`) while computing the costs.
+pub fn argmin_given_min(costs: &[f64], min: f64, rng: &mut Rng) -> Option<usize> {
+    // The `rng.index(ties)`-th tie, without collecting the ties: one pass counts them and keeps
+    // the first (the usual pick: a single tie), a second finds any later one.
+    // No cost above `near` ties with `min` (see `tie_bound`): most are rejected by one compare.
+    let near = tie_bound(min);
+    let mut ties = 0usize;
+    let mut first = None;
+    for (i, &c) in costs.iter().enumerate() {
+        if c <= near && tied(c, min) {
+            first = first.or(Some(i));
+            ties += 1;
+        }
+    }
+    match rng.index(ties) {
+        0 => first,
+        nth => costs
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| tied(**c, min))
+            .nth(nth)
+            .map(|(i, _)| i),
+    }
 }
 
 /// Softmax probabilities over min-max normalised costs:
@@ -68,10 +103,21 @@ pub fn softmax_pick(costs: &[f64], temperature: f64, rng: &mut Rng) -> Option<us
 
 /// The KV pick: argmin with random ties at temperature 0, softmax above.
 pub fn pick_by_cost(costs: &[f64], temperature: f64, rng: &mut Rng) -> Option<usize> {
+    let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+    pick_by_cost_given_min(costs, min, temperature, rng)
+}
+
+/// [`pick_by_cost`] with the costs' minimum already folded (see [`argmin_given_min`]).
+pub fn pick_by_cost_given_min(
+    costs: &[f64],
+    min: f64,
+    temperature: f64,
+    rng: &mut Rng,
+) -> Option<usize> {
     if temperature > 0.0 {
         softmax_pick(costs, temperature, rng)
     } else {
-        argmin_random_ties(costs, rng)
+        argmin_given_min(costs, min, rng)
     }
 }
 
@@ -192,6 +238,66 @@ mod tests {
             assert!((9_000..11_000).contains(&counts[i]), "{counts:?}");
         }
         assert_eq!(argmin_random_ties(&[], &mut rng), None);
+    }
+
+    /// The argmin as it was written first (three passes, every cost compared with `tied`).
+    fn argmin_by_three_passes(costs: &[f64], rng: &mut Rng) -> Option<usize> {
+        let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+        let ties = costs.iter().filter(|c| tied(**c, min)).count();
+        let nth = rng.index(ties);
+        costs
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| tied(**c, min))
+            .nth(nth)
+            .map(|(i, _)| i)
+    }
+
+    /// The one-compare rejection never drops a tie: on costs clustered within and just past the
+    /// tie distance (negative, signed zeros, huge, infinite, NaN), the pick and the random stream
+    /// after it are those of the three-pass argmin.
+    #[test]
+    fn argmin_with_the_tie_bound_picks_as_three_passes() {
+        let mut rng = Rng::new(3);
+        let (mut multi, mut single) = (0, 0);
+        for round in 0..20_000u64 {
+            let base: f64 = [0.0, -0.0, 1.0, -1.0, 3.5, -250.0, 1e12, -1e12, 1e-300][rng.index(9)];
+            let n = rng.index(12);
+            let costs: Vec<f64> = (0..n)
+                .map(|_| {
+                    let scale = base.abs().max(1.0);
+                    match rng.index(9) {
+                        0 => f64::INFINITY,
+                        1 => f64::NEG_INFINITY,
+                        2 => f64::NAN,
+                        // Around the tie distance: 0.5 to 3 epsilons away.
+                        3 => base + scale * TIE_EPSILON * (0.5 + rng.index(6) as f64 * 0.5),
+                        4 => base - scale * TIE_EPSILON * (0.5 + rng.index(6) as f64 * 0.5),
+                        5 => base * (1.0 + TIE_EPSILON * rng.index(4) as f64),
+                        _ => base + rng.index(3) as f64,
+                    }
+                })
+                .collect();
+            let seed = rng.next_u64();
+            let (mut a, mut b) = (Rng::new(seed), Rng::new(seed));
+            let want = argmin_by_three_passes(&costs, &mut a);
+            assert_eq!(
+                argmin_random_ties(&costs, &mut b),
+                want,
+                "round {round}: {costs:?}"
+            );
+            assert_eq!(
+                a.next_u64(),
+                b.next_u64(),
+                "round {round}: the random stream moved"
+            );
+            let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+            match costs.iter().filter(|c| tied(**c, min)).count() {
+                0 | 1 => single += 1,
+                _ => multi += 1,
+            }
+        }
+        assert!(multi > 2_000 && single > 2_000, "{multi} {single}");
     }
 
     #[test]

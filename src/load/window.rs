@@ -113,7 +113,10 @@ pub fn view_bytes_at(
             .ring
             .iter()
             .filter(|&&e| LoadTable::alive(e, now_epoch))
-            .map(|&e| (e + BUCKETS as u64).saturating_mul(table.bucket_ms))
+            .map(|&e| {
+                e.saturating_add(BUCKETS as u64)
+                    .saturating_mul(table.bucket_ms)
+            })
             .min()
             .unwrap_or(u64::MAX)),
     }
