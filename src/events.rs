@@ -15,7 +15,10 @@ mod page;
 
 pub use binary::CodecError;
 pub(crate) use binary::{tier_code, Reader, Writer};
-pub use log_codec::{decode_log_batch, encode_log_batch, encode_log_batch_refs, LogRecord};
+pub use log_codec::{
+    check_log_batch, decode_log_batch, encode_log_batch, encode_log_batch_refs, visit_log_batch,
+    LogItem, LogRecord, RecordHead,
+};
 pub use page::{parse_dump, parse_event_page};
 
 /// Largest event id (and cursor) accepted: 2^63 - 1. Ids are counters from 0 or 1; anything
@@ -743,7 +746,9 @@ mod tests {
         for len in 0..bytes.len() {
             let cut = bytes.get(..len).unwrap_or_default();
             assert!(decode_log_batch(cut).is_err(), "truncated to {len} decoded");
+            assert!(check_log_batch(cut).is_err(), "truncated to {len} checked");
         }
+        assert_eq!(check_log_batch(&bytes), Ok(()));
         let mut longer = bytes.clone();
         longer.push(0);
         assert_eq!(
@@ -799,7 +804,13 @@ mod tests {
                 let pos = (state >> 33) as usize % bytes.len();
                 bytes[pos] = (state >> 17) as u8;
             }
-            if let Ok(records) = decode_log_batch(&bytes) {
+            // The check (blocks read, not kept) accepts exactly what decodes, with its error.
+            let decoded = decode_log_batch(&bytes);
+            assert_eq!(
+                check_log_batch(&bytes),
+                decoded.as_ref().map(|_| ()).map_err(Clone::clone)
+            );
+            if let Ok(records) = decoded {
                 assert_eq!(encode_log_batch(&records), bytes);
             }
         }

@@ -94,7 +94,9 @@ fn encode_event(w: &mut Writer, numbered: &NumberedEvent) {
     }
 }
 
-fn decode_event(r: &mut Reader<'_>) -> Result<NumberedEvent, CodecError> {
+/// One event; with `KEEP` false its blocks are read and checked but not kept (no allocation):
+/// the check pass of [`check_log_batch`].
+fn decode_event<const KEEP: bool>(r: &mut Reader<'_>) -> Result<NumberedEvent, CodecError> {
     let event_id = r.u64()?;
     let offset = r.offset();
     let event = match r.u8()? {
@@ -107,9 +109,12 @@ fn decode_event(r: &mut Reader<'_>) -> Result<NumberedEvent, CodecError> {
                 None
             };
             let count = r.count("stored blocks", 16)?;
-            let mut blocks = Vec::with_capacity(count);
+            let mut blocks = Vec::with_capacity(if KEEP { count } else { 0 });
             for _ in 0..count {
-                blocks.push((ExternalBlockHash(r.u64()?), LocalBlockHash(r.u64()?)));
+                let block = (ExternalBlockHash(r.u64()?), LocalBlockHash(r.u64()?));
+                if KEEP {
+                    blocks.push(block);
+                }
             }
             IndexEvent::Stored {
                 dp_rank,
@@ -122,9 +127,12 @@ fn decode_event(r: &mut Reader<'_>) -> Result<NumberedEvent, CodecError> {
             let dp_rank = r.u32()?;
             let tier = r.tier()?;
             let count = r.count("removed blocks", 8)?;
-            let mut blocks = Vec::with_capacity(count);
+            let mut blocks = Vec::with_capacity(if KEEP { count } else { 0 });
             for _ in 0..count {
-                blocks.push(ExternalBlockHash(r.u64()?));
+                let block = ExternalBlockHash(r.u64()?);
+                if KEEP {
+                    blocks.push(block);
+                }
             }
             IndexEvent::Removed {
                 dp_rank,
@@ -156,15 +164,6 @@ fn encode_events(w: &mut Writer, events: &[NumberedEvent]) {
     for event in events {
         encode_event(w, event);
     }
-}
-
-fn decode_events(r: &mut Reader<'_>) -> Result<Vec<NumberedEvent>, CodecError> {
-    let count = r.count("events", MIN_EVENT_BYTES)?;
-    let mut events = Vec::with_capacity(count);
-    for _ in 0..count {
-        events.push(decode_event(r)?);
-    }
-    Ok(events)
 }
 
 /// Encodes one batch of the shared log: `"EKL"`, version, record count, records; little-endian.
@@ -209,26 +208,86 @@ fn encode_log_batch_of<'a>(count: usize, records: impl Iterator<Item = &'a LogRe
     w.bytes
 }
 
+/// One item of a log batch, in order, as [`visit_log_batch`] reads it: a record's head, then
+/// that record's events (none for `WorkerLost`).
+#[derive(Debug)]
+pub enum LogItem {
+    Record(RecordHead),
+    Event(NumberedEvent),
+}
+
+/// A record without its events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordHead {
+    Events { worker: u16 },
+    Resync { worker: u16, last_event_id: u64 },
+    WorkerLost { worker: u16 },
+}
+
 /// Decodes a batch written by [`encode_log_batch`]; any truncation, unknown tag or trailing byte
 /// is an error (never a panic).
 pub fn decode_log_batch(bytes: &[u8]) -> Result<Vec<LogRecord>, CodecError> {
+    let mut records: Vec<LogRecord> = Vec::new();
+    visit_log_batch(bytes, |item| match item {
+        LogItem::Record(RecordHead::Events { worker }) => records.push(LogRecord::Events {
+            worker,
+            events: Vec::new(),
+        }),
+        LogItem::Record(RecordHead::Resync {
+            worker,
+            last_event_id,
+        }) => records.push(LogRecord::Resync {
+            worker,
+            last_event_id,
+            events: Vec::new(),
+        }),
+        LogItem::Record(RecordHead::WorkerLost { worker }) => {
+            records.push(LogRecord::WorkerLost { worker })
+        }
+        LogItem::Event(event) => {
+            if let Some(LogRecord::Events { events, .. } | LogRecord::Resync { events, .. }) =
+                records.last_mut()
+            {
+                events.push(event);
+            }
+        }
+    })?;
+    Ok(records)
+}
+
+/// Reads a batch item by item, handing each to `visit` as it is decoded: a replica applies a
+/// batch of many events without holding all of them decoded at once (its linear memory keeps
+/// its highest use for good). Items before a decoding error have been visited; see
+/// [`decode_log_batch`] for the errors.
+pub fn visit_log_batch(bytes: &[u8], visit: impl FnMut(LogItem)) -> Result<(), CodecError> {
+    walk_log_batch::<true>(bytes, visit)
+}
+
+/// Whether a batch decodes to its end ([`decode_log_batch`]'s errors), reading every byte
+/// without keeping any block.
+pub fn check_log_batch(bytes: &[u8]) -> Result<(), CodecError> {
+    walk_log_batch::<false>(bytes, |_| {})
+}
+
+fn walk_log_batch<const KEEP: bool>(
+    bytes: &[u8],
+    mut visit: impl FnMut(LogItem),
+) -> Result<(), CodecError> {
     let mut r = Reader::new(bytes);
     r.header(LOG_MAGIC, LOG_VERSION)?;
     let count = r.count("records", MIN_RECORD_BYTES)?;
-    let mut records = Vec::with_capacity(count);
     for _ in 0..count {
         let offset = r.offset();
-        let record = match r.u8()? {
-            RECORD_EVENTS => LogRecord::Events {
-                worker: r.u16()?,
-                events: decode_events(&mut r)?,
-            },
-            RECORD_RESYNC => LogRecord::Resync {
-                worker: r.u16()?,
-                last_event_id: r.u64()?,
-                events: decode_events(&mut r)?,
-            },
-            RECORD_WORKER_LOST => LogRecord::WorkerLost { worker: r.u16()? },
+        let (head, has_events) = match r.u8()? {
+            RECORD_EVENTS => (RecordHead::Events { worker: r.u16()? }, true),
+            RECORD_RESYNC => (
+                RecordHead::Resync {
+                    worker: r.u16()?,
+                    last_event_id: r.u64()?,
+                },
+                true,
+            ),
+            RECORD_WORKER_LOST => (RecordHead::WorkerLost { worker: r.u16()? }, false),
             value => {
                 return Err(CodecError::InvalidTag {
                     field: "record",
@@ -237,8 +296,13 @@ pub fn decode_log_batch(bytes: &[u8]) -> Result<Vec<LogRecord>, CodecError> {
                 })
             }
         };
-        records.push(record);
+        visit(LogItem::Record(head));
+        if has_events {
+            let events = r.count("events", MIN_EVENT_BYTES)?;
+            for _ in 0..events {
+                visit(LogItem::Event(decode_event::<KEEP>(&mut r)?));
+            }
+        }
     }
-    r.finish()?;
-    Ok(records)
+    r.finish()
 }

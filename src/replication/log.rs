@@ -45,7 +45,10 @@
 //! Applying is deterministic, so replicas that apply the same batches hold the same index.
 
 use crate::config::Config;
-use crate::events::{decode_log_batch, encode_log_batch, IndexEvent, LogRecord, ReportedLoad};
+use crate::events::{
+    check_log_batch, encode_log_batch, visit_log_batch, IndexEvent, LogItem, LogRecord, RecordHead,
+    ReportedLoad,
+};
 use crate::index::KvIndex;
 use crate::store::{SharedStore, StoreError};
 use crate::types::{SequenceHash, SlotIdx};
@@ -300,7 +303,8 @@ pub struct DeviceLosses {
 
 /// A ring slot read for one batch number.
 enum SlotRead {
-    Batch(Vec<LogRecord>),
+    /// The slot's value (its seq, then the encoded batch), checked to decode.
+    Batch(Vec<u8>),
     /// Claimed but not written yet (the slot holds an older batch).
     Pending,
     /// The ring lapped it, or it does not decode.
@@ -392,8 +396,8 @@ impl Replica {
         while self.applied_seq < head.seq {
             let seq = self.applied_seq + 1;
             match read_batch(store, seq) {
-                SlotRead::Batch(records) => {
-                    self.apply_records(config, &records, &mut report);
+                SlotRead::Batch(bytes) => {
+                    self.apply_batch(config, bytes.get(8..).unwrap_or_default(), &mut report);
                     self.applied_seq = seq;
                     report.batches += 1;
                 }
@@ -552,25 +556,25 @@ impl Replica {
         true
     }
 
-    fn apply_records(&mut self, config: &Config, records: &[LogRecord], report: &mut SyncReport) {
-        for record in records {
-            match record {
-                LogRecord::Events { worker, events } => {
-                    for numbered in events {
-                        self.apply_event(config, *worker, &numbered.event, report);
-                    }
-                }
-                LogRecord::Resync { worker, events, .. } => {
-                    // The dump replaces the index's view; predictions made ahead of it stay (its
-                    // own "removed" events, not the re-sync, refute them).
-                    self.clear_worker(config, *worker, false);
-                    for numbered in events {
-                        self.apply_event(config, *worker, &numbered.event, report);
-                    }
-                }
-                LogRecord::WorkerLost { worker } => self.clear_worker(config, *worker, true),
+    /// Applies a batch [`read_batch`] checked, event by event as it is decoded: a batch holds up
+    /// to ~1 MiB of events, and decoding it whole first would keep that much more of this VM's
+    /// linear memory for good.
+    fn apply_batch(&mut self, config: &Config, batch: &[u8], report: &mut SyncReport) {
+        let mut worker = 0;
+        // It decoded once already (read_batch), so it decodes again to the end.
+        let _ = visit_log_batch(batch, |item| match item {
+            LogItem::Record(RecordHead::Events { worker: w }) => worker = w,
+            LogItem::Record(RecordHead::Resync { worker: w, .. }) => {
+                worker = w;
+                // The dump replaces the index's view; predictions made ahead of it stay (its
+                // own "removed" events, not the re-sync, refute them).
+                self.clear_worker(config, w, false);
             }
-        }
+            LogItem::Record(RecordHead::WorkerLost { worker: w }) => {
+                self.clear_worker(config, w, true)
+            }
+            LogItem::Event(numbered) => self.apply_event(config, worker, &numbered.event, report),
+        });
     }
 
     /// Drops the worker's blocks from the index; `lost`: its predictions go too (it left).
@@ -657,9 +661,14 @@ fn read_batch(store: &dyn SharedStore, seq: u64) -> SlotRead {
     if stored_seq > seq {
         return SlotRead::Lost;
     }
-    match decode_log_batch(body) {
-        Ok(records) => SlotRead::Batch(records),
-        Err(_) => SlotRead::Lost,
+    // All or nothing: a batch that does not decode to its end is not applied at all (checked
+    // without keeping a block; the apply decodes the events one at a time).
+    if check_log_batch(body).is_err() {
+        return SlotRead::Lost;
+    }
+    match bytes {
+        Some(bytes) => SlotRead::Batch(bytes),
+        None => SlotRead::Lost,
     }
 }
 
@@ -929,7 +938,7 @@ mod tests {
         let (head, _) = read_head(store).unwrap();
         (head.epoch_start + 1..=head.seq)
             .map(|seq| match read_batch(store, seq) {
-                SlotRead::Batch(records) => records,
+                SlotRead::Batch(bytes) => crate::events::decode_log_batch(&bytes[8..]).unwrap(),
                 SlotRead::Pending => panic!("batch {seq} pending"),
                 SlotRead::Lost => panic!("batch {seq} lost"),
             })
@@ -1106,6 +1115,55 @@ mod tests {
         assert_eq!(replica.applied_seq, 2);
         assert_eq!(replica.orphaned_batch(u64::MAX), None);
         assert_eq!(replica.index.entries(), 2);
+    }
+
+    /// A batch is applied item by item as it is decoded, in record order (a store, the worker's
+    /// loss, another worker's store and its re-sync dump); a batch whose last byte is missing is
+    /// not applied at all, though all but its last event decode.
+    #[test]
+    fn a_batch_applies_in_record_order_and_one_that_does_not_decode_applies_nothing() {
+        let config = config(2);
+        let store = MemStore::new();
+        init(&store);
+        let dump = match stored(1, 2, 300) {
+            LogRecord::Events { events, .. } => events,
+            _ => unreachable!(),
+        };
+        let records = [
+            stored(0, 1, 100),
+            LogRecord::WorkerLost { worker: 0 },
+            stored(1, 1, 200),
+            stored(1, 2, 201),
+            LogRecord::Resync {
+                worker: 1,
+                last_event_id: 2,
+                events: dump,
+            },
+            stored(0, 2, 400),
+        ];
+        assert!(append(&store, FP, 2, 0, &records, |_| true));
+        let mut replica = Replica::new(&config, FP);
+        let report = replica.sync(&store, &config, 1000);
+        assert_eq!((report.batches, report.lost_sync), (1, false));
+        // Worker 0: 100 dropped with its loss, 400 after it; worker 1: only the dump's 300.
+        assert_eq!(
+            (replica.index.slot_blocks(0), replica.index.slot_blocks(1)),
+            (1, 1)
+        );
+        assert_eq!(report.events_applied, 5);
+
+        let (claimed, _) = claim(&store, FP, 2, 0, &mut |_| Some(Some(Vec::new())))
+            .unwrap()
+            .unwrap();
+        let whole = encode_log_batch(&[stored(0, 3, 500), stored(1, 3, 600)]);
+        assert!(write_slot(&store, claimed.seq, &whole[..whole.len() - 1]));
+        let report = replica.sync(&store, &config, 2000);
+        assert!(report.lost_sync);
+        assert_eq!(replica.applied_seq, 1);
+        assert_eq!(
+            (replica.index.slot_blocks(0), replica.index.slot_blocks(1)),
+            (1, 1)
+        );
     }
 
     /// A claimant that never writes its batch: after `ORPHAN_AFTER_MS` the poller fills it; every
