@@ -89,7 +89,7 @@ pub struct KvCost {
     isl: f64,
     prompt_blocks: u32,
     /// The credit of an empty overlap (`w * 0.0` summed as in [`KvCost::terms`]: 0 for finite
-    /// weights, NaN otherwise) and the decode blocks it adds, for [`KvCost::cost_without_overlap`].
+    /// weights, NaN otherwise) and the decode blocks it adds, for [`KvCost::unchecked_cost`].
     zero_credit: f64,
     zero_new_blocks: f64,
 }
@@ -122,24 +122,8 @@ impl KvCost {
         preferred_multiplier: f64,
     ) -> Result<SlotCost, NonFiniteCost> {
         let new_blocks = f64::from(new_decode_blocks(self.prompt_blocks, o));
-        self.terms_from(
-            load,
-            credit_blocks(&self.weights, o),
-            new_blocks,
-            preferred_multiplier,
-        )
-    }
-
-    /// [`KvCost::terms`] from the overlap's credit and new decode blocks.
-    #[inline]
-    fn terms_from(
-        &self,
-        load: &SlotLoad,
-        credit_blocks: f64,
-        new_blocks: f64,
-        preferred_multiplier: f64,
-    ) -> Result<SlotCost, NonFiniteCost> {
-        let t = self.unchecked_terms(load, credit_blocks, new_blocks, preferred_multiplier);
+        let credit = credit_blocks(&self.weights, o);
+        let t = self.unchecked_terms(load, credit, new_blocks, preferred_multiplier);
         if !t.cost.is_finite() {
             return Err(NonFiniteCost { cost: t.cost });
         }
@@ -186,15 +170,6 @@ impl KvCost {
             self.unchecked_terms(load, credit_blocks(&self.weights, o), new_blocks, 1.0)
                 .cost
         }
-    }
-
-    /// [`KvCost::cost`] of a slot with no overlap and no preference (multiplier 1): the same
-    /// value, with the overlap's terms computed once per request instead of per slot.
-    #[inline]
-    pub fn cost_without_overlap(&self, load: &SlotLoad) -> Result<f64, f64> {
-        self.terms_from(load, self.zero_credit, self.zero_new_blocks, 1.0)
-            .map(|t| t.cost)
-            .map_err(|e| e.cost)
     }
 
     /// The slot's cost; `Err(cost)` when it is not finite.
@@ -386,10 +361,10 @@ mod tests {
                     };
                     // Bit for bit (any NaN counts as one value).
                     let key = |x: f64| if x.is_nan() { u64::MAX } else { x.to_bits() };
-                    let bits = |r: Result<f64, f64>| r.map(key).map_err(key);
+                    let checked = kv.cost(&Overlap::default(), &load, 1.0);
                     assert_eq!(
-                        bits(kv.cost_without_overlap(&load)),
-                        bits(kv.cost(&Overlap::default(), &load, 1.0)),
+                        key(kv.unchecked_cost(&Overlap::default(), &load)),
+                        key(checked.unwrap_or_else(|cost| cost)),
                         "{w:?} {bs} {isl} {load:?}"
                     );
                 }

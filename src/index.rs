@@ -103,16 +103,22 @@ fn count_block(out: &mut [Overlap], slot: SlotIdx, mask: u8, depth: u32) -> bool
     if o.total_blocks() != depth {
         return false;
     }
+    *tier_counter(o, mask) += 1;
+    true
+}
+
+/// The counter of `o` that a block held on the tiers in `mask` adds to, given what `o` counted
+/// so far.
+fn tier_counter(o: &mut Overlap, mask: u8) -> &mut u32 {
     if mask & DEVICE_BIT != 0 && o.host_blocks == 0 && o.disk_blocks == 0 {
-        o.device_blocks += 1;
+        &mut o.device_blocks
     } else if mask & (tier_bit(StorageTier::Host) | DEVICE_BIT) != 0 {
         // Past the device prefix, a device copy still needs the host/disk blocks before it
         // loaded first: count it with the host tier (the cheaper slow tier).
-        o.host_blocks += 1;
+        &mut o.host_blocks
     } else {
-        o.disk_blocks += 1;
+        &mut o.disk_blocks
     }
-    true
 }
 
 /// Adds `repeats` more blocks to every one of `holders` whose overlap is `reached` blocks (the
@@ -129,16 +135,8 @@ fn repeat_wide(out: &mut [Overlap], holders: &[u32], reached: u32, repeats: u32)
         if o.total_blocks() != reached {
             continue;
         }
-        // count_block's tier for this mask given what the slot counted so far: the same
-        // branch as for the block before (same mask), so the same counter.
-        let mask = h as u8;
-        if mask & DEVICE_BIT != 0 && o.host_blocks == 0 && o.disk_blocks == 0 {
-            o.device_blocks += repeats;
-        } else if mask & (tier_bit(StorageTier::Host) | DEVICE_BIT) != 0 {
-            o.host_blocks += repeats;
-        } else {
-            o.disk_blocks += repeats;
-        }
+        // The same mask as the block before, so the same counter as each of the repeats.
+        *tier_counter(o, h as u8) += repeats;
     }
 }
 

@@ -397,7 +397,8 @@ impl Replica {
             let seq = self.applied_seq + 1;
             match read_batch(store, seq) {
                 SlotRead::Batch(bytes) => {
-                    self.apply_batch(config, bytes.get(8..).unwrap_or_default(), &mut report);
+                    let body = split_seq(&bytes).map_or(&[][..], |(_, body)| body);
+                    self.apply_batch(config, body, &mut report);
                     self.applied_seq = seq;
                     report.batches += 1;
                 }
@@ -938,7 +939,9 @@ mod tests {
         let (head, _) = read_head(store).unwrap();
         (head.epoch_start + 1..=head.seq)
             .map(|seq| match read_batch(store, seq) {
-                SlotRead::Batch(bytes) => crate::events::decode_log_batch(&bytes[8..]).unwrap(),
+                SlotRead::Batch(bytes) => {
+                    crate::events::decode_log_batch(split_seq(&bytes).unwrap().1).unwrap()
+                }
                 SlotRead::Pending => panic!("batch {seq} pending"),
                 SlotRead::Lost => panic!("batch {seq} lost"),
             })

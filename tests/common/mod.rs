@@ -43,7 +43,6 @@ pub fn start_envoy_with(
     Envoy::start(&opts).expect("start envoy")
 }
 
-/// The worker id that served a response (the mock worker's `x-worker-id`).
 /// A streamed `/v1/completions` request with `body`, its response open (20 s limit).
 pub fn stream_completion(listener: &str, body: &Value) -> std::io::Result<http::StreamingResponse> {
     http::request_streaming(
@@ -56,6 +55,7 @@ pub fn stream_completion(listener: &str, body: &Value) -> std::io::Result<http::
     )
 }
 
+/// The worker id that served a response (the mock worker's `x-worker-id`).
 pub fn served_by(resp: &http::Response) -> Option<u64> {
     resp.header("x-worker-id")?.parse().ok()
 }
