@@ -711,17 +711,23 @@ impl LoadTable {
     }
 
     /// [`LoadTable::clear_slot`] for each of `slots` (a departed worker's ranks). Returns how many
-    /// requests were in flight there.
-    pub fn clear_slots(&mut self, slots: std::ops::Range<SlotIdx>, now_ms: u64) -> u64 {
-        let view = self.view(now_ms);
+    /// requests were in flight there, or `None` if none of `slots` is in this table (a shard of
+    /// other slots: nothing changed, nothing to write).
+    pub fn clear_slots(&mut self, slots: std::ops::Range<SlotIdx>, now_ms: u64) -> Option<u64> {
         let first = self.first;
-        slots
+        let held = |s: &SlotIdx| (first..first + self.slots.len()).contains(&usize::from(*s));
+        if !slots.clone().any(|s| held(&s)) {
+            return None;
+        }
+        let view = self.view(now_ms);
+        let requests = slots
             .filter(|&s| self.clear_slot(s))
             .map(|s| {
                 view.get(usize::from(s).wrapping_sub(first))
                     .map_or(0, |l| u64::from(l.active_requests))
             })
-            .sum()
+            .sum();
+        Some(requests)
     }
 
     /// Per-slot load at `now_ms` (buckets too old to count are left out even before

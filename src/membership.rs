@@ -355,13 +355,12 @@ pub fn publish(
     if !committed {
         return None;
     }
+    // Only the shards holding a departed worker's slots are written.
     let load_cleared = load_store::update_each(store, config.slots.len(), |table| {
-        Some(
-            cleared
-                .iter()
-                .map(|&w| table.clear_slots(config.worker_slots(w), now_ms))
-                .sum::<u64>(),
-        )
+        cleared
+            .iter()
+            .filter_map(|&w| table.clear_slots(config.worker_slots(w), now_ms))
+            .reduce(|a, b| a + b)
     })
     .into_iter()
     .flatten()

@@ -311,6 +311,56 @@ mod churn {
             .map(|i| i as u16)
     }
 
+    /// A leave clears its worker's load in the one shard key holding its slots: at 300 pool
+    /// entries (three shards), the other shards are not rewritten.
+    #[test]
+    fn a_leave_rewrites_only_the_load_shard_of_its_slots() {
+        use crate::store::SharedStore;
+        let c = Config::from_json(
+            br#"{"membership": {"cluster": "llm", "max_workers": 300, "events_port": 7000}}"#,
+        )
+        .unwrap();
+        assert_eq!(load_store::shard_count(c.slots.len()), 3);
+        let store = MemStore::new();
+        replication::init(&store);
+        load_store::init(&store, c.slots.len(), c.load.request_timeout_ms);
+        let mut replica = Replica::new(&c, FP);
+        let hosts: Vec<Host> = (0..200)
+            .map(|i| host(&format!("10.0.{}.{}:8000", i / 100, i % 100 + 1), true))
+            .collect();
+        publish(&store, FP, &c, &replica.head, &hosts, 1).unwrap();
+        replica.sync(&store, &c, 1);
+        let leaver = entry_of(&replica.head, "10.0.1.50:8000").unwrap();
+        let slot = c.worker_slots(leaver).start;
+        load_store::update_slot(&store, c.slots.len(), slot, 2, |t| {
+            t.admit(2, slot, 100, 2, None, 2)
+        })
+        .unwrap();
+        let versions = |store: &MemStore| -> Vec<Option<u32>> {
+            (0..3)
+                .map(|shard| store.get(&load_store::shard_key(shard)).1)
+                .collect()
+        };
+        let before = versions(&store);
+        let rest: Vec<Host> = hosts
+            .iter()
+            .filter(|h| h.address.to_string() != "10.0.1.50:8000")
+            .cloned()
+            .collect();
+        let done = publish(&store, FP, &c, &replica.head, &rest, 3).unwrap();
+        assert_eq!(done.changes.left, vec![leaver]);
+        assert_eq!(done.load_cleared, 1);
+        let after = versions(&store);
+        let own = usize::from(slot) / load_store::SHARD_SLOTS;
+        for shard in 0..3 {
+            assert_eq!(
+                before[shard] != after[shard],
+                shard == own,
+                "shard {shard} (the leaver's: {own}) {before:?} -> {after:?}"
+            );
+        }
+    }
+
     /// A host flapping 200 times: the shared-data key set, the head's table and the load table
     /// stay the same size; the departed host leaves no blocks and no load; a reply made for an
     /// earlier occupant is refused.
