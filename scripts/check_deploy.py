@@ -977,7 +977,7 @@ def expand(template: str, values: dict[str, list[str]]) -> list[str]:
 def src_metric_templates(src: Path) -> list[str]:
     """Names passed to the metrics API in src/, `{...}` interpolations kept as they are."""
     text = "\n".join(p.read_text() for p in sorted(src.rglob("*.rs")))
-    found = re.findall(r"(?:metrics|self)\s*\.\s*(?:inc|add|add_later|gauge|histogram)\(\s*(?:&format!\(\s*)?\"([^\"]+)\"", text)
+    found = re.findall(r"(?:metrics|self)\s*\.\s*(?:inc|add|add_later|gauge|gauge_add|histogram)\(\s*(?:&format!\(\s*)?\"([^\"]+)\"", text)
     nested = re.findall(r"let name = format!\(\"([^\"]+)\"", text)  # worker gauges: {name}.field
     out = []
     for t in found:

@@ -40,11 +40,13 @@
 //! at the first missing block, so orphans only waste space until they are evicted in turn, and a
 //! later "stored" that names an evicted parent is reported as `UnknownParent`.
 //!
-//! Memory per entry: 28 B record + two table buckets of 4 B at up to 80% load. The tables are
-//! allocated for `max_blocks` on the first insert (bounds up to ~3.3M entries; larger ones grow
-//! by 1.5x), so at the bound an entry costs ~38 B, independent of the pointer width, and nothing
-//! is ever re-allocated (wasm linear memory would keep every outgrown table). Records come in
-//! 112 KiB chunks allocated as the index grows; an idle index holds none. At most
+//! Memory per entry: 28 B record + two table buckets of 4 B at up to 89% load (a new entry at
+//! the bound evicts first, so the index never holds more than `max_blocks`, not even while an
+//! event's blocks land). The tables are allocated for `max_blocks` on the first insert (bounds
+//! up to ~3.7M entries; larger ones grow by 1.5x), so at the bound an entry costs ~37 B,
+//! independent of the pointer width, and nothing is ever re-allocated (wasm linear memory would
+//! keep every outgrown table). Records come in 112 KiB chunks allocated as the index grows; an
+//! idle index holds none. At most
 //! `pool::MAX_ENTRIES` (2^24 - 1) entries: a larger `max_blocks` acts as [`MAX_BOUND`].
 
 use core::fmt;
@@ -65,8 +67,9 @@ use table::IdTable;
 /// Slots are addressed by `SlotIdx` (u16).
 const MAX_SLOTS: usize = 1 << 16;
 
-/// The largest effective `max_blocks`: the id space less room for one event's blocks, which land
-/// before eviction trims back to the bound.
+/// The largest effective `max_blocks`: the id space less a margin (kept from when an event's
+/// blocks landed before eviction trimmed back to the bound; the configured limit stays as
+/// documented).
 pub const MAX_BOUND: usize = MAX_ENTRIES - (1 << 16);
 
 fn tier_bit(tier: StorageTier) -> u8 {
@@ -458,10 +461,15 @@ impl KvIndex {
             return;
         }
         let entry = Entry::new(ext, seq, slot, tiers);
+        // Room first: the tables are sized for `max_blocks` entries at their densest, so the
+        // index never holds more, not even while an event's blocks land.
+        if self.entries >= self.max_blocks && self.evict_one() {
+            stats.evicted_blocks = stats.evicted_blocks.saturating_add(1);
+        }
         let id = match self.pool.alloc(entry) {
             Some(id) => id,
             None => {
-                // Only past `MAX_BOUND` plus one event's blocks: make room first.
+                // Only with every id in use (unreachable within `MAX_BOUND`): make room first.
                 if !self.evict_one() {
                     return;
                 }
@@ -1601,7 +1609,7 @@ mod tests {
         let mut ids: Vec<u32> = table.ids().collect();
         ids.sort_unstable();
         assert_eq!(ids, reference.into_iter().collect::<Vec<_>>());
-        // Sized for its bound (2,000 at 80% load), it grew past it only for the 3,000.
+        // Sized for its bound (2,000 at 89% load), it grew past it only for the 3,000.
         assert!(
             table.allocated_bytes() <= 4 * 3_000 * 2,
             "{}",
@@ -1692,10 +1700,18 @@ mod tests {
 
     #[test]
     fn eviction_order_matches_a_per_slot_fifo_model() {
-        // Model: per slot, blocks oldest first; evict the front of the fullest (lowest on ties).
+        // Model: per slot, blocks oldest first; a new block at the bound first evicts the front
+        // of the fullest slot (lowest on ties).
+        const BOUND: usize = 120;
         let (_, events) = stream(51, 6_000, 3);
-        let mut index = KvIndex::new(3, 120);
+        let mut index = KvIndex::new(3, BOUND);
         let mut model: Vec<Vec<u64>> = vec![Vec::new(); 3];
+        let evict = |model: &mut Vec<Vec<u64>>| {
+            let victim = (0..3)
+                .max_by_key(|&s| (model[s].len(), core::cmp::Reverse(s)))
+                .unwrap();
+            model[victim].remove(0);
+        };
         for (slot, event) in &events {
             let before = index.encode_snapshot();
             let result = index.apply(*slot, event);
@@ -1703,12 +1719,19 @@ mod tests {
                 assert_eq!(index.encode_snapshot(), before);
                 continue;
             };
-            let fifo = &mut model[usize::from(*slot)];
+            let mut evicted = 0;
             match event {
                 IndexEvent::Stored { blocks, .. } => {
                     for (ext, _) in blocks {
+                        let fifo = &mut model[usize::from(*slot)];
+                        let held = fifo.len();
                         fifo.retain(|e| *e != ext.0);
-                        fifo.push(ext.0);
+                        let new = fifo.len() == held;
+                        if new && model.iter().map(Vec::len).sum::<usize>() >= BOUND {
+                            evict(&mut model);
+                            evicted += 1;
+                        }
+                        model[usize::from(*slot)].push(ext.0);
                     }
                 }
                 IndexEvent::Removed { .. } | IndexEvent::Cleared { .. } => {
@@ -1722,15 +1745,11 @@ mod tests {
                         }
                         v
                     };
-                    fifo.retain(|e| held.contains(e));
+                    model[usize::from(*slot)].retain(|e| held.contains(e));
                 }
             }
-            for _ in 0..stats.evicted_blocks {
-                let victim = (0..3)
-                    .max_by_key(|&s| (model[s].len(), core::cmp::Reverse(s)))
-                    .unwrap();
-                model[victim].remove(0);
-            }
+            assert_eq!(stats.evicted_blocks, evicted);
+            assert!(index.entries() <= BOUND);
             for (s, blocks) in model.iter().enumerate() {
                 let mut held = Vec::new();
                 let mut cur = index.fifos[s].head;

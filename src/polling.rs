@@ -59,9 +59,11 @@ pub fn call_path(events: &EventsConfig, kind: CallKind) -> String {
 
 /// The most event bytes the poller asks a page to hold, whatever `max_response_bytes` allows:
 /// a page's body, its parse and its log batch pass through the VMs' linear memory, which never
-/// shrinks, so larger pages would raise every replica's memory for good (1 MiB keeps the
-/// transient buffers near the size they had with 1,000-event pages of large vLLM events).
-pub const PAGE_MAX_BYTES: usize = 1 << 20;
+/// shrinks, so larger pages raise every replica's memory for good. With 1 MiB pages each
+/// replica kept 0.3-1 MiB more linear memory and ~0.5 MiB more outside it (Envoy's per-thread
+/// copies of the batch values) than its index needs; with 256 KiB, ~0.1 MiB, and events are
+/// still applied at ~300k/s per replica inside Envoy (docs/BENCHMARKS.md).
+pub const PAGE_MAX_BYTES: usize = 1 << 18;
 
 /// The event bytes a page may hold (`&max_bytes=`): [`PAGE_MAX_BYTES`], or 7/8 of
 /// `events.max_response_bytes` if less (the rest left for the page's other fields, load and the
@@ -373,13 +375,13 @@ mod tests {
         let plain = events(0);
         assert_eq!(
             call_path(&plain, EV),
-            "/kv/events?after=5&limit=10000&max_bytes=1048576"
+            "/kv/events?after=5&limit=10000&max_bytes=262144"
         );
         assert_eq!(call_timeout_ms(&plain, EV), 1000);
         let long = events(3000);
         assert_eq!(
             call_path(&long, EV),
-            "/kv/events?after=5&limit=10000&max_bytes=1048576&wait_ms=3000"
+            "/kv/events?after=5&limit=10000&max_bytes=262144&wait_ms=3000"
         );
         assert_eq!(
             call_timeout_ms(&long, EV),

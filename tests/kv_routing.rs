@@ -153,6 +153,61 @@ fn received_events_are_counted_by_kind() {
     assert_eq!(by_kind, [2, 1, 1]);
 }
 
+/// `vm.linear_memory_bytes` sums every VM's wasm memory: with 2 worker threads three VMs (the
+/// main thread's and the workers') each grow a replica of the index as it fills.
+#[test]
+fn the_linear_memory_gauge_counts_every_replica() {
+    const BLOCKS: u64 = 40_000;
+    let workers = echo_workers(1, BLOCK);
+    let mut config = filter_config(&workers, json!({"mode": "kv", "block_size": BLOCK}));
+    config["index"] = json!({"max_blocks": BLOCKS});
+    let envoy = start_envoy_with(&workers, config, |o| o.concurrency = 2);
+    assert!(
+        envoy.wait_for(Duration::from_secs(5), |e| e.router_stat("events.resyncs")
+            >= 1)
+    );
+    // Every VM adds its share on its tick (50 ms): idle once the sum holds still for 300 ms.
+    let (mut idle, mut since) = (0, Instant::now());
+    assert!(envoy.wait_for(Duration::from_secs(10), |e| {
+        let now = e.router_stat("vm.linear_memory_bytes");
+        if now != idle {
+            (idle, since) = (now, Instant::now());
+        }
+        idle >= 3 << 16 && since.elapsed() >= Duration::from_millis(300)
+    }));
+    let mut parent = None;
+    for first in (0..BLOCKS).step_by(1000) {
+        let hashes: Vec<u64> = (first + 1..=first + 1000).collect();
+        let ids: Vec<u64> = (0..1000 * u64::from(BLOCK))
+            .map(|t| (first + t) % 50_000)
+            .collect();
+        publish(
+            &workers[0],
+            vec![json!({"type": "BlockStored", "block_hashes": hashes,
+                "parent_block_hash": parent, "token_ids": ids, "block_size": BLOCK})],
+        );
+        parent = hashes.last().copied();
+    }
+    assert!(
+        envoy.wait_for(Duration::from_secs(60), |e| e.router_stat("index.entries")
+            == BLOCKS)
+    );
+    // A replica holds 28 B per entry at least (its records) and ~38 B with its tables; a gauge
+    // fed by one VM alone would grow by about a third of the lower bound.
+    let replicas = 3;
+    let lower = replicas * BLOCKS * 28;
+    let upper = replicas * BLOCKS * 60 + (4 << 20); // + the poller's page and batch buffers
+    let mut grown = 0;
+    let reached = envoy.wait_for(Duration::from_secs(10), |e| {
+        grown = e.router_stat("vm.linear_memory_bytes").saturating_sub(idle);
+        grown >= lower
+    });
+    assert!(
+        reached && grown <= upper,
+        "grew {grown} B, expected {lower}..={upper}"
+    );
+}
+
 #[test]
 fn dynamo_shaped_events_route_too() {
     let workers = echo_workers(2, BLOCK);

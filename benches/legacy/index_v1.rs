@@ -285,7 +285,7 @@ impl KvIndex {
                 };
                 for &(ext, local) in blocks {
                     let seq = chain_sequence_hash(prev, local);
-                    self.insert_block(slot, ext, seq, tier_bit(*tier));
+                    self.insert_block(slot, ext, seq, tier_bit(*tier), &mut stats);
                     stats.stored_blocks = stats.stored_blocks.saturating_add(1);
                     prev = Some(seq);
                 }
@@ -316,7 +316,16 @@ impl KvIndex {
         ext: ExternalBlockHash,
         seq: SequenceHash,
         tiers: u8,
+        stats: &mut ApplyStats,
     ) {
+        // A new block at the bound evicts first (as the compact index does).
+        let new = self
+            .slots
+            .get(usize::from(slot))
+            .is_some_and(|s| !s.blocks.contains_key(&ext));
+        if new && self.entries >= self.max_blocks {
+            self.evict_one(stats);
+        }
         let stamp = self.next_stamp;
         self.next_stamp = self.next_stamp.wrapping_add(1);
         let Some(s) = self.slots.get_mut(usize::from(slot)) else {
@@ -399,22 +408,30 @@ impl KvIndex {
     /// (lowest slot index on ties).
     fn enforce_bound(&mut self, stats: &mut ApplyStats) {
         while self.entries > self.max_blocks {
-            let victim = self
-                .slots
-                .iter()
-                .enumerate()
-                .max_by_key(|(i, s)| (s.blocks.len(), Reverse(*i)))
-                .map(|(i, _)| i);
-            let Some(slot) = victim.and_then(|i| SlotIdx::try_from(i).ok()) else {
-                return;
-            };
-            if !self.evict_oldest(slot) {
+            if !self.evict_one(stats) {
                 // Unreachable while the FIFO invariant holds; never loop forever.
                 return;
             }
-            self.compact_fifo(usize::from(slot));
-            stats.evicted_blocks = stats.evicted_blocks.saturating_add(1);
         }
+    }
+
+    /// Evicts the oldest block of the slot holding the most (lowest slot index on ties).
+    fn evict_one(&mut self, stats: &mut ApplyStats) -> bool {
+        let victim = self
+            .slots
+            .iter()
+            .enumerate()
+            .max_by_key(|(i, s)| (s.blocks.len(), Reverse(*i)))
+            .map(|(i, _)| i);
+        let Some(slot) = victim.and_then(|i| SlotIdx::try_from(i).ok()) else {
+            return false;
+        };
+        if !self.evict_oldest(slot) {
+            return false;
+        }
+        self.compact_fifo(usize::from(slot));
+        stats.evicted_blocks = stats.evicted_blocks.saturating_add(1);
+        true
     }
 
     fn evict_oldest(&mut self, slot: SlotIdx) -> bool {

@@ -1,4 +1,4 @@
-//! The index's entries: 28 bytes per (block, slot), in fixed-size chunks allocated as the index
+//! The index's entries: 28 bytes per (block, slot), in 112 KiB chunks allocated as the index
 //! grows, so an idle index holds nothing and growth never copies (no doubling peak, which wasm
 //! linear memory would keep forever).
 //!
@@ -14,6 +14,10 @@ pub(super) const MAX_ENTRIES: usize = NIL as usize;
 const TIER_BITS: u8 = 0b111;
 const WIDE_FLAG: u32 = 0x8000_0000;
 
+/// 4,096 entries (112 KiB) a chunk. Smaller chunks waste less ahead of use but fit into the
+/// holes the transient event buffers (log batches, tens of KiB) leave in the VM's heap, which
+/// then fragments: with 28 KiB chunks a replica's linear memory held ~1.4 MiB more than its
+/// index at 1M entries, with these ~0.3 MiB.
 const CHUNK_BITS: u32 = 12;
 const CHUNK_LEN: usize = 1 << CHUNK_BITS;
 const CHUNK_MASK: u32 = (1 << CHUNK_BITS) - 1;

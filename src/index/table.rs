@@ -5,32 +5,33 @@
 //! Keys live in the entries, not in the table: callers pass the key's hash and an equality test
 //! on ids, and a `hash_of(id)` to re-place ids when the table grows. A bucket is
 //! `displacement << 24 | (id + 1)` (0 = empty). Robin Hood ordering means a lookup compares keys
-//! (reads an entry) only for buckets whose home is its own (about one at 80% load) and stops as
+//! (reads an entry) only for buckets whose home is its own (one or two at 89% load) and stops as
 //! soon as it meets a bucket nearer its home; insertion and deletion never read an entry.
 //!
-//! Capacity: the first insert allocates the capacity for the configured bound at 80% load (if at
-//! most `PRESIZE_MAX_BUCKETS`; else the table grows by 1.5x up to it). At that capacity the load
-//! may reach 15/16 (one event's blocks land before eviction trims them), and only beyond that
-//! (or if a displacement would pass 255) does it grow further.
+//! Capacity: the first insert allocates the capacity for the configured bound at 89% load (if at
+//! most `PRESIZE_MAX_BUCKETS`; else the table grows by 1.5x, at 80% load, up to it). At that
+//! capacity the load may reach 15/16 (the index never holds more than its bound, this is a
+//! margin), and only beyond that (or if a displacement would pass 255) does it grow further.
 
 const ID_BITS: u32 = 24;
 const ID_MASK: u32 = (1 << ID_BITS) - 1;
 const MAX_DISPLACEMENT: u32 = 255;
-/// Bounds up to this many buckets (16 MiB, `max_blocks` up to ~3.3M) are allocated in full on
+/// Bounds up to this many buckets (16 MiB, `max_blocks` up to ~3.7M) are allocated in full on
 /// the first insert; larger ones grow by 1.5x.
 const PRESIZE_MAX_BUCKETS: usize = 1 << 22;
 
-/// Buckets for `len` ids at ~80% load (insertion and deletion walk to the end of a cluster,
-/// which grows fast past that).
+/// Buckets for `len` ids at ~89% load. The index evicts before it inserts at its bound, so a
+/// table sized for the bound never holds more; Robin Hood ordering keeps lookups short at this
+/// load (a miss stops at the first bucket nearer its home).
 fn capacity_for(len: usize) -> usize {
-    len.saturating_add(len / 4).saturating_add(8)
+    len.saturating_add(len / 8).saturating_add(8)
 }
 
 #[derive(Clone, Debug, Default)]
 pub(super) struct IdTable {
     buckets: Vec<u32>,
     len: usize,
-    /// Capacity that holds the configured bound at 80% load.
+    /// Capacity that holds the configured bound at 89% load.
     bound_capacity: usize,
 }
 

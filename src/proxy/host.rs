@@ -141,6 +141,18 @@ pub fn increment_metric(id: u32, amount: i64) {
     let _ = hostcalls::increment_metric(id, amount);
 }
 
+/// This VM's wasm linear memory, in bytes (0 off wasm32). It only grows: a VM keeps its peak.
+pub fn linear_memory_bytes() -> u64 {
+    #[cfg(target_arch = "wasm32")]
+    {
+        (core::arch::wasm32::memory_size::<0>() as u64) << 16
+    }
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        0
+    }
+}
+
 pub fn record_metric(id: u32, value: u64) {
     counted();
     let _ = hostcalls::record_metric(id, value);

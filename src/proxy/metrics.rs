@@ -112,6 +112,17 @@ impl Metrics {
         }
     }
 
+    /// Moves a gauge that several VMs add to by `delta` (Envoy merges gauges process-wide, so
+    /// each VM adds its own share instead of setting the value).
+    pub fn gauge_add(&mut self, name: &str, delta: i64) {
+        if delta == 0 {
+            return;
+        }
+        if let Some(id) = self.id(MetricType::Gauge, name) {
+            host::increment_metric(id, delta);
+        }
+    }
+
     pub fn histogram(&mut self, name: &str, value: u64) {
         if let Some(id) = self.id(MetricType::Histogram, name) {
             host::record_metric(id, value);

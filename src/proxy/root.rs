@@ -99,6 +99,16 @@ impl Context for RouterRoot {
         };
         vm.after_reply(call, outcome, now);
     }
+
+    fn on_done(&mut self) -> bool {
+        // A VM torn down (a configuration change) takes its memory out of the process-wide sum.
+        if let Some(Ok(mut vm)) = self.state.as_ref().map(|s| s.try_borrow_mut()) {
+            let reported = vm.linear_memory_reported as i64;
+            vm.metrics.gauge_add("vm.linear_memory_bytes", -reported);
+            vm.linear_memory_reported = 0;
+        }
+        true
+    }
 }
 
 impl VmState {
@@ -343,6 +353,8 @@ impl VmState {
         self.poller.queued.new_tick();
         self.sync_replica();
         self.sync_predictions(now);
+        // Every VM adds its own share; the other gauges are the leader's alone.
+        self.publish_linear_memory();
         if !leader {
             // Another VM records the gauges meanwhile: on taking the lease back, record all.
             self.slot_gauges.clear();
@@ -449,6 +461,8 @@ impl VmState {
         self.metrics.add("load.reaped", reaped as u64);
         self.metrics
             .gauge("index.entries", self.replica.index.entries() as u64);
+        self.metrics
+            .gauge("index.bytes", self.replica.index.allocated_bytes() as u64);
         let stale = self.replica.head.workers.iter().filter(|w| w.stale).count();
         self.metrics.gauge("workers.stale", stale as u64);
         self.membership_gauges();
@@ -491,6 +505,15 @@ impl VmState {
         }
         self.metrics
             .gauge("load.deferred_releases", self.releases.len() as u64);
+    }
+
+    /// `vm.linear_memory_bytes`: the wasm linear memory of every VM of the process, summed. It
+    /// holds each index replica; a VM's linear memory never shrinks, so this is each VM's peak.
+    fn publish_linear_memory(&mut self) {
+        let bytes = host::linear_memory_bytes();
+        let delta = bytes as i64 - self.linear_memory_reported as i64;
+        self.metrics.gauge_add("vm.linear_memory_bytes", delta);
+        self.linear_memory_reported = bytes;
     }
 }
 
@@ -547,6 +570,7 @@ impl RootContext for RouterRoot {
                 |t| RenderCache::new(t.cache_entries, t.cache_max_tokens),
             ),
             config: Rc::clone(&config),
+            linear_memory_reported: 0,
         };
         load_store::init(
             &HostStore,

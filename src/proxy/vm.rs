@@ -50,6 +50,8 @@ pub struct VmState {
     pub predicted: Option<PredictedStore>,
     /// Prompts the tokenizer service rendered (empty without `tokenizer`).
     pub render_cache: RenderCache,
+    /// This VM's linear memory as last added to the `vm.linear_memory_bytes` gauge.
+    pub(super) linear_memory_reported: u64,
 }
 
 impl VmState {

@@ -17,8 +17,10 @@ use crate::membership::description::WorkerDescription;
 use crate::store::SharedStore;
 
 /// A batch is appended as soon as its queued replies reach this size (bytes of the replies as
-/// received, an upper bound of their encoded size), so a batch's value stays bounded.
-pub const MAX_BATCH_BYTES: usize = 1 << 20;
+/// received, an upper bound of their encoded size), so a batch's value stays bounded: every
+/// replica copies each batch into its linear memory, which keeps its peak (the page size,
+/// `polling::PAGE_MAX_BYTES`, is the same).
+pub const MAX_BATCH_BYTES: usize = 1 << 18;
 
 /// Batches appended at once from the reply callback per tick, before replies wait for the tick:
 /// with a few workers every reply is routable the moment it arrives, with many the tick's replies
@@ -289,8 +291,9 @@ mod tests {
                     ReplyKind::Dump { last } => last,
                     ReplyKind::Page { cursor, .. } => cursor,
                 });
-                // As the filter does: the first replies of a tick go at once, the rest wait.
-                if poller.push(reply, 300) {
+                // As the filter does: the first replies of a tick go at once, the rest wait
+                // (1,000 pages of 200 bytes stay under `MAX_BATCH_BYTES`).
+                if poller.push(reply, 200) {
                     let early = poller.flush(&store, FP, usize::from(WORKERS), now);
                     assert_eq!((early.applied, early.dropped), (1, 0));
                 }
