@@ -469,6 +469,13 @@ impl LoadTable {
         epoch != u64::MAX && epoch.saturating_add(BUCKETS as u64) > now_epoch
     }
 
+    /// When a bucket opened for `epoch` stops counting: the first instant `alive` is false.
+    fn died_ms(epoch: u64, bucket_ms: u64) -> u64 {
+        epoch
+            .saturating_add(BUCKETS as u64)
+            .saturating_mul(bucket_ms.max(1))
+    }
+
     fn ring_pos(epoch: u64) -> usize {
         (epoch % BUCKETS as u64) as usize
     }
@@ -484,6 +491,7 @@ impl LoadTable {
             }
             let dead = *epoch;
             *epoch = u64::MAX;
+            let died_ms = LoadTable::died_ms(dead, self.bucket_ms);
             for slot in &mut self.slots {
                 if let Some(c) = slot.buckets.get_mut(pos) {
                     reaped = reaped.saturating_add(u64::from(c.active));
@@ -492,8 +500,9 @@ impl LoadTable {
                 let before = slot.queue.first().map(|q| q.key);
                 slot.queue.retain(|q| q.epoch != dead);
                 if slot.queue.first().map(|q| q.key) != before && before.is_some() {
-                    // The anchor was reaped: the next prefill starts decaying now.
-                    slot.anchor_since_ms = slot.anchor_since_ms.max(now_ms);
+                    // The anchor was reaped: the next prefill decays from when its bucket died
+                    // (not from now), as a view taken before this reap counts it.
+                    slot.anchor_since_ms = slot.anchor_since_ms.max(died_ms);
                 }
             }
         }
@@ -746,7 +755,7 @@ impl LoadTable {
         out.extend(
             self.slots
                 .iter()
-                .map(|s| slot_load(s, &live, now_epoch, now_ms)),
+                .map(|s| slot_load(s, &live, now_epoch, self.bucket_ms, now_ms)),
         );
     }
 
@@ -760,16 +769,29 @@ impl LoadTable {
 }
 
 /// One slot's load at `now_ms`; `live` says which ring positions still count.
-fn slot_load(s: &Slot, live: &[bool; BUCKETS], now_epoch: u64, now_ms: u64) -> SlotLoad {
+fn slot_load(
+    s: &Slot,
+    live: &[bool; BUCKETS],
+    now_epoch: u64,
+    bucket_ms: u64,
+    now_ms: u64,
+) -> SlotLoad {
     let mut total = Counters::default();
     for (c, _) in s.buckets.iter().zip(live).filter(|(_, l)| **l) {
         total.add(c);
     }
-    let anchor = s
-        .queue
-        .iter()
-        .find(|q| LoadTable::alive(q.epoch, now_epoch));
-    load_of(&total, anchor, s.anchor_since_ms, now_ms)
+    // Prefills in front of the first live one died with their buckets, not yet reaped: the
+    // live one decays from the last death, as it will once `expire` has run.
+    let mut since = s.anchor_since_ms;
+    let mut anchor = None;
+    for q in s.queue.iter() {
+        if LoadTable::alive(q.epoch, now_epoch) {
+            anchor = Some(q);
+            break;
+        }
+        since = since.max(LoadTable::died_ms(q.epoch, bucket_ms));
+    }
+    load_of(&total, anchor, since, now_ms)
 }
 
 /// A slot's load from its live counters and its anchor (the oldest live decaying prefill).
@@ -1079,6 +1101,38 @@ mod tests {
         assert!(t.release_at(&b, 20_000));
         assert!(t.release_at(&a, 20_000));
         assert_eq!(t.view(20_000), vec![SlotLoad::default()]);
+    }
+
+    /// A decaying anchor whose bucket dies (its request timed out) hands over to the next
+    /// prefill at the bucket's death, whether or not `expire` has reaped it yet: the view of
+    /// the table, of a copy reaped at that instant and of its encoded bytes agree at every ms.
+    #[test]
+    fn a_dead_anchor_reads_the_same_before_and_after_it_is_reaped() {
+        let timeout = 3_000; // buckets of 1,000 ms: a bucket counts for 4 s
+        let mut t = LoadTable::with_timeout(2, timeout);
+        t.admit(1, 0, 500, 4, Some(60_000.0), 0).unwrap(); // the anchor, decaying for 60 s
+        t.admit(2, 0, 300, 2, Some(5_000.0), 3_000).unwrap(); // queued behind it
+        t.admit(3, 1, 100, 1, None, 3_000).unwrap();
+        let mut previous = None;
+        for now in 3_000..9_000u64 {
+            let plain = t.view(now);
+            let mut reaped = t.clone();
+            reaped.expire(now);
+            assert_eq!(plain, reaped.view(now), "at {now} ms");
+            let mut from_bytes = Vec::new();
+            view_bytes(&t.encode(), 2, now, &mut from_bytes).unwrap();
+            assert_eq!(plain, from_bytes, "at {now} ms, from the bytes");
+            previous = Some((now, plain[0].prefill_tokens));
+            if now == 4_000 {
+                // The anchor's bucket (epoch 0) died at 4 s: only the queued one is left, whole.
+                assert_eq!(plain[0].prefill_tokens, 300.0);
+            }
+            if now == 6_500 {
+                // Decaying from 4 s for 5 s: half left.
+                assert_eq!(plain[0].prefill_tokens, 150.0);
+            }
+        }
+        assert!(previous.is_some());
     }
 
     #[test]

@@ -179,6 +179,7 @@ fn view_slot(
         active: u32::from_le_bytes(field(summary, TOTALS_AT + 16)),
     };
     let mut anchor = None;
+    let mut anchor_since_ms = u64::from_le_bytes(field(summary, 4));
     if queued > 0 || ctx.live_mask.is_some() {
         let details = ctx.bytes.get(pos..end)?;
         let (queue, buckets) = details.split_at_checked(queued * QUEUED_LEN)?;
@@ -196,12 +197,13 @@ fn view_slot(
                 });
                 break;
             }
+            // Died with its bucket, not yet reaped (as `slot_load`).
+            anchor_since_ms = anchor_since_ms.max(LoadTable::died_ms(epoch, ctx.bucket_ms));
         }
         if let Some(live_mask) = ctx.live_mask {
             total = live_total(total, mask, buckets, live_mask);
         }
     }
-    let anchor_since_ms = u64::from_le_bytes(field(summary, 4));
     let load = super::load_of(&total, anchor.as_ref(), anchor_since_ms, ctx.now_ms);
     Some((load, end))
 }
