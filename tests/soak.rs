@@ -249,7 +249,7 @@ fn soak() {
         .collect();
 
     let mut csv = std::fs::File::create(out_dir.join("memory.csv")).unwrap();
-    writeln!(csv, "elapsed_s,envoy_rss_kib,requests_sent,client_errors,faults,load_active_entries,index_entries").unwrap();
+    writeln!(csv, "elapsed_s,envoy_rss_kib,requests_sent,client_errors,faults,load_active_entries,index_entries,wasm_linear_memory_bytes").unwrap();
     let start = Instant::now();
     let mut next_sample = start;
     let mut next_fault = start + fault_every;
@@ -265,12 +265,13 @@ fn soak() {
             samples.push((elapsed, rss));
             writeln!(
                 csv,
-                "{elapsed},{rss},{},{},{},{},{}",
+                "{elapsed},{rss},{},{},{},{},{},{}",
                 tally.sent.load(Ordering::Relaxed),
                 tally.error_count(),
                 faults.values().sum::<u64>(),
                 envoy.router_stat("load.active_entries"),
-                envoy.router_stat("index.entries")
+                envoy.router_stat("index.entries"),
+                envoy.router_stat("vm.linear_memory_bytes")
             )
             .unwrap();
             csv.flush().unwrap();
