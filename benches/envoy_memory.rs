@@ -198,8 +198,16 @@ fn run(wasm: &Path, threads: u32, entries: u64) -> Run {
     opts.log_level = "warning";
     opts.wasm = Some(wasm.to_path_buf());
     let envoy = Envoy::start(&opts).expect("envoy");
-    // Let every VM start and tick on an empty log first.
-    std::thread::sleep(Duration::from_millis(500));
+    // Every VM started and ticking on an empty log: each adds its linear memory to the gauge on
+    // its first tick, so the sum holds still once all of them (threads + 1) have.
+    let (mut linear, mut since) = (0, Instant::now());
+    envoy.wait_for(Duration::from_secs(10), |e| {
+        let now = e.router_stat("vm.linear_memory_bytes");
+        if now != linear {
+            (linear, since) = (now, Instant::now());
+        }
+        linear >= u64::from(threads + 1) << 16 && since.elapsed() >= Duration::from_millis(300)
+    });
     let before = settled_rss(&envoy);
     let (heap_before, heap_resident_before) = heap(&envoy);
     let linear_before = envoy.router_stat("vm.linear_memory_bytes");
