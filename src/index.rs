@@ -67,9 +67,8 @@ use table::IdTable;
 /// Slots are addressed by `SlotIdx` (u16).
 const MAX_SLOTS: usize = 1 << 16;
 
-/// The largest effective `max_blocks`: the id space less a margin (kept from when an event's
-/// blocks landed before eviction trimmed back to the bound; the configured limit stays as
-/// documented).
+/// The largest effective `max_blocks` (the documented limit): the id space less a margin of
+/// 2^16 ids, so the pool never runs out of ids (an entry at the bound evicts first).
 pub const MAX_BOUND: usize = MAX_ENTRIES - (1 << 16);
 
 fn tier_bit(tier: StorageTier) -> u8 {

@@ -17,7 +17,7 @@ const WIDE_FLAG: u32 = 0x8000_0000;
 /// 4,096 entries (112 KiB) a chunk. Smaller chunks waste less ahead of use but fit into the
 /// holes the transient event buffers (log batches, tens of KiB) leave in the VM's heap, which
 /// then fragments: with 28 KiB chunks a replica's linear memory held ~1.4 MiB more than its
-/// index at 1M entries, with these ~0.3 MiB.
+/// index at 1M entries, with these 0.1-0.3 MiB.
 const CHUNK_BITS: u32 = 12;
 const CHUNK_LEN: usize = 1 << CHUNK_BITS;
 const CHUNK_MASK: u32 = (1 << CHUNK_BITS) - 1;

@@ -459,10 +459,11 @@ impl VmState {
         let slots = config.slots.len();
         let reaped = load_store::reap(&HostStore, slots, now, config.load.request_timeout_ms);
         self.metrics.add("load.reaped", reaped as u64);
-        self.metrics
-            .gauge("index.entries", self.replica.index.entries() as u64);
+        // Bytes first: a reader that sees the entries sees the bytes of the same tick.
         self.metrics
             .gauge("index.bytes", self.replica.index.allocated_bytes() as u64);
+        self.metrics
+            .gauge("index.entries", self.replica.index.entries() as u64);
         let stale = self.replica.head.workers.iter().filter(|w| w.stale).count();
         self.metrics.gauge("workers.stale", stale as u64);
         self.membership_gauges();
