@@ -159,6 +159,7 @@ fn stage_decide(
         overlaps,
         load,
         stale_slots: &[],
+        kv_usage: &[],
     };
     decide(config, &input, selector).unwrap()
 }

@@ -426,6 +426,7 @@ fn bench_prompt(
             overlaps: &overlaps,
             load: &load,
             stale_slots: &[],
+            kv_usage: &[],
         };
         let decision = time(&mut route, || {
             decide(config, &input, &mut selector).unwrap()

@@ -374,6 +374,7 @@ mod tests {
                         overlaps,
                         load: &load,
                         stale_slots: &[],
+                        kv_usage: &[],
                     };
                     // Same selector seed on both sides: ties resolve identically.
                     decide(&config, &input, &mut SelectorState::new(round))

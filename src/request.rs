@@ -220,6 +220,9 @@ pub struct LlmRequest {
     pub preferred_taints: Vec<(String, f64)>,
     /// `nvext.agent_hints.osl`: expected output length.
     pub osl_hint_tokens: Option<u32>,
+    /// `max_completion_tokens`, else `max_tokens`: the output length limit, when a non-negative
+    /// integer (any other value is left to the engine to reject).
+    pub max_tokens: Option<u32>,
     /// Characters of the text prompt (completions `prompt` string) or of every string inside
     /// `messages` (chat); used to estimate `isl_tokens` when there are no token ids.
     pub text_chars: usize,
@@ -388,6 +391,43 @@ mod tests {
         assert_eq!(r.osl_hint_tokens, Some(256));
         assert_eq!(r.lora_name.as_deref(), Some("sql"));
         assert_eq!(r.text_chars, 0);
+        assert_eq!(r.max_tokens, Some(5));
+    }
+
+    #[test]
+    fn the_output_limit_is_a_hint_never_a_reason_to_refuse() {
+        let limit = |body: &str| completions(body).unwrap().max_tokens;
+        assert_eq!(limit(r#"{"prompt": [1], "max_tokens": 300}"#), Some(300));
+        assert_eq!(limit(r#"{"prompt": "hi", "max_tokens": 300}"#), Some(300));
+        assert_eq!(limit(r#"{"prompt": [1], "max_tokens": 1e12}"#), None);
+        assert_eq!(
+            limit(r#"{"prompt": [1], "max_tokens": 99999999999}"#),
+            Some(u32::MAX)
+        );
+        for bad in [
+            "-1",
+            "2.5",
+            "\"300\"",
+            "null",
+            "[1]",
+            "{\"a\": [1]}",
+            "true",
+        ] {
+            let body = format!(r#"{{"prompt": [1, 2], "max_tokens": {bad}, "model": "m"}}"#);
+            let r = completions(&body).unwrap();
+            assert_eq!(
+                (r.max_tokens, r.model.as_deref()),
+                (None, Some("m")),
+                "{bad}"
+            );
+        }
+        // Chat's newer name wins over the older one, in either order.
+        let chat_limit = |body: &str| chat(body).unwrap().max_tokens;
+        let both = r#"{"messages": [], "max_completion_tokens": 7, "max_tokens": 9}"#;
+        assert_eq!(chat_limit(both), Some(7));
+        let both = r#"{"messages": [], "max_tokens": 9, "max_completion_tokens": 7}"#;
+        assert_eq!(chat_limit(both), Some(7));
+        assert_eq!(chat_limit(r#"{"messages": [], "max_tokens": 9}"#), Some(9));
     }
 
     #[test]

@@ -50,6 +50,9 @@ pub struct RouteInput<'a> {
     pub load: &'a [SlotLoad],
     /// Per slot; may be empty.
     pub stale_slots: &'a [bool],
+    /// Per slot, the KV usage its worker last reported (a fraction of its capacity); may be
+    /// empty. Read by `ttft.admission_wait` only.
+    pub kv_usage: &'a [Option<f64>],
 }
 
 /// Per-VM selection state: the random source and the round-robin counter.
@@ -202,16 +205,18 @@ pub fn decide(
                     })
                 };
                 let score = match &config.ttft {
-                    Some(t) => ttft_score(config, t, slot, isl, overlap_of(slot), load_of(slot))
-                        .map_err(|e| e.cost)
-                        .and_then(|p| {
-                            let score = p.score_ms * multiplier;
-                            if score.is_finite() {
-                                Ok(score)
-                            } else {
-                                Err(score)
-                            }
-                        }),
+                    Some(t) => {
+                        ttft_score(config, t, input, slot, isl, overlap_of(slot), load_of(slot))
+                            .map_err(|e| e.cost)
+                            .and_then(|p| {
+                                let score = p.score_ms * multiplier;
+                                if score.is_finite() {
+                                    Ok(score)
+                                } else {
+                                    Err(score)
+                                }
+                            })
+                    }
                     None => match input.load.get(usize::from(slot)) {
                         Some(load) => kv.cost(&overlap_of(slot), load, multiplier),
                         None => kv.cost(&overlap_of(slot), &SlotLoad::default(), multiplier),
@@ -364,6 +369,7 @@ fn cost_of(scores: &[(SlotIdx, f64)], slot: SlotIdx) -> Option<f64> {
 fn ttft_score(
     config: &Config,
     ttft: &TtftConfig,
+    input: &RouteInput,
     slot: SlotIdx,
     isl_tokens: u32,
     overlap: Overlap,
@@ -378,6 +384,12 @@ fn ttft_score(
             .and_then(|w| w.max_num_batched_tokens)
             .unwrap_or(ttft.chunk_tokens),
         kv_capacity_blocks: worker.and_then(|w| w.kv_capacity_blocks),
+        kv_usage: input.kv_usage.get(usize::from(slot)).copied().flatten(),
+        output_tokens: input
+            .request
+            .osl_hint_tokens
+            .or(input.request.max_tokens)
+            .unwrap_or(ttft.default_output_tokens),
         preferred_multiplier: 1.0,
     };
     predicted_ttft(
@@ -535,6 +547,7 @@ mod tests {
             overlaps,
             load,
             stale_slots: &[],
+            kv_usage: &[],
         };
         decide(c, &input, &mut SelectorState::new(seed))
     }
@@ -655,6 +668,7 @@ mod tests {
                 overlaps: &[],
                 load: &load,
                 stale_slots: &[],
+                kv_usage: &[],
             };
             counts[usize::from(decide(&c, &input, &mut state).unwrap().slot)] += 1;
         }
@@ -706,6 +720,7 @@ mod tests {
             overlaps: &[dev(10), dev(0), dev(0)],
             load: &decode_load(&[5.0, 1.0, 2.0]),
             stale_slots: &[true, false, false],
+            kv_usage: &[],
         };
         // Slot 0 would cost 0 + 5 + 0 = 5 with its overlap; stale, it costs 10 + 5 + 10 = 25.
         let d = decide(&c, &input, &mut SelectorState::new(1)).unwrap();
@@ -886,6 +901,7 @@ mod tests {
             overlaps: &[],
             load: &[],
             stale_slots: &[],
+            kv_usage: &[],
         };
         let d = decide(&c, &input, &mut SelectorState::new(1)).unwrap();
         assert_eq!(d.slot, 2);
@@ -1001,6 +1017,7 @@ mod tests {
                 overlaps: &[],
                 load,
                 stale_slots: &[],
+                kv_usage: &[],
             };
             let d = decide(c, &input, &mut state).unwrap();
             assert!(d.scores.is_empty() && d.cost.is_none());
@@ -1034,6 +1051,7 @@ mod tests {
                     overlaps: &[],
                     load: &[],
                     stale_slots: &[],
+                    kv_usage: &[],
                 };
                 decide(&c, &input, &mut state).unwrap().slot
             })
@@ -1209,6 +1227,7 @@ mod tests {
                 overlaps: &overlaps,
                 load: &load,
                 stale_slots: &stale,
+                kv_usage: &[],
             };
             let mut costs = Vec::new();
             let got = score_plain(&kv, &candidates, &overlaps, &input, &mut costs);

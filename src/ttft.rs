@@ -7,7 +7,8 @@
 //! prefill  = floor(work / chunk) * poly(chunk) + poly(work mod chunk)      (poly(0) = 0)
 //! steps    = max(ceil(work / chunk), 1)
 //! decode   = steps * decode_poly(decode_blocks / kv_capacity_blocks)   if requests in flight, else 0
-//! ttft_ms  = (prefill + decode) * preferred_taint_multiplier
+//! admit    = short * lifetime / used    (ttft.admission_wait; 0 when short <= 0, see below)
+//! ttft_ms  = (prefill + decode + admit) * preferred_taint_multiplier
 //! own      = floor(uncached / chunk) * poly(chunk) + poly(uncached mod chunk)
 //! score_ms = ttft_ms + compute_weight * own * preferred_taint_multiplier
 //! ```
@@ -26,6 +27,16 @@
 //!   for every slot when no slot holds a prefix, so it changes nothing about balance.
 //! * The decode term is small by design: each step of a busy worker also decodes its running
 //!   requests (`decode_poly` of its KV fill; fill 0 without a configured capacity).
+//! * The admission term (`ttft.admission_wait`) is the wait for KV room. An engine allocates a
+//!   prompt's blocks when it admits the prompt and admits in arrival order, so on a cache full of
+//!   running requests a long prompt waits, and everything behind it, until enough of them finish.
+//!   With the worker's capacity `C` (blocks per rank) and its reported KV usage `u`:
+//!   `used = u * C`, `free = C - used - C / 100` (vLLM's 1% watermark),
+//!   `short = ceil(uncached / block_size) + active_prefill_tokens / block_size - free` (the
+//!   booked prefills ahead need their blocks first), and the running requests free `used`
+//!   blocks over their lifetime, `lifetime = output_tokens * decode_poly(u)`, by Little's law.
+//!   `output_tokens` is the request's own limit (its best guess of its neighbours'), else
+//!   `ttft.default_output_tokens`.
 
 use crate::config::{CostWeights, TtftConfig};
 use crate::cost::NonFiniteCost;
@@ -42,6 +53,10 @@ pub struct TtftInputs {
     pub chunk_tokens: u32,
     /// The worker's KV capacity per rank, when configured.
     pub kv_capacity_blocks: Option<u32>,
+    /// The worker's own last report of its KV usage (a fraction of its capacity), if any.
+    pub kv_usage: Option<f64>,
+    /// The request's expected output tokens, `>= 1` (for the admission term).
+    pub output_tokens: u32,
     pub preferred_multiplier: f64,
 }
 
@@ -54,6 +69,8 @@ pub struct PredictedTtft {
     pub work_tokens: f64,
     pub prefill_ms: f64,
     pub decode_ms: f64,
+    /// The predicted wait for KV room (0 unless `ttft.admission_wait`).
+    pub admission_ms: f64,
     pub ttft_ms: f64,
     /// `compute_weight` times the request's own prefill time (tier-weighted uncached tokens).
     pub compute_ms: f64,
@@ -136,7 +153,12 @@ pub fn predicted_ttft(
     } else {
         0.0
     };
-    let ttft_ms = (prefill_ms + decode_ms) * inputs.preferred_multiplier;
+    let admission_ms = if config.admission_wait {
+        admission_wait_ms(config, bs, uncached_tokens, inputs)
+    } else {
+        0.0
+    };
+    let ttft_ms = (prefill_ms + decode_ms + admission_ms) * inputs.preferred_multiplier;
     let compute_ms = if config.compute_weight > 0.0 {
         config.compute_weight
             * chunked_prefill_ms(prefill_poly, uncached_tokens, chunk)
@@ -153,10 +175,39 @@ pub fn predicted_ttft(
         work_tokens,
         prefill_ms,
         decode_ms,
+        admission_ms,
         ttft_ms,
         compute_ms,
         score_ms,
     })
+}
+
+/// The admission term (module docs): how long the prompt waits for free KV blocks. 0 without a
+/// capacity or a reported usage, or with room to spare; finite and `>= 0`.
+fn admission_wait_ms(config: &TtftConfig, bs: f64, uncached_tokens: f64, i: &TtftInputs) -> f64 {
+    let (Some(capacity), Some(usage)) = (i.kv_capacity_blocks, i.kv_usage) else {
+        return 0.0;
+    };
+    if capacity == 0 || !usage.is_finite() {
+        return 0.0;
+    }
+    let capacity = f64::from(capacity);
+    let usage = usage.clamp(0.0, 1.0);
+    let used = usage * capacity;
+    let free = capacity - used - capacity / 100.0;
+    let need = (uncached_tokens / bs).ceil() + i.load.prefill_tokens.max(0.0) / bs;
+    let short = need - free;
+    if short <= 0.0 {
+        return 0.0;
+    }
+    let step_ms = horner(&config.decode_step_ms_poly, usage).max(0.0);
+    let lifetime_ms = f64::from(i.output_tokens.max(1)) * step_ms;
+    let wait = short * lifetime_ms / used.max(1.0);
+    if wait.is_finite() {
+        wait
+    } else {
+        0.0
+    }
 }
 
 #[cfg(test)]
@@ -184,6 +235,8 @@ mod tests {
             },
             chunk_tokens: 8192,
             kv_capacity_blocks: None,
+            kv_usage: None,
+            output_tokens: 500,
             preferred_multiplier: 1.0,
         }
     }
@@ -292,6 +345,54 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_short_of_kv_room_waits_for_running_requests_to_free_it() {
+        let admitting = TtftConfig {
+            admission_wait: true,
+            ..TtftConfig::default()
+        };
+        let p = |i: &TtftInputs| {
+            predicted_ttft(&admitting, &CostWeights::default(), &POLY, 64, i).unwrap()
+        };
+        // 8,192 blocks, 90% used: 737.28 free after the 1% watermark (81.92). A 64,000-token
+        // prompt needs 1,000 blocks and 6,400 booked tokens ahead 100 more: 362.72 short.
+        let mut i = inputs(64_000, 0, 6_400.0, 20);
+        i.kv_capacity_blocks = Some(8192);
+        i.kv_usage = Some(0.9);
+        let step = -25.74 * 0.81 + 54.01 * 0.9 + 5.74;
+        let used = 0.9 * 8192.0;
+        let expect = 362.72 * (500.0 * step) / used;
+        let w = p(&i);
+        assert!(close(w.admission_ms, expect), "{w:?} {expect}");
+        assert!(close(w.ttft_ms, w.prefill_ms + w.decode_ms + expect));
+        // Longer outputs hold the blocks longer: the wait scales with them.
+        i.output_tokens = 1000;
+        assert!(close(p(&i).admission_ms, 2.0 * expect));
+        i.output_tokens = 500;
+        // A cached prefix needs no new blocks: 600 of the 1,000 cached leaves 400 + 100 to find.
+        i.overlap.device_blocks = 600;
+        assert_eq!(p(&i).admission_ms, 0.0);
+        i.overlap.device_blocks = 0;
+        // Room to spare, no capacity, no report, or the option off: no wait.
+        let mut roomy = i;
+        roomy.kv_usage = Some(0.5);
+        assert_eq!(p(&roomy).admission_ms, 0.0);
+        let mut unknown = i;
+        unknown.kv_capacity_blocks = None;
+        assert_eq!(p(&unknown).admission_ms, 0.0);
+        unknown = i;
+        unknown.kv_usage = None;
+        assert_eq!(p(&unknown).admission_ms, 0.0);
+        unknown.kv_usage = Some(f64::NAN);
+        assert_eq!(p(&unknown).admission_ms, 0.0);
+        assert_eq!(ttft(&i).admission_ms, 0.0);
+        // A full cache of nothing (usage 1 of a tiny capacity) stays finite.
+        let mut tiny = i;
+        tiny.kv_capacity_blocks = Some(1);
+        tiny.kv_usage = Some(1.0);
+        assert!(p(&tiny).admission_ms.is_finite());
+    }
+
+    #[test]
     fn corrupt_load_is_an_error() {
         let bad = inputs(1000, 0, f64::NAN, 1);
         let r = predicted_ttft(
@@ -347,6 +448,7 @@ mod tests {
             overlaps: &overlaps,
             load: loads,
             stale_slots: &[],
+            kv_usage: &[],
         };
         decide(c, &input, &mut SelectorState::new(seed))
             .unwrap()
@@ -463,5 +565,10 @@ mod tests {
         assert!(bad(r#"{"chunk": 5}"#).contains("unknown field"));
         assert!(bad(r#"{"compute_weight": -1}"#).starts_with("ttft.compute_weight: must be"));
         assert!(bad(r#"{"compute_weight": 101}"#).starts_with("ttft.compute_weight: must be"));
+        assert!(bad(r#"{"default_output_tokens": 0}"#).starts_with("ttft.default_output_tokens"));
+        assert!(bad(r#"{"admission_wait": 1}"#).contains("admission_wait"));
+        let admitting = config(r#", "ttft": {"admission_wait": true, "default_output_tokens": 9}"#);
+        let t = admitting.ttft.unwrap();
+        assert_eq!((t.admission_wait, t.default_output_tokens), (true, 9));
     }
 }

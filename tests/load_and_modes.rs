@@ -309,3 +309,75 @@ fn worker_reported_load_steers_away_from_a_worker_busy_with_other_traffic() {
         assert_eq!(after.get(&1), None, "{mode}: {after:?}");
     }
 }
+
+/// `ttft.admission_wait`: a worker whose cache is nearly full of running requests (its own
+/// report) keeps the prompts whose new blocks fit in its free ones, and loses to a worker with
+/// room the prompts that would wait there for running requests to finish, although it holds
+/// their prefix. Without the option the same prompt goes to the holder.
+#[test]
+fn a_prompt_that_would_wait_for_kv_room_goes_where_it_fits() {
+    let workers = echo_workers(2, BLOCK);
+    let list = json!([{"id": 1, "address": workers[0].addr, "kv_capacity_blocks": 1000},
+                      {"id": 2, "address": workers[1].addr, "kv_capacity_blocks": 1000}]);
+    let prefix = tokens(1, 64 * BLOCK);
+    publish(
+        &workers[0],
+        vec![vllm_stored(&prefix, BLOCK, None, 1, "GPU")],
+    );
+    let with_new = |blocks: u32, i: u32| {
+        let mut prompt = prefix.clone();
+        prompt.extend(tokens(100_000 + i * 10_000, blocks * BLOCK));
+        json!({"model": "m", "prompt": prompt, "max_tokens": 256})
+    };
+    // Worker 1: 970 of 1,000 blocks in use, 20 free past the 1% watermark; worker 2: half full.
+    // Both report 30 running requests, so the decode terms nearly agree.
+    let reports = [
+        json!({"num_running": 30, "num_waiting": 0, "kv_usage": 0.97}),
+        json!({"num_running": 30, "num_waiting": 0, "kv_usage": 0.5}),
+    ];
+    for admission in [false, true] {
+        let envoy = envoy_with(
+            &workers,
+            json!({"mode": "kv", "workers": list, "ttft": {"admission_wait": admission}}),
+        );
+        assert!(
+            wait_for_overlap(&envoy, &with_new(1, 0), 64, Duration::from_secs(5)),
+            "the prefix is indexed on worker 1"
+        );
+        let idle = costs(&route(&envoy, &with_new(60, 1)).2);
+        for (worker, report) in workers.iter().zip(&reports) {
+            worker.admin("/admin/load", report).expect("report load");
+        }
+        // The reports landed once both decode terms (30 running, 97% / 50% full: 34 / 26 ms a
+        // step) show.
+        let mut probe = 2;
+        let landed = envoy.wait_for(Duration::from_secs(5), |e| {
+            probe += 1;
+            let now = costs(&route(e, &with_new(60, probe)).2);
+            now[&1] > idle[&1] + 20.0 && now[&2] > idle[&2] + 20.0
+        });
+        assert!(
+            landed,
+            "admission {admission}: the reports reach the filter"
+        );
+        // 8 new blocks fit in worker 1's 20 free ones: the holder keeps the prompt.
+        let (fits, overlap, resp) = route(&envoy, &with_new(8, 1_000));
+        assert_eq!(
+            (fits, overlap),
+            (1, 64),
+            "admission {admission}: costs {:?} loads {:?}",
+            costs(&resp),
+            resp.header("x-kv-router-loads")
+        );
+        // 60 new blocks do not: ~360 ms of waiting for room on worker 1 against ~9 ms more
+        // prefill and decode on worker 2.
+        let (big, _, resp) = route(&envoy, &with_new(60, 2_000));
+        let expect = if admission { 2 } else { 1 };
+        assert_eq!(
+            big,
+            expect,
+            "admission {admission}: costs {:?}",
+            costs(&resp)
+        );
+    }
+}

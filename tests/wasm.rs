@@ -722,6 +722,7 @@ fn router_worked_example_end_to_end() {
         overlaps: &overlaps,
         load: &load,
         stale_slots: &[],
+        kv_usage: &[],
     };
     assert_eq!(input.prompt_blocks, 10);
     let d = decide(&config, &input, &mut SelectorState::new(1)).unwrap();
@@ -751,6 +752,7 @@ fn router_random_ties_are_the_same_sequence_on_every_target() {
         overlaps: &[],
         load: &[],
         stale_slots: &[],
+        kv_usage: &[],
     };
     let mut state = SelectorState::new(0x5eed);
     let picks: Vec<u16> = (0..24)

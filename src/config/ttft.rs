@@ -32,6 +32,16 @@ pub struct TtftConfig {
     /// holds costs the fleet more than the request's own wait. 0 (the default) scores the
     /// request's TTFT alone. `0..=100`.
     pub compute_weight: f64,
+    /// Adds the predicted wait for KV room to the score ([`crate::ttft`]'s admission term): an
+    /// engine admits a prompt only when its cache has free blocks for it, so on a worker whose
+    /// cache is full of running requests a prompt waits until they finish and free theirs. Needs
+    /// the worker's `kv_capacity_blocks` and its reported KV usage (`load.reported_load` and
+    /// events that carry `load`); without them the term is 0.
+    pub admission_wait: bool,
+    /// Output length assumed for a request that gives none (`max_completion_tokens`,
+    /// `max_tokens`, `nvext.agent_hints.osl`), for the admission term: how long running requests
+    /// hold their blocks. `1..=2^24`.
+    pub default_output_tokens: u32,
 }
 
 impl Default for TtftConfig {
@@ -41,6 +51,8 @@ impl Default for TtftConfig {
             // Dynamo's mocker: -25.74 u^2 + 54.01 u + 5.74 ms per decode step.
             decode_step_ms_poly: vec![5.74, 54.01, -25.74],
             compute_weight: 0.0,
+            admission_wait: false,
+            default_output_tokens: 256,
         }
     }
 }
@@ -60,6 +72,13 @@ pub(super) fn check_ttft(c: &TtftConfig) -> Result<(), ConfigError> {
             field: "ttft.decode_step_ms_poly".to_string(),
             expected: "a list of 1 to 8 finite coefficients (lowest degree first)",
             got: format!("{:?}", c.decode_step_ms_poly),
+        });
+    }
+    if c.default_output_tokens == 0 || c.default_output_tokens > MAX_CHUNK_TOKENS {
+        return Err(ConfigError::OutOfRange {
+            field: "ttft.default_output_tokens".to_string(),
+            expected: "within [1, 16777216]",
+            got: c.default_output_tokens.to_string(),
         });
     }
     if !(0.0..=MAX_COMPUTE_WEIGHT).contains(&c.compute_weight) {

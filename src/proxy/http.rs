@@ -526,6 +526,10 @@ impl RequestContext {
         if config.load.reported_load {
             vm.merge_reported_load(&mut load);
         }
+        let mut kv_usage = std::mem::take(&mut vm.kv_usage);
+        if config.load.reported_load && config.ttft.as_ref().is_some_and(|t| t.admission_wait) {
+            vm.reported_kv_usage(&mut kv_usage);
+        }
         let prompt_blocks = prompt_blocks(config, &request);
         let input = RouteInput {
             request: &request,
@@ -534,10 +538,12 @@ impl RequestContext {
             overlaps: &overlaps,
             load: &load,
             stale_slots: &vm.stale_slots,
+            kv_usage: &kv_usage,
         };
         let decided = decide(config, &input, &mut vm.selector);
         vm.overlaps = overlaps;
         vm.load_view = load;
+        vm.kv_usage = kv_usage;
         Ok(match decided {
             Ok(decision) => {
                 self.steer(vm, config, &decision, now, &request, note, snapshot);

@@ -551,6 +551,7 @@ impl RootContext for RouterRoot {
             next_request_key: 0,
             overlaps: Vec::with_capacity(config.slots.len()),
             load_view: Vec::with_capacity(config.slots.len()),
+            kv_usage: Vec::new(),
             load_views: Default::default(),
             slot_gauges: Vec::new(),
             block_size_warned: vec![false; workers],

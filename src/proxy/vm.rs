@@ -37,6 +37,8 @@ pub struct VmState {
     pub overlaps: Vec<Overlap>,
     /// Reused per request: the load table's per-slot view.
     pub load_view: Vec<SlotLoad>,
+    /// Per slot, its worker's reported KV usage (filled for `ttft.admission_wait` only).
+    pub kv_usage: Vec<Option<f64>>,
     /// The load shards this VM viewed last, reused while their bytes are unchanged.
     pub load_views: ViewCache,
     /// Per slot, the worker id and the load gauges last recorded for it (only changes are).
@@ -75,6 +77,18 @@ impl VmState {
                 merge_reported(view, &reported, worker.kv_capacity_blocks, worker.dp_size);
             }
         }
+    }
+}
+
+impl VmState {
+    /// Fills `out` with each slot's reported KV usage (per rank, a fraction of capacity), from
+    /// the last head.
+    pub fn reported_kv_usage(&self, out: &mut Vec<Option<f64>>) {
+        out.clear();
+        out.extend(self.config.slots.iter().map(|slot| {
+            let worker = self.replica.head.workers.get(usize::from(slot.worker))?;
+            worker.reported.map(|r| r.kv_usage)
+        }));
     }
 }
 

@@ -116,7 +116,15 @@ impl<'de> Visitor<'de> for KeySeed {
     }
 }
 
-const TOP_KEYS: &[&str] = &["model", "prompt", "messages", "stream", "nvext"];
+const TOP_KEYS: &[&str] = &[
+    "model",
+    "prompt",
+    "messages",
+    "stream",
+    "nvext",
+    "max_tokens",
+    "max_completion_tokens",
+];
 /// `NVEXT_KEYS` with their `nvext.` prefix, for error messages (same order).
 const NVEXT_FIELDS: [&str; 8] = [
     "nvext.token_data",
@@ -198,6 +206,15 @@ impl<'de> Visitor<'de> for TopSeed<'_> {
                         req: &mut req,
                         tokens: &mut nvext_tokens,
                     })?;
+                }
+                // Either name (chat's newer one wins when both are given, as in vLLM).
+                Some(5) => {
+                    let limit = map.next_value::<LenientCount>()?.0;
+                    req.max_tokens = req.max_tokens.or(limit);
+                }
+                Some(6) => {
+                    let limit = map.next_value::<LenientCount>()?.0;
+                    req.max_tokens = limit.or(req.max_tokens);
                 }
                 _ => {
                     map.next_value::<IgnoredAny>()?;
@@ -334,6 +351,61 @@ impl<'de> Visitor<'de> for CharCount {
             n = n.saturating_add(map.next_value_seed(CharCount)?);
         }
         Ok(n)
+    }
+}
+
+/// A count the router only uses as a hint (`max_tokens`): a non-negative integer (saturated
+/// to `u32`), anything else read as absent. The engine, not the router, rejects a bad value.
+struct LenientCount(Option<u32>);
+
+impl<'de> Deserialize<'de> for LenientCount {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(LenientCountVisitor)
+    }
+}
+
+struct LenientCountVisitor;
+
+impl<'de> Visitor<'de> for LenientCountVisitor {
+    type Value = LenientCount;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any value")
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<LenientCount, E> {
+        Ok(LenientCount(Some(u32::try_from(v).unwrap_or(u32::MAX))))
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<LenientCount, E> {
+        Ok(LenientCount(
+            u64::try_from(v)
+                .ok()
+                .map(|v| u32::try_from(v).unwrap_or(u32::MAX)),
+        ))
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<LenientCount, E> {
+        Ok(LenientCount(None))
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<LenientCount, E> {
+        Ok(LenientCount(None))
+    }
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<LenientCount, E> {
+        Ok(LenientCount(None))
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<LenientCount, E> {
+        Ok(LenientCount(None))
+    }
+    fn visit_none<E: de::Error>(self) -> Result<LenientCount, E> {
+        Ok(LenientCount(None))
+    }
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<LenientCount, D::Error> {
+        d.deserialize_any(self)
+    }
+    fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<LenientCount, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(LenientCount(None))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<LenientCount, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(LenientCount(None))
     }
 }
 
