@@ -213,13 +213,14 @@ pub fn run_mode(
         // `+fit`: the timing polynomials divided by the workers' `--speedup` (the filter's
         // defaults are the mocker's at speedup 1); `+cap`: the workers' `kv_capacity_blocks`
         // (their `--kv-blocks`: the decode term's KV fill); `+busy:F`: that and
-        // `busy.decode_blocks_fraction` F.
+        // `busy.decode_blocks_fraction` F; `+admit`: that and `ttft.admission_wait` (the
+        // predicted wait for KV room).
         m if m.starts_with("kv+ttft") => {
             let bad = || {
                 io::Error::new(
                     io::ErrorKind::InvalidInput,
                     format!(
-                        "{m}: expected kv+ttft[+approx][+decay][+compute:W][+affinity[:T]][+fit][+cap][+busy:F]"
+                        "{m}: expected kv+ttft[+approx][+decay][+compute:W][+affinity[:T]][+fit][+cap][+busy:F][+admit]"
                     ),
                 )
             };
@@ -227,6 +228,7 @@ pub fn run_mode(
             for option in m.trim_start_matches("kv+ttft").split('+').skip(1) {
                 match option {
                     "approx" | "cap" => {}
+                    "admit" => extra["ttft"]["admission_wait"] = json!(true),
                     o if o.starts_with("busy:") => {
                         let f: f64 = o.trim_start_matches("busy:").parse().map_err(|_| bad())?;
                         extra["busy"] = json!({"decode_blocks_fraction": f});
@@ -310,7 +312,9 @@ pub fn run_mode(
             }
         }
     }
-    if mode.starts_with("kv+ttft") && (mode.contains("+cap") || mode.contains("+busy:")) {
+    if mode.starts_with("kv+ttft")
+        && (mode.contains("+cap") || mode.contains("+busy:") || mode.contains("+admit"))
+    {
         let blocks = fleet.worker_kv_blocks();
         if let Some(list) = config["workers"].as_array_mut() {
             for w in list {
@@ -500,7 +504,7 @@ pub fn quality_table(results: &[(String, RunStats)], workers: u64) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<26} {:>6} {:>5} {:>7} | {:>9} {:>8} {:>8} {:>8} | {:>7} {:>8} {:>8} | {:>7} {:>6}",
+        "{:<26} {:>6} {:>5} {:>7} | {:>9} {:>8} {:>8} {:>8} | {:>7} {:>8} {:>8} | {:>7} {:>6} {:>9}",
         "arm",
         "done",
         "err",
@@ -513,7 +517,8 @@ pub fn quality_table(results: &[(String, RunStats)], workers: u64) -> String {
         "req mean",
         "max/mean",
         "prefill",
-        "busy"
+        "busy",
+        "step wait"
     );
     for (name, s) in results {
         let t = s.ttft();
@@ -527,9 +532,12 @@ pub fn quality_table(results: &[(String, RunStats)], workers: u64) -> String {
             || ("-".to_string(), "-".to_string()),
             |(p, b)| (format!("{:.0}%", p * 100.0), format!("{:.0}%", b * 100.0)),
         );
+        let step_wait = s
+            .step_wait_ms()
+            .map_or_else(|| "-".to_string(), |w| format!("{w:.0}"));
         let _ = writeln!(
             out,
-            "{:<26} {:>6} {:>5} {:>7} | {:>9} {:>8} {:>8} {:>8} | {:>7} {:>8.1} {:>8.2} | {:>7} {:>6}",
+            "{:<26} {:>6} {:>5} {:>7} | {:>9} {:>8} {:>8} {:>8} | {:>7} {:>8.1} {:>8.2} | {:>7} {:>6} {:>9}",
             name,
             s.completed(),
             s.errors(),
@@ -542,14 +550,16 @@ pub fn quality_table(results: &[(String, RunStats)], workers: u64) -> String {
             mean,
             ratio,
             prefill,
-            busy
+            busy,
+            step_wait
         );
     }
     let _ = writeln!(
         out,
         "(TTFT in ms at the client; hit = the workers' prefix-cache hit rate during the run; \
          prefill / busy = the mock engines' modelled time of the steps' prefill terms / of whole \
-         steps, over workers x the arrival window)"
+         steps, over workers x the arrival window; step wait = the mean ms a request arriving \
+         during a step waits for it to end, sum S^2 / 2 sum S over the engines' steps)"
     );
     out
 }

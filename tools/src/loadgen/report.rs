@@ -387,6 +387,15 @@ mod tests {
         });
         assert_eq!(busy.send_span_s(), 2.0);
         assert_eq!(busy.fleet_utilization(), Some((0.5, 0.75)));
+        assert_eq!(busy.step_wait_ms(), None);
+        // Steps of 0.1 s and 0.3 s (0.4 s busy, 0.1 s^2): an arrival during a step waits
+        // 0.1 / 0.8 s = 125 ms on average, more than half the mean step (100 ms).
+        busy.workers = Some(WorkerCounters {
+            busy_s: 0.4,
+            busy_squared_s2: 0.01 + 0.09,
+            ..WorkerCounters::default()
+        });
+        assert!((busy.step_wait_ms().unwrap() - 125.0).abs() < 1e-9);
         assert_eq!(measured.ttft_overhead_ms(), Some(20.0));
         assert_eq!(measured.client_cpu_percent(), 50.0);
         let text = format_stats("kv", &measured);

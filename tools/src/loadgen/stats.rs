@@ -47,6 +47,8 @@ pub struct WorkerCounters {
     /// Modelled engine time of the steps' prefill terms, and of whole steps (mock engines).
     pub prefill_busy_s: f64,
     pub busy_s: f64,
+    /// Sum of the steps' modelled times squared (mock engines), s^2.
+    pub busy_squared_s2: f64,
     /// Workers scraped.
     pub workers: f64,
 }
@@ -63,6 +65,7 @@ impl WorkerCounters {
         self.cpu_s += v("process_cpu_seconds_total");
         self.prefill_busy_s += v("mock_worker_prefill_busy_seconds_total");
         self.busy_s += v("mock_worker_busy_seconds_total");
+        self.busy_squared_s2 += v("mock_worker_busy_squared_seconds2_total");
         self.workers += 1.0;
     }
 
@@ -75,6 +78,7 @@ impl WorkerCounters {
             cpu_s: self.cpu_s - before.cpu_s,
             prefill_busy_s: self.prefill_busy_s - before.prefill_busy_s,
             busy_s: self.busy_s - before.busy_s,
+            busy_squared_s2: self.busy_squared_s2 - before.busy_squared_s2,
             workers: self.workers,
         }
     }
@@ -290,6 +294,17 @@ impl RunStats {
         let w = self.workers?;
         let denom = w.workers * self.send_span_s();
         (denom > 0.0 && w.busy_s > 0.0).then(|| (w.prefill_busy_s / denom, w.busy_s / denom))
+    }
+
+    /// The mean wait, in ms, of a request that arrives while an engine runs a step, for that
+    /// step to end (`sum S^2 / (2 sum S)` over the fleet's steps, the residual of a renewal
+    /// process). On engines busy all the time every arrival waits this long on average before
+    /// its prefill can start, whichever worker a router picks: a floor of the TTFT's queueing.
+    /// `None` without mock engine counters.
+    pub fn step_wait_ms(&self) -> Option<f64> {
+        let w = self.workers?;
+        (w.busy_s > 0.0 && w.busy_squared_s2 > 0.0)
+            .then(|| w.busy_squared_s2 / (2.0 * w.busy_s) * 1000.0)
     }
 
     /// Mean server-side time to first token (workers' `/metrics`), ms.

@@ -157,6 +157,9 @@ pub struct Counters {
     pub prefill_busy_us: u64,
     /// Modelled time of all steps (prefill and decode terms), microseconds.
     pub busy_us: u64,
+    /// Sum of each step's modelled time squared, ms^2: with `busy_us`, the mean wait of a request
+    /// that arrives during a step for that step to end (`sum S^2 / (2 sum S)`).
+    pub busy_squared_ms2: f64,
 }
 
 #[derive(Debug)]
@@ -492,6 +495,7 @@ impl EngineCore {
         let duration_ms = ms * scale;
         self.counters.prefill_busy_us += (prefill_ms(effective) * scale * 1000.0).round() as u64;
         self.counters.busy_us += (duration_ms * 1000.0).round() as u64;
+        self.counters.busy_squared_ms2 += duration_ms * duration_ms;
 
         // Apply.
         let mut outputs = Vec::new();
@@ -896,6 +900,10 @@ mod tests {
             us(prefill_ms(40.0) / 2.0) + us(s2.duration_ms)
         );
         assert!(close(s2.duration_ms, decode_ms(0.11) / 2.0));
+        assert!(close(
+            core.counters.busy_squared_ms2,
+            s1.duration_ms.powi(2) + s2.duration_ms.powi(2)
+        ));
         assert!(matches!(s2.outputs[1], Output::Finished { .. }));
         assert!(core.step().is_none());
     }

@@ -116,6 +116,12 @@ pub(super) fn render(w: &MockWorker) -> String {
         c.busy_us as f64 / 1e6,
     );
     line(
+        "mock_worker_busy_squared_seconds2_total",
+        "counter",
+        "Sum of each engine step's modelled time squared (s^2).",
+        c.busy_squared_ms2 / 1e6,
+    );
+    line(
         "mock_worker_prefill_tokens_total",
         "counter",
         "Tokens computed by prefill.",
