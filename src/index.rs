@@ -288,7 +288,7 @@ impl KvIndex {
         let num_slots = num_slots.min(MAX_SLOTS);
         let max_blocks = max_blocks.min(MAX_BOUND);
         KvIndex {
-            pool: Pool::default(),
+            pool: Pool::with_bound(max_blocks),
             by_block: IdTable::new(max_blocks),
             by_prefix: IdTable::new(max_blocks),
             fifos: vec![EMPTY_FIFO; num_slots],

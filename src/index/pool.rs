@@ -1,5 +1,5 @@
 //! The index's entries: 28 bytes per (block, slot), in 112 KiB chunks allocated as the index
-//! grows, so an idle index holds nothing and growth never copies (no doubling peak, which wasm
+//! grows (the last one cut at the index's bound), so an idle index holds nothing and growth never copies (no doubling peak, which wasm
 //! linear memory would keep forever).
 //!
 //! An entry is addressed by a 24-bit id; the top byte of each of its three link words carries
@@ -126,9 +126,22 @@ pub(super) struct Pool {
     /// Ids below this have been handed out at least once.
     high: u32,
     free: Option<u32>,
+    /// The most entries the index holds (its `max_blocks`; 0: unknown): the chunk that holds
+    /// the bound's last id is cut there instead of filled to [`CHUNK_LEN`] (a chunk is written
+    /// whole when allocated, so the part beyond the bound would be resident and never used: up
+    /// to 112 KiB per replica, ~0.7 B per entry at 100k entries).
+    bound: usize,
 }
 
 impl Pool {
+    /// An empty pool for an index of at most `bound` entries.
+    pub fn with_bound(bound: usize) -> Pool {
+        Pool {
+            bound,
+            ..Pool::default()
+        }
+    }
+
     pub fn get(&self, id: u32) -> Option<&Entry> {
         self.chunks
             .get((id >> CHUNK_BITS) as usize)?
@@ -154,16 +167,38 @@ impl Pool {
                 if id >= NIL {
                     return None;
                 }
-                if (id >> CHUNK_BITS) as usize >= self.chunks.len() {
-                    self.chunks
-                        .push(vec![Entry::FREE; CHUNK_LEN].into_boxed_slice());
-                }
+                self.make_room(id);
                 self.high = id.saturating_add(1);
                 id
             }
         };
         *self.get_mut(id)? = entry;
         Some(id)
+    }
+
+    /// Makes `id` (the next never used id) addressable: a new chunk, as long as the bound
+    /// needs; a chunk cut at the bound is completed if ids pass it after all (a snapshot of a
+    /// larger index being loaded before eviction catches up).
+    fn make_room(&mut self, id: u32) {
+        let chunk = (id >> CHUNK_BITS) as usize;
+        let offset = (id & CHUNK_MASK) as usize;
+        match self.chunks.get_mut(chunk) {
+            None => {
+                let wanted = self.bound.saturating_sub(chunk.saturating_mul(CHUNK_LEN));
+                let len = if wanted > offset {
+                    wanted.min(CHUNK_LEN)
+                } else {
+                    CHUNK_LEN
+                };
+                self.chunks.push(vec![Entry::FREE; len].into_boxed_slice());
+            }
+            Some(c) if c.len() <= offset => {
+                let mut entries = std::mem::take(c).into_vec();
+                entries.resize(CHUNK_LEN, Entry::FREE);
+                *c = entries.into_boxed_slice();
+            }
+            Some(_) => {}
+        }
     }
 
     pub fn release(&mut self, id: u32) {
@@ -190,6 +225,51 @@ impl Pool {
 
     /// Bytes held (for benchmarks and the module note's arithmetic).
     pub fn allocated_bytes(&self) -> usize {
-        self.chunks.len() * CHUNK_LEN * core::mem::size_of::<Entry>()
+        self.chunks.iter().map(|c| c.len()).sum::<usize>() * core::mem::size_of::<Entry>()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+
+    fn lens(pool: &Pool) -> Vec<usize> {
+        pool.chunks.iter().map(|c| c.len()).collect()
+    }
+
+    /// The chunk holding the bound's last id stops there; ids past the bound still work (the
+    /// chunk is completed), and a pool without a bound uses whole chunks.
+    #[test]
+    fn the_last_chunk_is_cut_at_the_bound_and_completed_if_ids_pass_it() {
+        let bound = CHUNK_LEN + 100;
+        let mut pool = Pool::with_bound(bound);
+        for i in 0..bound {
+            assert_eq!(pool.alloc(Entry::new(i as u64, 0, 0, 1)), Some(i as u32));
+        }
+        assert_eq!(lens(&pool), vec![CHUNK_LEN, 100]);
+        assert_eq!(pool.allocated_bytes(), bound * 28);
+        let past = pool.alloc(Entry::new(7, 0, 0, 1)).unwrap();
+        assert_eq!(past as usize, bound);
+        assert_eq!(lens(&pool), vec![CHUNK_LEN, CHUNK_LEN]);
+        assert_eq!(pool.get(past).map(|e| e.ext), Some(7));
+        assert_eq!(
+            pool.get(99 + CHUNK_LEN as u32).map(|e| e.ext),
+            Some(bound as u64 - 1)
+        );
+        for _ in 0..CHUNK_LEN {
+            pool.alloc(Entry::new(0, 0, 0, 1)).unwrap();
+        }
+        assert_eq!(lens(&pool), vec![CHUNK_LEN, CHUNK_LEN, CHUNK_LEN]);
+
+        let mut exact = Pool::with_bound(2 * CHUNK_LEN);
+        for _ in 0..2 * CHUNK_LEN {
+            exact.alloc(Entry::new(0, 0, 0, 1)).unwrap();
+        }
+        assert_eq!(lens(&exact), vec![CHUNK_LEN, CHUNK_LEN]);
+
+        let mut unbounded = Pool::default();
+        unbounded.alloc(Entry::new(0, 0, 0, 1)).unwrap();
+        assert_eq!(lens(&unbounded), vec![CHUNK_LEN]);
     }
 }
