@@ -217,7 +217,7 @@ pub struct EventsConfig {
     /// `long_poll_ms + timeout_ms <= stale_after_ms`.
     pub long_poll_ms: u64,
     /// `1..=100000`: events a page may hold, asked of the worker with `&limit=` (and the page's
-    /// event bytes with `&max_bytes=`: 256 KiB, or 7/8 of `max_response_bytes` if less; see
+    /// event bytes with `&max_bytes=`: 128 KiB, or 7/8 of `max_response_bytes` if less; see
     /// `polling::page_max_bytes`). Fewer, larger pages mean fewer sequential round trips per event; an endpoint may
     /// serve less (its own cap) or ignore both.
     pub page_events: u32,

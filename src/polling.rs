@@ -61,9 +61,18 @@ pub fn call_path(events: &EventsConfig, kind: CallKind) -> String {
 /// a page's body, its parse and its log batch pass through the VMs' linear memory, which never
 /// shrinks, so larger pages raise every replica's memory for good. With 1 MiB pages each
 /// replica kept 0.3-1 MiB more linear memory and ~0.5 MiB more outside it (Envoy's per-thread
-/// copies of the batch values) than its index needs; with 256 KiB, ~0.1 MiB, and events are
-/// still applied at ~300k/s per replica inside Envoy (docs/BENCHMARKS.md).
-pub const PAGE_MAX_BYTES: usize = 1 << 18;
+/// copies of the batch values) than its index needs. With 256 KiB (log batches of ~26 KiB in
+/// `benches/envoy_memory.rs`, whose events are 500 blocks, ~80 KiB of JSON), 0.12-0.15 MiB more
+/// linear memory (holes the batch copies leave between index chunks) and 0-0.5 MiB more in
+/// Envoy's heap (tcmalloc's thread caches kept ~0.1 MiB of freed batch copies per thread):
+/// 39.1-44.3 B per entry per replica at 100k entries over eleven runs. With 128 KiB (batches of
+/// ~13 KiB there) ~0.05 MiB and ~0: 37.6-37.7 B (with the entry chunk cut at the bound, 0.7 B of
+/// it, `index::pool`), and 64 KiB saved no more linear memory. 128 KiB still holds two of the
+/// largest vLLM events (~50 KiB of JSON with their token ids); the poller makes twice as many
+/// calls for a backlog: events applied inside Envoy (`benches/envoy_cpu.rs -- --only events`)
+/// 209-390 k/s per replica, median 252k, against 204-406 k/s, median 343k, with 256 KiB
+/// (five runs each, alternating, a loaded 2-core machine; docs/BENCHMARKS.md).
+pub const PAGE_MAX_BYTES: usize = 1 << 17;
 
 /// The event bytes a page may hold (`&max_bytes=`): [`PAGE_MAX_BYTES`], or 7/8 of
 /// `events.max_response_bytes` if less (the rest left for the page's other fields, load and the
@@ -375,13 +384,13 @@ mod tests {
         let plain = events(0);
         assert_eq!(
             call_path(&plain, EV),
-            "/kv/events?after=5&limit=10000&max_bytes=262144"
+            "/kv/events?after=5&limit=10000&max_bytes=131072"
         );
         assert_eq!(call_timeout_ms(&plain, EV), 1000);
         let long = events(3000);
         assert_eq!(
             call_path(&long, EV),
-            "/kv/events?after=5&limit=10000&max_bytes=262144&wait_ms=3000"
+            "/kv/events?after=5&limit=10000&max_bytes=131072&wait_ms=3000"
         );
         assert_eq!(
             call_timeout_ms(&long, EV),

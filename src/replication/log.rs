@@ -558,7 +558,7 @@ impl Replica {
     }
 
     /// Applies a batch [`read_batch`] checked, event by event as it is decoded: a batch holds up
-    /// to ~256 KiB of events, and decoding it whole first would keep that much more of this VM's
+    /// to ~128 KiB of events, and decoding it whole first would keep that much more of this VM's
     /// linear memory for good.
     fn apply_batch(&mut self, config: &Config, batch: &[u8], report: &mut SyncReport) {
         let mut worker = 0;
