@@ -1,6 +1,6 @@
 //! The index's entries: 28 bytes per (block, slot), in 112 KiB chunks allocated as the index
-//! grows (the last one cut at the index's bound), so an idle index holds nothing and growth never copies (no doubling peak, which wasm
-//! linear memory would keep forever).
+//! grows (the last one cut at the index's bound), so an idle index holds nothing and growth
+//! never copies (no doubling peak, which wasm linear memory would keep forever).
 //!
 //! An entry is addressed by a 24-bit id; the top byte of each of its three link words carries
 //! the slot (two bytes) and the tier mask, which is what makes it 28 bytes instead of 32.
