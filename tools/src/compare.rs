@@ -504,7 +504,7 @@ pub fn quality_table(results: &[(String, RunStats)], workers: u64) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<26} {:>6} {:>5} {:>7} | {:>9} {:>8} {:>8} {:>8} | {:>7} {:>8} {:>8} | {:>7} {:>6} {:>9}",
+        "{:<26} {:>6} {:>5} {:>7} | {:>9} {:>8} {:>8} {:>8} | {:>7} {:>8} {:>8} | {:>7} {:>6} {:>9} {:>6}",
         "arm",
         "done",
         "err",
@@ -518,7 +518,8 @@ pub fn quality_table(results: &[(String, RunStats)], workers: u64) -> String {
         "max/mean",
         "prefill",
         "busy",
-        "step wait"
+        "step wait",
+        "path"
     );
     for (name, s) in results {
         let t = s.ttft();
@@ -535,9 +536,12 @@ pub fn quality_table(results: &[(String, RunStats)], workers: u64) -> String {
         let step_wait = s
             .step_wait_ms()
             .map_or_else(|| "-".to_string(), |w| format!("{w:.0}"));
+        let path = s
+            .ttft_overhead_ms()
+            .map_or_else(|| "-".to_string(), |d| format!("{d:.1}"));
         let _ = writeln!(
             out,
-            "{:<26} {:>6} {:>5} {:>7} | {:>9} {:>8} {:>8} {:>8} | {:>7} {:>8.1} {:>8.2} | {:>7} {:>6} {:>9}",
+            "{:<26} {:>6} {:>5} {:>7} | {:>9} {:>8} {:>8} {:>8} | {:>7} {:>8.1} {:>8.2} | {:>7} {:>6} {:>9} {:>6}",
             name,
             s.completed(),
             s.errors(),
@@ -551,7 +555,8 @@ pub fn quality_table(results: &[(String, RunStats)], workers: u64) -> String {
             ratio,
             prefill,
             busy,
-            step_wait
+            step_wait,
+            path
         );
     }
     let _ = writeln!(
@@ -559,7 +564,8 @@ pub fn quality_table(results: &[(String, RunStats)], workers: u64) -> String {
         "(TTFT in ms at the client; hit = the workers' prefix-cache hit rate during the run; \
          prefill / busy = the mock engines' modelled time of the steps' prefill terms / of whole \
          steps, over workers x the arrival window; step wait = the mean ms a request arriving \
-         during a step waits for it to end, sum S^2 / 2 sum S over the engines' steps)"
+         during a step waits for it to end, sum S^2 / 2 sum S over the engines' steps; path = \
+         TTFT mean at the client minus the workers' own: the router and the network)"
     );
     out
 }
