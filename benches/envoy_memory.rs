@@ -301,8 +301,8 @@ fn main() {
     .collect();
     println!(
         "Envoy RSS per KV index entry: N blocks of one mock worker fed through its event page, \
-         index.max_blocks = N; growth from the idle RSS; 1 and 4 Envoy worker threads \
-         (3 more replicas)."
+         index.max_blocks = N; growth from the idle RSS; 1 and {MANY_THREADS} Envoy worker \
+         threads ({EXTRA_REPLICAS} more replicas)."
     );
     println!();
     println!(
