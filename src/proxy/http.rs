@@ -524,12 +524,14 @@ impl RequestContext {
         let mut load = std::mem::take(&mut vm.load_view);
         snapshot.view_with(now, &mut load, &mut vm.load_views);
         if config.load.reported_load {
-            vm.merge_reported_load(&mut load);
+            vm.slot_reports.merge_into(config, &mut load);
         }
-        let mut kv_usage = std::mem::take(&mut vm.kv_usage);
-        if config.load.reported_load && config.ttft.as_ref().is_some_and(|t| t.admission_wait) {
-            vm.reported_kv_usage(&mut kv_usage);
-        }
+        let admission_wait = config.ttft.as_ref().is_some_and(|t| t.admission_wait);
+        let kv_usage: &[Option<f64>] = if config.load.reported_load && admission_wait {
+            &vm.slot_reports.kv_usage
+        } else {
+            &[]
+        };
         let prompt_blocks = prompt_blocks(config, &request);
         let input = RouteInput {
             request: &request,
@@ -537,13 +539,12 @@ impl RequestContext {
             prompt_blocks,
             overlaps: &overlaps,
             load: &load,
-            stale_slots: &vm.stale_slots,
-            kv_usage: &kv_usage,
+            stale_slots: &vm.slot_reports.stale,
+            kv_usage,
         };
         let decided = decide(config, &input, &mut vm.selector);
         vm.overlaps = overlaps;
         vm.load_view = load;
-        vm.kv_usage = kv_usage;
         Ok(match decided {
             Ok(decision) => {
                 self.steer(vm, config, &decision, now, &request, note, snapshot);
@@ -708,7 +709,7 @@ impl RequestContext {
                     .enumerate()
                     .map(|(i, s)| {
                         let l = vm.load_view.get(i).copied().unwrap_or_default();
-                        let stale = vm.stale_slots.get(i).copied().unwrap_or(false);
+                        let stale = vm.slot_reports.stale.get(i).copied().unwrap_or(false);
                         let o = if stale {
                             0
                         } else {
@@ -730,7 +731,7 @@ impl RequestContext {
                 .overlaps
                 .iter()
                 .enumerate()
-                .filter(|(i, _)| !vm.stale_slots.get(*i).copied().unwrap_or(false))
+                .filter(|(i, _)| !vm.slot_reports.stale.get(*i).copied().unwrap_or(false))
                 .map(|(_, o)| o.device_blocks)
                 .max()
                 .unwrap_or(0);

@@ -8,7 +8,7 @@ use super::host::{self, HostStore};
 use super::http::RequestContext;
 use super::metrics::{EventKinds, Metrics};
 use super::poller::{PendingCall, Poller};
-use super::vm::{worker_id, VmState};
+use super::vm::{worker_id, SlotReports, VmState};
 use crate::approx::{self, PredictedStore};
 use crate::config::Config;
 use crate::events::{encode_log_batch, parse_dump, parse_event_page, EventError, LogRecord};
@@ -313,13 +313,7 @@ impl VmState {
         let report = self.replica.sync(&HostStore, &config, host::now_ms());
         self.forget_lost_predictions();
         self.follow_membership();
-        let head = &self.replica.head;
-        self.stale_slots.clear();
-        self.stale_slots.extend(config.slots.iter().map(|slot| {
-            head.workers
-                .get(usize::from(slot.worker))
-                .is_some_and(|w| w.stale)
-        }));
+        self.slot_reports.refresh(&self.replica.head, &self.config);
         self.metrics.add("events.applied", report.events_applied);
         self.metrics.add("events.rejected", report.events_rejected);
         self.metrics.add("index.evicted", report.evicted);
@@ -551,11 +545,10 @@ impl RootContext for RouterRoot {
             next_request_key: 0,
             overlaps: Vec::with_capacity(config.slots.len()),
             load_view: Vec::with_capacity(config.slots.len()),
-            kv_usage: Vec::new(),
             load_views: Default::default(),
             slot_gauges: Vec::new(),
             block_size_warned: vec![false; workers],
-            stale_slots: vec![false; config.slots.len()],
+            slot_reports: SlotReports::new(config.slots.len()),
             fingerprint,
             nonce,
             base_config: Rc::clone(&config),
