@@ -415,6 +415,35 @@ fn engine_mode_streams_and_caches() {
 }
 
 #[test]
+fn engine_mode_stream_interval_sends_the_first_token_alone_then_groups() {
+    let w = start(&[
+        "--mode",
+        "engine",
+        "--block-size",
+        "16",
+        "--speedup",
+        "20",
+        "--stream-interval",
+        "4",
+    ]);
+    let prompt: Vec<u32> = (0..40).collect();
+    let body = json!({"prompt": prompt, "max_tokens": 10, "stream": true});
+    let (status, evs) = stream_events(&w.addr, &body, &[]);
+    assert_eq!(status, 200);
+    let texts: Vec<&str> = evs
+        .iter()
+        .filter(|e| e["choices"][0]["finish_reason"].is_null())
+        .filter_map(|e| e["choices"][0]["text"].as_str())
+        .collect();
+    // 10 tokens: the first at once (TTFT), then 4, 4 and the last 1 when the answer ends.
+    let counts: Vec<usize> = texts.iter().map(|t| t.split_whitespace().count()).collect();
+    assert_eq!(counts, [1, 4, 4, 1], "{texts:?}");
+    let usage = evs.iter().find(|e| e["usage"].is_object()).unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 10);
+    assert_eq!(evs.last(), Some(&json!("[DONE]")));
+}
+
+#[test]
 fn engine_mode_client_abort_frees_the_request() {
     let w = start(&[
         "--mode",

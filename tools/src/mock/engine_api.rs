@@ -40,6 +40,7 @@ pub async fn completion(
     body: &Value,
     guard: InFlight,
     received: Instant,
+    stream_interval: usize,
 ) -> Response {
     let tokens = openai::prompt_tokens(body);
     let (id, rx) = match engine.submit(tokens, openai::max_tokens(body)) {
@@ -52,7 +53,7 @@ pub async fn completion(
         finished: false,
     };
     if openai::is_stream(body) {
-        streamed(shape, rx, abort, guard, received)
+        streamed(shape, rx, abort, guard, received, stream_interval)
     } else {
         whole(shape, rx, abort, guard, received).await
     }
@@ -103,6 +104,11 @@ struct TokenStream {
     guard: InFlight,
     received: Instant,
     first: bool,
+    /// Tokens per chunk after the first (`--stream-interval`).
+    interval: usize,
+    /// Text of the tokens not sent yet, and how many.
+    pending: String,
+    pending_tokens: usize,
     queued: VecDeque<String>,
     done: bool,
 }
@@ -119,15 +125,18 @@ impl TokenStream {
             }
             match self.rx.recv().await {
                 Some(Output::Token { token, .. }) => {
-                    let first = std::mem::replace(&mut self.first, false);
+                    self.pending.push_str(&format!(" t{token}"));
+                    self.pending_tokens += 1;
+                    let first = self.first;
                     if first {
                         self.guard.worker().record_first_token(self.received);
+                    } else if self.pending_tokens < self.interval {
+                        continue;
                     }
-                    return Some(
-                        self.shape
-                            .chunk(&format!(" t{token}"), None, first)
-                            .to_string(),
-                    );
+                    self.first = false;
+                    self.pending_tokens = 0;
+                    let text = std::mem::take(&mut self.pending);
+                    return Some(self.shape.chunk(&text, None, first).to_string());
                 }
                 Some(Output::Finished { usage, .. }) => {
                     self.abort.finished = true;
@@ -137,6 +146,11 @@ impl TokenStream {
                         usage.completion_tokens,
                         usage.cached_tokens,
                     );
+                    if self.pending_tokens > 0 {
+                        let text = std::mem::take(&mut self.pending);
+                        self.queued
+                            .push_back(self.shape.chunk(&text, None, false).to_string());
+                    }
                     let first = self.first;
                     self.queued.extend([
                         self.shape.chunk("", Some("length"), first).to_string(),
@@ -170,6 +184,7 @@ fn streamed(
     abort: AbortOnDrop,
     guard: InFlight,
     received: Instant,
+    interval: usize,
 ) -> Response {
     let state = TokenStream {
         shape,
@@ -178,6 +193,9 @@ fn streamed(
         guard,
         received,
         first: true,
+        interval: interval.max(1),
+        pending: String::new(),
+        pending_tokens: 0,
         queued: VecDeque::new(),
         done: false,
     };

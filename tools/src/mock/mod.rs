@@ -128,6 +128,10 @@ pub struct Options {
     /// Divides every simulated step time.
     #[arg(long, default_value_t = 1.0, value_parser = positive_f64)]
     pub speedup: f64,
+    /// Engine mode, streamed answers: tokens per chunk after the first, as vLLM's
+    /// `--stream-interval` (fewer, larger chunks for runs with thousands of streams).
+    #[arg(long, default_value_t = 1, value_parser = positive)]
+    pub stream_interval: usize,
     /// A `cpu` device is 8x slower per step.
     #[arg(long, value_enum, default_value_t = Device::Gpu)]
     pub device: Device,

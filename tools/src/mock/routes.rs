@@ -330,7 +330,8 @@ async fn completion(
     match &w.backend {
         Backend::Echo(_) => echo::completion(shape, &body, guard, received).await,
         Backend::Engine(e) => {
-            engine_api::completion(Arc::clone(e), shape, &body, guard, received).await
+            let interval = w.opts.stream_interval;
+            engine_api::completion(Arc::clone(e), shape, &body, guard, received, interval).await
         }
     }
 }
