@@ -357,6 +357,31 @@ pub struct Config {
 }
 
 impl Config {
+    /// What in a valid configuration will likely route worse than its operator expects, one
+    /// sentence each (logged once at configuration).
+    pub fn advisories(&self) -> Vec<String> {
+        let mut notes = Vec::new();
+        let device_blocks: u64 = self
+            .workers
+            .iter()
+            .filter_map(|w| {
+                w.kv_capacity_blocks
+                    .map(|c| u64::from(c) * u64::from(w.dp_size))
+            })
+            .sum();
+        let max_bound = u64::try_from(crate::index::MAX_BOUND).unwrap_or(u64::MAX);
+        let bound = u64::from(self.index.max_blocks).min(max_bound);
+        if device_blocks > bound {
+            notes.push(format!(
+                "index.max_blocks ({bound}) is below the {device_blocks} device blocks the workers' \
+                 kv_capacity_blocks add up to: the index will drop blocks the workers still hold \
+                 (index.evicted) and send requests away from their cache; raise it to at least \
+                 {device_blocks} (~37 bytes each, per thread)"
+            ));
+        }
+        notes
+    }
+
     /// Parses and validates the plugin configuration. An empty (or all-whitespace) configuration
     /// is an error naming `workers`, the one required field.
     pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
@@ -579,6 +604,31 @@ mod tests {
             }]
         );
         assert_eq!(c.load.prefill_time_ms_poly, vec![16.5, 0.0152, 4.21e-7]);
+    }
+
+    #[test]
+    fn an_index_smaller_than_the_fleets_caches_is_advised_against() {
+        let fleet = |max_blocks: u32| {
+            let json = format!(
+                r#"{{"index": {{"max_blocks": {max_blocks}}}, "workers": [
+                    {{"id": 1, "address": "10.0.0.1:8000", "kv_capacity_blocks": 1000, "dp_size": 2}},
+                    {{"id": 2, "address": "10.0.0.2:8000", "kv_capacity_blocks": 500}},
+                    {{"id": 3, "address": "10.0.0.3:8000"}}]}}"#
+            );
+            Config::from_json(json.as_bytes()).unwrap().advisories()
+        };
+        // 2 ranks x 1,000 + 500 blocks; the worker without a capacity adds nothing known.
+        let notes = fleet(2499);
+        assert_eq!(notes.len(), 1);
+        assert!(
+            notes[0].contains("(2499) is below the 2500 device blocks"),
+            "{notes:?}"
+        );
+        assert!(fleet(2500).is_empty());
+        assert!(Config::from_json(ONE.as_bytes())
+            .unwrap()
+            .advisories()
+            .is_empty());
     }
 
     #[test]

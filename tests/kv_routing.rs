@@ -614,3 +614,22 @@ fn lora_adapters_salt_the_hashes() {
     other["nvext"] = json!({"lora_name": "chat-adapter"});
     assert_eq!(route(&envoy, &other).1, 0, "another adapter does not match");
 }
+
+#[test]
+fn an_index_too_small_for_the_fleets_caches_is_logged_and_routing_goes_on() {
+    let workers = echo_workers(2, BLOCK);
+    let mut config = filter_config(&workers, json!({"index": {"max_blocks": 1500}}));
+    for w in config["workers"].as_array_mut().expect("workers") {
+        w["kv_capacity_blocks"] = json!(1000);
+    }
+    let envoy = start_envoy(&workers, config);
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| e
+            .log()
+            .contains("index.max_blocks (1500) is below the 2000 device blocks")),
+        "the undersized index is named in Envoy's log"
+    );
+    let (worker, _, resp) = route(&envoy, &completion(&tokens(1, 4 * BLOCK)));
+    assert_eq!(resp.status, 200);
+    assert!(worker == 1 || worker == 2);
+}

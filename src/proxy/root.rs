@@ -584,6 +584,9 @@ impl RootContext for RouterRoot {
             config.slots.len(),
             config.block_size
         );
+        for note in config.advisories() {
+            warn!("kv-router: {note}");
+        }
         self.state = Some(Rc::new(RefCell::new(state)));
         true
     }

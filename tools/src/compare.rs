@@ -160,12 +160,16 @@ impl Fleet {
             EventsVia::Bridge => 2000,
             EventsVia::Http => 0,
         };
+        // The index sized to hold every block the fleet caches, as an operator would (the
+        // default, 262,144 entries, fits 32 of these workers at 8,192 blocks).
+        let fleet_blocks = self.worker_kv_blocks() * workers.len() as u64;
         let mut config = json!({
             "mode": mode,
             "block_size": self.block_size,
             "workers": list,
             // Full caches re-sync from multi-megabyte dumps.
             "events": {"max_response_bytes": 64 * 1024 * 1024, "long_poll_ms": long_poll_ms},
+            "index": {"max_blocks": fleet_blocks.max(1 << 18)},
         });
         if let (Some(target), Some(extra)) = (config.as_object_mut(), self.filter_extra.as_object())
         {
