@@ -6,26 +6,30 @@
 
 use std::fmt::Write as _;
 
-use crate::loadgen::{affinity_replay, RequestResult, RunStats, Workload};
+use crate::loadgen::{affinity_replay, pooled_replay, RequestResult, RunStats, Workload};
 
-/// One row per arm of the affinity replay.
+/// One row per arm of the affinity replay, with the arm's hit rate in the cache model and the
+/// same requests' hit rate in one cache pooling the `workers` caches (the ceiling).
 pub fn affinity_table(
     results: &[(String, RunStats)],
     workload: &Workload,
     block_size: u32,
     capacity_blocks: Option<usize>,
+    workers: usize,
 ) -> String {
     let pct = |x: Option<f64>| x.map_or_else(|| "-".to_string(), |v| format!("{:.1}%", v * 100.0));
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<26} {:>8} {:>11} {:>14} {:>16} {:>10} | {:>6} {:>6} {:>6} {:>6}",
+        "{:<26} {:>8} {:>11} {:>14} {:>16} {:>10} {:>7} {:>8} | {:>6} {:>6} {:>6} {:>6}",
         "arm",
         "requests",
         "with prefix",
         "to max-overlap",
         "prefix given up",
         "blocks",
+        "hit",
+        "ceiling",
         "load",
         "behind",
         "disagr",
@@ -33,15 +37,19 @@ pub fn affinity_table(
     );
     for (name, s) in results {
         let a = affinity_replay(workload, &s.results, block_size, capacity_blocks);
+        let pooled = capacity_blocks.map(|n| n.saturating_mul(workers.max(1)));
+        let ceiling = pooled_replay(workload, &s.results, block_size, pooled);
         let _ = writeln!(
             out,
-            "{:<26} {:>8} {:>11} {:>14} {:>16} {:>10} | {:>6} {:>6} {:>6} {:>6}",
+            "{:<26} {:>8} {:>11} {:>14} {:>16} {:>10} {:>7} {:>8} | {:>6} {:>6} {:>6} {:>6}",
             name,
             a.requests,
             a.with_prefix,
             pct(a.share_to_max_overlap()),
             pct(a.share_given_up()),
             a.available_blocks,
+            pct(a.modelled_hit_rate()),
+            pct(ceiling.modelled_hit_rate()),
             a.why.load_outweighed,
             a.why.index_behind,
             a.why.index_disagrees,
@@ -64,6 +72,18 @@ pub fn affinity_table(
             None => "evictions not modelled, so \"behind\" also counts prefixes the workers \
                      had evicted (the index dropped them on their events)"
                 .to_string(),
+        }
+    );
+    let _ = writeln!(
+        out,
+        "(hit = prompt tokens the modelled cache of the chosen worker held; ceiling = the same \
+         requests, same times, in one {} (no block held twice): what placement could reach)",
+        match capacity_blocks {
+            Some(n) => format!(
+                "cache of {workers} x {n} blocks modelled the same way",
+                workers = workers.max(1)
+            ),
+            None => "unbounded cache".to_string(),
         }
     );
     let _ = writeln!(

@@ -322,15 +322,16 @@ fn main() {
 /// The affinity replay (unbounded, then with the workers' caches modelled at their capacity, so
 /// a max-overlap worker is one that still holds the prefix) and the filter's load misses.
 fn print_routing_diagnostics(results: &[(String, RunStats)], workload: &Workload, args: &Args) {
+    let workers = usize::try_from(args.fleet).unwrap_or(usize::MAX);
     print!(
         "{}",
-        affinity_table(results, workload, args.block_size, None)
+        affinity_table(results, workload, args.block_size, None, workers)
     );
     let words: Vec<&str> = args.worker_args.split_whitespace().collect();
     let capacity = worker_kv_blocks(&words) as usize;
     print!(
         "{}",
-        affinity_table(results, workload, args.block_size, Some(capacity))
+        affinity_table(results, workload, args.block_size, Some(capacity), workers)
     );
     print!("{}", load_miss_table(results, args.block_size));
     print!("{}", credit_table(results, args.block_size));

@@ -41,6 +41,10 @@ pub struct Affinity {
     /// Why requests with a prefix missed the max-overlap worker, from the filter's response
     /// headers (our arms with `response_headers`): see [`Why`].
     pub why: Why,
+    /// Prompt tokens of the replayed requests.
+    pub prompt_tokens: u64,
+    /// Of those, tokens the modelled cache of the worker each request went to held.
+    pub cached_tokens: u64,
 }
 
 /// Requests that missed the max-overlap worker, by cause.
@@ -69,6 +73,11 @@ impl Affinity {
     pub fn share_given_up(&self) -> Option<f64> {
         (self.available_blocks > 0)
             .then(|| self.given_up_blocks as f64 / self.available_blocks as f64)
+    }
+
+    /// Prefix-cache hit rate in the model: cached over prompt tokens.
+    pub fn modelled_hit_rate(&self) -> Option<f64> {
+        (self.prompt_tokens > 0).then(|| self.cached_tokens as f64 / self.prompt_tokens as f64)
     }
 }
 
@@ -215,6 +224,36 @@ pub fn affinity_replay(
     block_size: u32,
     capacity_blocks: Option<usize>,
 ) -> Affinity {
+    replay(workload, results, block_size, capacity_blocks, |r| {
+        r.worker_id.as_deref()
+    })
+}
+
+/// The same requests, sent at the same times and running as long, all in one cache of
+/// `capacity_blocks` (pass the fleet's total): the fleet's caches pooled, no block held twice.
+/// Its [`Affinity::modelled_hit_rate`] is the reference ceiling for routing: split caches of
+/// the same total size under the same least-recently-used eviction hold no more in practice,
+/// since every prefix held twice takes room from another (LRU is not an optimal policy, so a
+/// lucky placement can beat it by a little; it is a yardstick, not a proof). Without a
+/// capacity, the share of prompt tokens some earlier request of the run had sent.
+pub fn pooled_replay(
+    workload: &Workload,
+    results: &[RequestResult],
+    block_size: u32,
+    capacity_blocks: Option<usize>,
+) -> Affinity {
+    replay(workload, results, block_size, capacity_blocks, |r| {
+        r.worker_id.as_ref().map(|_| "pooled")
+    })
+}
+
+fn replay<'r>(
+    workload: &Workload,
+    results: &'r [RequestResult],
+    block_size: u32,
+    capacity_blocks: Option<usize>,
+    cache_of: impl Fn(&'r RequestResult) -> Option<&'r str>,
+) -> Affinity {
     let mut order: Vec<&RequestResult> = results
         .iter()
         .filter(|r| r.ok && r.worker_id.is_some())
@@ -224,8 +263,7 @@ pub fn affinity_replay(
     let mut running: BinaryHeap<Reverse<Running>> = BinaryHeap::new();
     let mut a = Affinity::default();
     for r in order {
-        let (Some(spec), Some(worker)) = (workload.requests.get(r.index), r.worker_id.as_deref())
-        else {
+        let (Some(spec), Some(worker)) = (workload.requests.get(r.index), cache_of(r)) else {
             continue;
         };
         while running.peek().is_some_and(|e| e.0.end_ms <= r.sent_at_ms) {
@@ -237,6 +275,8 @@ pub fn affinity_replay(
         let best = held.values().map(|h| h.overlap(&hashes)).max().unwrap_or(0);
         let mine = held.get(worker).map_or(0, |h| h.overlap(&hashes));
         a.requests += 1;
+        a.prompt_tokens += spec.tokens.len() as u64;
+        a.cached_tokens += (mine * u64::from(block_size)).min(spec.tokens.len() as u64);
         if best > 0 {
             a.with_prefix += 1;
             if mine == best {
@@ -420,6 +460,48 @@ mod tests {
         let r = affinity_replay(&w, &results, 4, Some(6));
         assert_eq!((r.with_prefix, r.to_max_overlap), (1, 1));
         assert_eq!((r.available_blocks, r.given_up_blocks), (3, 0));
+    }
+
+    #[test]
+    fn the_pooled_cache_holds_what_any_worker_was_sent() {
+        // 4-token blocks: A (3 blocks) on w1, A again on w2, then B (3 other blocks, 2 tokens
+        // beyond them) on w1.
+        let a: Vec<u32> = (0..12).collect();
+        let b: Vec<u32> = (100..114).collect();
+        let w = Workload {
+            name: "t".into(),
+            requests: vec![spec(a.clone()), spec(b), spec(a)],
+            arrival: Arrival::Timed,
+        };
+        let results = vec![
+            result(0, 10.0, "w1"),
+            result(2, 20.0, "w2"),
+            result(1, 30.0, "w1"),
+        ];
+        // Separate caches: w2 had nothing of A, so nothing was cached anywhere.
+        let split = affinity_replay(&w, &results, 4, Some(6));
+        assert_eq!((split.prompt_tokens, split.cached_tokens), (38, 0));
+        assert_eq!(split.modelled_hit_rate(), Some(0.0));
+        // One cache of both workers' room: A's second send finds all 12 tokens.
+        let pooled = pooled_replay(&w, &results, 4, Some(12));
+        assert_eq!((pooled.prompt_tokens, pooled.cached_tokens), (38, 12));
+        assert_eq!(pooled.modelled_hit_rate(), Some(12.0 / 38.0));
+        // Room for 2 blocks only: a running request's blocks are pinned (the engine queues
+        // rather than evicts them), so A's second send still finds all three.
+        assert_eq!(pooled_replay(&w, &results, 4, Some(2)).cached_tokens, 12);
+        // B then evicts A: a fourth send of A finds it only with room for both.
+        let mut w4 = w.clone();
+        w4.requests.push(w4.requests[0].clone());
+        let mut r4 = results.clone();
+        r4.push(result(3, 40.0, "w2"));
+        assert_eq!(pooled_replay(&w4, &r4, 4, Some(4)).cached_tokens, 12);
+        assert_eq!(pooled_replay(&w4, &r4, 4, Some(12)).cached_tokens, 24);
+        // Unbounded: the same 12 tokens.
+        assert_eq!(pooled_replay(&w, &results, 4, None).cached_tokens, 12);
+        // Following A to w1 instead, the arm itself reaches the ceiling.
+        let mut followed = results.clone();
+        followed[1].worker_id = Some("w1".into());
+        assert_eq!(affinity_replay(&w, &followed, 4, Some(6)).cached_tokens, 12);
     }
 
     #[test]
