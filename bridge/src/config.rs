@@ -32,8 +32,10 @@ pub struct Args {
     #[arg(long = "dp-rank", value_name = "RANK")]
     pub dp_ranks: Vec<u32>,
 
-    /// ZMQ topic the engine publishes under ("" = any).
-    #[arg(long, default_value = "kv")]
+    /// ZMQ topic the engine publishes under ("" = any). Any by default: vLLM publishes under
+    /// "" unless its `kv-events-config` names a topic, and a subscription to one topic drops
+    /// every message of another without a trace.
+    #[arg(long, default_value = "")]
     pub topic: String,
 
     /// Address of the HTTP server.
@@ -335,7 +337,7 @@ mod tests {
             (None, None)
         );
         assert_eq!(c.core.block_size, 32);
-        assert_eq!(c.engines[1].topic, "kv");
+        assert_eq!(c.engines[1].topic, "", "any topic unless told");
         assert!(
             c.core.first_event_id > 1_700_000_000_000_000,
             "default ids start at the start time"

@@ -8,10 +8,12 @@
 #   HOST / PORT     OpenAI server address                      (127.0.0.1 / 8100)
 #   KV_PUB_PORT     KV-event PUB port (binds tcp://*:PORT)     (5557)
 #   KV_REPLAY_PORT  KV-event replay ROUTER port                (5558)
-#   KV_TOPIC        ZMQ topic                                  (kv)
+#   KV_TOPIC        ZMQ topic; set empty for vLLM's default    (kv)
 #   BLOCK_SIZE      KV block size; CPU attention needs a multiple of 32   (32)
 #   MAX_LEN         --max-model-len                            (512)
 #   NUM_BLOCKS      --num-gpu-blocks-override; empty: sized by VLLM_CPU_KVCACHE_SPACE (24)
+#   MAX_NUM_SEQS    --max-num-seqs                             (8)
+#   DTYPE           --dtype                                    (float32)
 #   RUN_DIR         caches and temp files                      ($VLLM_HOME/run-$PORT)
 # Extra arguments are passed to vLLM.
 #
@@ -24,10 +26,15 @@ HOST=${HOST:-127.0.0.1}
 PORT=${PORT:-8100}
 KV_PUB_PORT=${KV_PUB_PORT:-5557}
 KV_REPLAY_PORT=${KV_REPLAY_PORT:-5558}
-KV_TOPIC=${KV_TOPIC:-kv}
+KV_TOPIC=${KV_TOPIC-kv}
 BLOCK_SIZE=${BLOCK_SIZE:-32}
 MAX_LEN=${MAX_LEN:-512}
 NUM_BLOCKS=${NUM_BLOCKS-24}
+MAX_NUM_SEQS=${MAX_NUM_SEQS:-8}
+# float32, not the model's bfloat16: with bfloat16 vLLM picks its AMX attention kernels wherever
+# the CPU advertises AMX, and on VMs that advertise it without granting the tile state the worker
+# dies of SIGILL on its first step. The tiny model costs next to nothing either way.
+DTYPE=${DTYPE:-float32}
 RUN_DIR=${RUN_DIR:-$VLLM_HOME/run-$PORT}
 
 [ -x "$VLLM_HOME/venv/bin/python" ] && [ -f "$VLLM_HOME/tiny/config.json" ] || {
@@ -54,7 +61,7 @@ EXTRA=()
 exec nice -n 10 "$VLLM_HOME/venv/bin/python" -m vllm.entrypoints.openai.api_server \
   --model "$VLLM_HOME/tiny" --served-model-name tiny \
   --host "$HOST" --port "$PORT" \
-  --dtype bfloat16 --max-model-len "$MAX_LEN" --max-num-seqs 8 \
+  --dtype "$DTYPE" --max-model-len "$MAX_LEN" --max-num-seqs "$MAX_NUM_SEQS" \
   --block-size "$BLOCK_SIZE" --enable-prefix-caching \
   --enforce-eager --distributed-executor-backend uni \
   --kv-events-config "$KV_EVENTS" \

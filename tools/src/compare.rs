@@ -10,13 +10,17 @@
 //! with no bridge. The workload, the client measuring TTFT and the workers' `/metrics` giving
 //! the hit rate are the same for every arm.
 
-use crate::harness::{require_kv_event_bridge, Envoy, EnvoyOptions, Worker, ZMQ_PUBLISH_ARGS};
+use crate::client;
+use crate::harness::{
+    require_kv_event_bridge, Bridge, BridgeOptions, Envoy, EnvoyOptions, Worker, ZMQ_PUBLISH_ARGS,
+};
 use crate::loadgen::{
     print_comparison_table, run_workload, write_svg_chart, RunOptions, RunStats, Workload,
 };
 use crate::peer::{
     require_vllm_router, vllm_router_policy, VllmRouter, VllmRouterOptions, PEER_WORKER_ARGS,
 };
+use crate::vllm::{start_engines, Engine, EngineConfig};
 use serde_json::{json, Value};
 use std::io;
 use std::path::Path;
@@ -46,6 +50,9 @@ pub struct Fleet {
     /// Filter builds by tag: an arm `<mode>@<tag>` runs `<mode>` with that build's .wasm
     /// (before/after comparisons in one run).
     pub arm_wasm: Vec<(String, std::path::PathBuf)>,
+    /// Real vLLM engines instead of mock workers: started once for the whole comparison, their
+    /// prefix caches emptied before each arm.
+    pub vllm: Option<EngineConfig>,
 }
 
 /// The value of `flag` in mock-worker arguments (`--flag value` or `--flag=value`), parsed.
@@ -79,6 +86,7 @@ impl Fleet {
             filter_extra: json!({}),
             events_via: EventsVia::Bridge,
             arm_wasm: Vec::new(),
+            vllm: None,
         }
     }
 
@@ -105,6 +113,15 @@ impl Fleet {
             self.arm_build(m)?;
         }
         let filter_arms = modes.iter().any(|m| vllm_router_policy(m).is_none());
+        if self.vllm.is_some() {
+            crate::vllm::require_vllm()?;
+            if filter_arms && self.events_via == EventsVia::Http {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "real engines publish their KV events on ZMQ only: use --events-via bridge",
+                ));
+            }
+        }
         if filter_arms && self.events_via == EventsVia::Bridge {
             require_kv_event_bridge()
                 .map_err(|e| io::Error::new(e.kind(), format!("{e}; or use --events-via http")))?;
@@ -112,7 +129,10 @@ impl Fleet {
         Ok(())
     }
 
-    fn spawn_workers(&self) -> io::Result<Vec<Worker>> {
+    fn spawn_workers(&self, engines: Option<&[Engine]>) -> io::Result<Vec<Worker>> {
+        if let Some(engines) = engines {
+            return self.engine_workers(engines, self.events_via == EventsVia::Bridge);
+        }
         let block = self.block_size.to_string();
         let mut args: Vec<&str> = vec!["--mode", "engine", "--block-size", &block];
         args.extend(self.worker_args.iter().map(String::as_str));
@@ -124,7 +144,10 @@ impl Fleet {
 
     /// The fleet of a peer arm: the same workers, publishing their KV events on ZMQ (no bridge)
     /// under vLLM's default topic, the one vllm-router's `kv_aware` reads.
-    fn spawn_publishing_workers(&self) -> io::Result<Vec<Worker>> {
+    fn spawn_publishing_workers(&self, engines: Option<&[Engine]>) -> io::Result<Vec<Worker>> {
+        if let Some(engines) = engines {
+            return self.engine_workers(engines, false);
+        }
         let block = self.block_size.to_string();
         let mut args: Vec<&str> = vec!["--mode", "engine", "--block-size", &block];
         args.extend(self.worker_args.iter().map(String::as_str));
@@ -133,14 +156,51 @@ impl Fleet {
         Worker::spawn_many(self.workers, &args)
     }
 
+    /// Real engines as the workers of one arm: each engine's prefix cache emptied (and the
+    /// `AllBlocksCleared` published by a one-token step), then a fresh bridge per engine when
+    /// `bridged`, so no arm inherits another's cache or event state.
+    fn engine_workers(&self, engines: &[Engine], bridged: bool) -> io::Result<Vec<Worker>> {
+        let mut workers = Vec::with_capacity(engines.len());
+        for (id, e) in (1..).zip(engines) {
+            e.reset_prefix_cache()?;
+            let step = json!({"model": VLLM_MODEL, "prompt": [5], "max_tokens": 1});
+            let resp = client::post_json(&e.addr(), "/v1/completions", &step)?;
+            if resp.status != 200 {
+                return Err(io::Error::other(format!(
+                    "{}: a one-token request failed: HTTP {} {}",
+                    e.name,
+                    resp.status,
+                    resp.text()
+                )));
+            }
+            let mut w = Worker::external(id, e.addr(), Some(e.zmq()), Some(e.replay()));
+            if bridged {
+                w.bridge = Some(Bridge::spawn(&BridgeOptions {
+                    label: e.name.clone(),
+                    engine: e.zmq(),
+                    replay: Some(e.replay()),
+                    block_size: self.block_size,
+                    engine_metrics_url: Some(format!("http://{}/metrics", e.addr())),
+                    extra_args: Vec::new(),
+                })?);
+            }
+            workers.push(w);
+        }
+        Ok(workers)
+    }
+
     /// The value of `flag` in the workers' arguments, parsed.
     fn worker_arg<T: std::str::FromStr>(&self, flag: &str) -> Option<T> {
         worker_arg(&self.worker_args, flag)
     }
 
-    /// The workers' `--kv-blocks` (the mock's default when not given).
+    /// The workers' KV blocks: real engines' `num_blocks`, else the mocks' `--kv-blocks` (the
+    /// mock's default when not given).
     pub fn worker_kv_blocks(&self) -> u64 {
-        worker_kv_blocks(&self.worker_args)
+        match self.vllm.as_ref().and_then(|c| c.num_blocks) {
+            Some(n) => u64::from(n),
+            None => worker_kv_blocks(&self.worker_args),
+        }
     }
 
     /// The workers' `--speedup` (1 when not given).
@@ -189,12 +249,23 @@ pub fn run_mode(
     workload: &Workload,
     opts: &RunOptions,
 ) -> io::Result<RunStats> {
+    run_arm(mode, fleet, None, workload, opts)
+}
+
+/// [`run_mode`], on `engines` (emptied first) instead of a fresh mock fleet when given.
+fn run_arm(
+    mode: &str,
+    fleet: &Fleet,
+    engines: Option<&[Engine]>,
+    workload: &Workload,
+    opts: &RunOptions,
+) -> io::Result<RunStats> {
     if let Some(policy) = vllm_router_policy(mode) {
-        return run_vllm_router(mode, policy, fleet, workload, opts);
+        return run_vllm_router(mode, policy, fleet, engines, workload, opts);
     }
     let arm = mode;
     let (mode, wasm) = fleet.arm_build(arm)?;
-    let workers = fleet.spawn_workers()?;
+    let workers = fleet.spawn_workers(engines)?;
     let mut opts = opts.clone();
     // Text arms: the filter mode is `kv` with a text feature switched on.
     let (filter_mode, text_extra, tokenizer) = match mode {
@@ -425,10 +496,11 @@ fn run_vllm_router(
     arm: &str,
     policy: &str,
     fleet: &Fleet,
+    engines: Option<&[Engine]>,
     workload: &Workload,
     opts: &RunOptions,
 ) -> io::Result<RunStats> {
-    let workers = fleet.spawn_publishing_workers()?;
+    let workers = fleet.spawn_publishing_workers(engines)?;
     let router = VllmRouter::start(
         &VllmRouterOptions {
             policy: policy.to_string(),
@@ -456,6 +528,33 @@ fn run_vllm_router(
     Ok(stats)
 }
 
+/// The model name real engines serve (`scripts/vllm/serve.sh`).
+pub const VLLM_MODEL: &str = "tiny";
+
+/// Starts `fleet.workers` real vLLM engines for a whole comparison (engine start-up takes tens
+/// of seconds; each arm empties their caches instead). Their logs stay in a temporary
+/// directory, named on stderr.
+fn start_vllm_fleet(fleet: &Fleet, config: &EngineConfig) -> io::Result<Vec<Engine>> {
+    let dir = std::env::temp_dir().join(format!("ekr-vllm-fleet-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let count = usize::try_from(fleet.workers).map_err(io::Error::other)?;
+    let started = std::time::Instant::now();
+    eprintln!(
+        "== starting {count} vLLM engines ({} blocks of {} tokens each; logs in {})",
+        config
+            .num_blocks
+            .map_or_else(|| "default".to_string(), |n| n.to_string()),
+        config.block_size,
+        dir.display()
+    );
+    let engines = start_engines(count, config, &dir, Duration::from_secs(600))?;
+    eprintln!(
+        "== engines healthy after {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(engines)
+}
+
 /// Runs every mode in turn and returns their stats in the same order.
 pub fn compare_modes(
     modes: &[&str],
@@ -464,20 +563,33 @@ pub fn compare_modes(
     opts: &RunOptions,
 ) -> io::Result<Vec<(String, RunStats)>> {
     fleet.check(modes)?;
+    let engines = match &fleet.vllm {
+        Some(config) => Some(start_vllm_fleet(fleet, config)?),
+        None => None,
+    };
+    let kind = if engines.is_some() {
+        "real vLLM engines"
+    } else {
+        "mock workers"
+    };
+    let source = if engines.is_some() { "vLLM" } else { "mock" };
     modes
         .iter()
         .map(|mode| {
             eprintln!(
-                "== mode {mode}: {} workers ({}), {} requests",
+                "== mode {mode}: {} {kind} ({}), {} requests",
                 fleet.workers,
                 match (vllm_router_policy(mode), fleet.events_via) {
-                    (Some(_), _) => "vllm-router instead of Envoy; events: mock -> ZMQ",
-                    (None, EventsVia::Bridge) => "events: mock -> ZMQ -> kv-event-bridge -> filter",
-                    (None, EventsVia::Http) => "events: mock's HTTP page -> filter",
+                    (Some(_), _) =>
+                        format!("vllm-router instead of Envoy; events: {source} -> ZMQ"),
+                    (None, EventsVia::Bridge) =>
+                        format!("events: {source} -> ZMQ -> kv-event-bridge -> filter"),
+                    (None, EventsVia::Http) => "events: mock's HTTP page -> filter".to_string(),
                 },
                 workload.requests.len()
             );
-            run_mode(mode, fleet, workload, opts).map(|stats| (mode.to_string(), stats))
+            run_arm(mode, fleet, engines.as_deref(), workload, opts)
+                .map(|stats| (mode.to_string(), stats))
         })
         .collect()
 }

@@ -129,7 +129,8 @@ pub struct Worker {
     pub bridge: Option<Bridge>,
     /// The flags it was started with (after `--port` and `--id`), for [`Worker::restart`].
     args: Vec<String>,
-    process: ProcessGuard,
+    /// `None` for an engine this harness did not start ([`Worker::external`]).
+    process: Option<ProcessGuard>,
 }
 
 impl Worker {
@@ -194,14 +195,20 @@ impl Worker {
             replay: field("replay "),
             bridge: None,
             args: args.iter().map(|a| a.to_string()).collect(),
-            process,
+            process: Some(process),
         })
     }
 
     /// Kills the worker and starts a fresh one with the same id, flags and address: an engine
     /// restart (empty cache, event ids from 1 again). Not for bridged workers.
     pub fn restart(&mut self) -> std::io::Result<()> {
-        self.process.kill();
+        if self.process.is_none() {
+            return Err(std::io::Error::other(format!(
+                "worker {} was not started here: cannot restart it",
+                self.id
+            )));
+        }
+        self.kill();
         let port = self
             .addr
             .rsplit_once(':')
@@ -224,7 +231,21 @@ impl Worker {
 
     /// Whether its process still runs (false after [`Worker::kill`]).
     pub fn is_running(&mut self) -> bool {
-        self.process.is_running()
+        self.process.as_mut().is_some_and(ProcessGuard::is_running)
+    }
+
+    /// An engine started elsewhere (e.g. a real vLLM, [`crate::vllm::Engine`]) at `addr`, with
+    /// its ZMQ endpoints: the arms address it like a mock, and never stop it.
+    pub fn external(id: u64, addr: String, zmq: Option<String>, replay: Option<String>) -> Worker {
+        Worker {
+            id,
+            addr,
+            zmq,
+            replay,
+            bridge: None,
+            args: Vec::new(),
+            process: None,
+        }
     }
 
     /// Starts `count` workers with ids 1..=count.
@@ -287,7 +308,9 @@ impl Worker {
     }
 
     pub fn kill(&mut self) {
-        self.process.kill();
+        if let Some(p) = self.process.as_mut() {
+            p.kill();
+        }
     }
 }
 

@@ -18,3 +18,4 @@ pub mod server;
 pub mod sse;
 pub mod sys;
 pub mod util;
+pub mod vllm;

@@ -123,7 +123,7 @@ fn closed_loop_over_a_fleet_reports_concurrency_and_server_ttft() {
     assert!(mean > 1.0 && mean <= 8.0, "{mean}");
     assert!(stats.client.cpu_s > 0.0);
     assert!(stats.client.runtime_lag_ms.count > 0);
-    let workers_seen = stats.workers.expect("worker counters");
+    let workers_seen = stats.workers.clone().expect("worker counters");
     assert_eq!(workers_seen.first_tokens, 40.0);
     let server = stats.server_ttft_mean_ms().expect("server-side TTFT");
     assert!(

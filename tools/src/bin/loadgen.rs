@@ -8,14 +8,15 @@ use std::time::Duration;
 
 use clap::{ArgGroup, Parser};
 use envoy_kv_router_tools::compare::{
-    compare_modes, quality_table, report_comparison, worker_kv_blocks, EventsVia, Fleet,
+    compare_modes, quality_table, report_comparison, worker_kv_blocks, EventsVia, Fleet, VLLM_MODEL,
 };
 use envoy_kv_router_tools::loadgen::{
     chat, format_stats, load_mooncake, run_workload_on, synthetic, write_svg_chart, ChatSpec,
-    RequestResult, RunOptions, RunStats, SyntheticSpec, Workload,
+    ModelFit, RequestResult, RunOptions, RunStats, SyntheticSpec, Workload,
 };
 use envoy_kv_router_tools::quality::{affinity_table, credit_table, load_miss_table};
 use envoy_kv_router_tools::sys::raise_fd_limit;
+use envoy_kv_router_tools::vllm::EngineConfig;
 use serde_json::Value;
 
 #[derive(Debug, Parser)]
@@ -56,6 +57,28 @@ struct Args {
     /// Mock workers in the fleet of --modes.
     #[arg(long, default_value_t = 8)]
     fleet: u64,
+    /// Real vLLM CPU engines (scripts/vllm/install.sh) as the fleet of --modes instead of
+    /// mock workers: this many, started once, their prefix caches emptied before each arm. The
+    /// workload is fitted to the tiny model (token ids in its vocabulary, prompts within
+    /// --vllm-max-len); its block size is --block-size (a multiple of 32).
+    #[arg(long)]
+    vllm_engines: Option<u64>,
+    /// KV blocks of each real engine (--num-gpu-blocks-override).
+    #[arg(long, default_value_t = 256)]
+    vllm_blocks: u32,
+    /// --max-model-len of each real engine.
+    #[arg(long, default_value_t = 2048)]
+    vllm_max_len: u32,
+    /// --max-num-seqs of each real engine.
+    #[arg(long, default_value_t = 8)]
+    vllm_max_num_seqs: u32,
+    /// Keep this many tokens of each 512-token block of a Mooncake trace (shorter prompts with
+    /// the same sharing, e.g. for the tiny real model).
+    #[arg(long)]
+    trace_block_tokens: Option<usize>,
+    /// Cap every request's output at this many tokens.
+    #[arg(long)]
+    max_output_tokens: Option<usize>,
     /// Extra mock-worker arguments for the fleet of --modes, e.g. '--kv-blocks 8192'.
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     worker_args: String,
@@ -92,7 +115,7 @@ struct Args {
     /// Closed loop: start the clients evenly over this many seconds.
     #[arg(long, default_value_t = 0.0)]
     ramp_up_s: f64,
-    #[arg(long, default_value = "mock-model")]
+    #[arg(long, default_value = MOCK_MODEL)]
     model: String,
     #[arg(long, default_value = "/v1/completions")]
     path: String,
@@ -183,8 +206,24 @@ fn run_options(args: &Args) -> RunOptions {
         }
         opts.extra_body = Some(v);
     }
+    if args.vllm_engines.is_some() {
+        if args.model == MOCK_MODEL {
+            opts.model = VLLM_MODEL.to_string();
+        }
+        // The tiny model's random weights end outputs early at random: every request runs its
+        // full --max-output-tokens instead, as the workload says.
+        let body = opts.extra_body.get_or_insert_with(|| serde_json::json!({}));
+        if let Some(o) = body.as_object_mut() {
+            o.entry("ignore_eos").or_insert(Value::Bool(true));
+        }
+    }
     opts
 }
+
+/// `--model`'s default: the mock workers' model name.
+const MOCK_MODEL: &str = "mock-model";
+/// The tiny real model's vocabulary (scripts/vllm/make_tiny_model.py).
+const TINY_MODEL_VOCAB: u32 = 512;
 
 fn main() {
     let args = Args::parse();
@@ -217,6 +256,17 @@ fn main() {
         }
         synthetic(&spec)
     };
+    let mut workload = workload;
+    workload.fit(&ModelFit {
+        trace_block_tokens: args.trace_block_tokens,
+        vocab: args.vllm_engines.map(|_| TINY_MODEL_VOCAB),
+        // Room for the output within the engine's context.
+        max_prompt_tokens: args.vllm_engines.map(|_| {
+            let out = args.max_output_tokens.unwrap_or(64);
+            (args.vllm_max_len as usize).saturating_sub(out + 1)
+        }),
+        max_output_tokens: args.max_output_tokens,
+    });
     if let Some(path) = &args.report_from {
         let results = load_arm_results(path).unwrap_or_else(|e| fail(&e));
         print_routing_diagnostics(&results, &workload, &args);
@@ -232,6 +282,25 @@ fn main() {
             &args.worker_args.split_whitespace().collect::<Vec<_>>(),
         );
         fleet.events_via = args.events_via;
+        if let Some(n) = args.vllm_engines {
+            // vLLM refuses to start unless one request of the full context fits in its cache
+            // beside a spare block.
+            let room = u64::from(args.vllm_blocks.saturating_sub(1)) * u64::from(args.block_size);
+            if u64::from(args.vllm_max_len) > room {
+                fail(&format!(
+                    "--vllm-max-len {} does not fit --vllm-blocks {} of {} tokens (at most {room})",
+                    args.vllm_max_len, args.vllm_blocks, args.block_size
+                ));
+            }
+            fleet.workers = n;
+            fleet.vllm = Some(EngineConfig {
+                block_size: args.block_size,
+                max_len: args.vllm_max_len,
+                num_blocks: Some(args.vllm_blocks),
+                max_num_seqs: args.vllm_max_num_seqs,
+                ..EngineConfig::default()
+            });
+        }
         for spec in &args.arm_wasm {
             let Some((tag, path)) = spec.split_once('=') else {
                 fail(&format!("--arm-wasm {spec}: expected TAG=PATH"));
@@ -267,7 +336,7 @@ fn main() {
                 eprintln!("loadgen: cannot write {}: {e}", p.display());
             }
         }
-        print!("{}", quality_table(&results, args.fleet));
+        print!("{}", quality_table(&results, fleet_size(&args)));
         print_routing_diagnostics(&results, &workload, &args);
         return;
     }
@@ -319,16 +388,24 @@ fn main() {
     }
 }
 
+/// Workers in the fleet of --modes: real engines or mock workers.
+fn fleet_size(args: &Args) -> u64 {
+    args.vllm_engines.unwrap_or(args.fleet)
+}
+
 /// The affinity replay (unbounded, then with the workers' caches modelled at their capacity, so
 /// a max-overlap worker is one that still holds the prefix) and the filter's load misses.
 fn print_routing_diagnostics(results: &[(String, RunStats)], workload: &Workload, args: &Args) {
-    let workers = usize::try_from(args.fleet).unwrap_or(usize::MAX);
+    let workers = usize::try_from(fleet_size(args)).unwrap_or(usize::MAX);
     print!(
         "{}",
         affinity_table(results, workload, args.block_size, None, workers)
     );
     let words: Vec<&str> = args.worker_args.split_whitespace().collect();
-    let capacity = worker_kv_blocks(&words) as usize;
+    let capacity = match args.vllm_engines {
+        Some(_) => args.vllm_blocks as usize,
+        None => worker_kv_blocks(&words) as usize,
+    };
     print!(
         "{}",
         affinity_table(results, workload, args.block_size, Some(capacity), workers)

@@ -145,6 +145,52 @@ pub fn load_mooncake(
     })
 }
 
+/// How to fit a workload to a small real model (`loadgen --vllm-engines`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ModelFit {
+    /// Keep this many tokens of every 512-token Mooncake block (the first ones: prompts that
+    /// shared a block still share its shortened form, others still differ).
+    pub trace_block_tokens: Option<usize>,
+    /// Token ids mapped into `4..vocab` (the model's specials below 4 left out).
+    pub vocab: Option<u32>,
+    /// Prompts cut to this many tokens.
+    pub max_prompt_tokens: Option<usize>,
+    /// Outputs cut to this many tokens.
+    pub max_output_tokens: Option<usize>,
+}
+
+impl Workload {
+    /// The same requests, shortened and mapped as `fit` says (arrivals unchanged).
+    pub fn fit(&mut self, fit: &ModelFit) {
+        for r in &mut self.requests {
+            if let Some(keep) = fit
+                .trace_block_tokens
+                .filter(|k| *k < MOONCAKE_BLOCK_TOKENS)
+            {
+                r.tokens = r
+                    .tokens
+                    .chunks(MOONCAKE_BLOCK_TOKENS)
+                    .flat_map(|block| {
+                        let n = (block.len() * keep).div_ceil(MOONCAKE_BLOCK_TOKENS);
+                        block.iter().take(n).copied()
+                    })
+                    .collect();
+            }
+            if let Some(vocab) = fit.vocab.filter(|v| *v > 4) {
+                for t in &mut r.tokens {
+                    *t = 4 + *t % (vocab - 4);
+                }
+            }
+            if let Some(max) = fit.max_prompt_tokens {
+                r.tokens.truncate(max.max(1));
+            }
+            if let Some(max) = fit.max_output_tokens {
+                r.max_tokens = r.max_tokens.min(max.max(1));
+            }
+        }
+    }
+}
+
 /// `groups=G,prefix=P,isl=I,osl=O,requests=N,rate=R` (Poisson arrivals, req/s) or
 /// `...,concurrency=C` (closed loop); optional `seed=S`.
 #[derive(Debug, Clone, PartialEq)]
@@ -259,6 +305,38 @@ pub fn synthetic(spec: &SyntheticSpec) -> Workload {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fitting_keeps_the_shared_prefixes() {
+        // Two prompts sharing their first 512-token block, then differing.
+        let a = mooncake_tokens(&[1, 2], 1024);
+        let b = mooncake_tokens(&[1, 3], 700);
+        let mut w = Workload {
+            name: "t".into(),
+            requests: [a, b]
+                .map(|tokens| RequestSpec {
+                    at_ms: 0.0,
+                    tokens,
+                    max_tokens: 300,
+                    messages: None,
+                })
+                .to_vec(),
+            arrival: Arrival::Timed,
+        };
+        w.fit(&ModelFit {
+            trace_block_tokens: Some(32),
+            vocab: Some(512),
+            max_prompt_tokens: Some(60),
+            max_output_tokens: Some(16),
+        });
+        let (a, b) = (&w.requests[0].tokens, &w.requests[1].tokens);
+        // 32 + 32 tokens cut to 60; 32 + ceil(188 * 32 / 512) = 32 + 12.
+        assert_eq!((a.len(), b.len()), (60, 44));
+        assert_eq!(a[..32], b[..32]);
+        assert_ne!(a[32..44], b[32..44]);
+        assert!(a.iter().chain(b).all(|t| (4..512).contains(t)));
+        assert_eq!(w.requests[1].max_tokens, 16);
+    }
 
     #[test]
     fn mooncake_prompts_share_prefixes() {

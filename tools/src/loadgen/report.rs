@@ -71,7 +71,7 @@ pub fn format_stats(label: &str, s: &RunStats) -> String {
         fmt_ms(c.runtime_lag_ms.p99),
         fmt_ms(c.runtime_lag_ms.max)
     );
-    if let (Some(server), Some(w)) = (s.server_ttft_mean_ms(), s.workers) {
+    if let (Some(server), Some(w)) = (s.server_ttft_mean_ms(), s.workers.as_ref()) {
         let _ = writeln!(
             out,
             "TTFT mean: client {:.3} ms, server side {:.3} ms (workers' /metrics), difference {} ms; workers' cpu {:.1}s",

@@ -224,11 +224,15 @@ async fn run_one(run: &Run, url: &str, spec: &RequestSpec) -> RequestResult {
         }
     };
     r.status = resp.status().as_u16();
-    r.worker_id = resp
-        .headers()
-        .get("x-worker-id")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
+    // The mock names itself; in front of real engines, the filter's decision header does.
+    r.worker_id = ["x-worker-id", "x-kv-router-worker"]
+        .iter()
+        .find_map(|name| {
+            resp.headers()
+                .get(*name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        });
     let header_u32 = |name: &str| {
         resp.headers()
             .get(name)

@@ -35,8 +35,8 @@ impl CacheCounters {
     }
 }
 
-/// Counters of mock workers, summed over the fleet (`GET /metrics`).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+/// Counters of mock workers or vLLM engines, summed over the fleet (`GET /metrics`).
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct WorkerCounters {
     pub cache: CacheCounters,
     /// Sum of server-side times to first token (request complete to first text written).
@@ -51,14 +51,30 @@ pub struct WorkerCounters {
     pub busy_squared_s2: f64,
     /// Workers scraped.
     pub workers: f64,
+    /// Requests each worker finished, in scrape order (vLLM engines: their responses name no
+    /// worker, so the spread of requests over them comes from here).
+    pub finished_requests: Vec<f64>,
 }
 
 impl WorkerCounters {
     /// Adds one worker's `/metrics` text.
     pub fn add_metrics_text(&mut self, text: &str) {
         let v = |name: &str| metric_value(text, name).unwrap_or(0.0);
-        self.cache.query_tokens += v("mock_worker_prefix_cache_queries_tokens_total");
-        self.cache.hit_tokens += v("mock_worker_prefix_cache_hits_tokens_total");
+        // A mock worker's names (it also exports vLLM's, for the bridge), else a vLLM engine's;
+        // both count prompt tokens.
+        let either = |mock: &str, vllm: &str| {
+            metric_value(text, mock)
+                .or_else(|| metric_value(text, vllm))
+                .unwrap_or(0.0)
+        };
+        self.cache.query_tokens += either(
+            "mock_worker_prefix_cache_queries_tokens_total",
+            "vllm:prefix_cache_queries_total",
+        );
+        self.cache.hit_tokens += either(
+            "mock_worker_prefix_cache_hits_tokens_total",
+            "vllm:prefix_cache_hits_total",
+        );
         self.cache.host_hit_tokens += v("mock_worker_prefix_cache_host_hits_tokens_total");
         self.first_token_s += v("mock_worker_first_token_seconds_total");
         self.first_tokens += v("mock_worker_first_tokens_total");
@@ -67,6 +83,7 @@ impl WorkerCounters {
         self.busy_s += v("mock_worker_busy_seconds_total");
         self.busy_squared_s2 += v("mock_worker_busy_squared_seconds2_total");
         self.workers += 1.0;
+        self.finished_requests.push(v("vllm:request_success_total"));
     }
 
     /// Counters accumulated since `before`.
@@ -80,6 +97,17 @@ impl WorkerCounters {
             busy_s: self.busy_s - before.busy_s,
             busy_squared_s2: self.busy_squared_s2 - before.busy_squared_s2,
             workers: self.workers,
+            finished_requests: self
+                .finished_requests
+                .iter()
+                .zip(
+                    before
+                        .finished_requests
+                        .iter()
+                        .chain(std::iter::repeat(&0.0)),
+                )
+                .map(|(a, b)| a - b)
+                .collect(),
         }
     }
 
@@ -265,7 +293,7 @@ impl RunStats {
 
     /// Worker prefix-cache counters accumulated during the run.
     pub fn cache(&self) -> Option<CacheCounters> {
-        self.workers.map(|w| w.cache)
+        self.workers.as_ref().map(|w| w.cache)
     }
 
     /// Mean number of requests in flight over the run (Little's law: total request time / wall).
@@ -291,7 +319,7 @@ impl RunStats {
     /// terms, and of whole steps, divided by workers x [`RunStats::send_span_s`]. `None` without
     /// worker counters or sends.
     pub fn fleet_utilization(&self) -> Option<(f64, f64)> {
-        let w = self.workers?;
+        let w = self.workers.as_ref()?;
         let denom = w.workers * self.send_span_s();
         (denom > 0.0 && w.busy_s > 0.0).then(|| (w.prefill_busy_s / denom, w.busy_s / denom))
     }
@@ -302,14 +330,16 @@ impl RunStats {
     /// its prefill can start, whichever worker a router picks: a floor of the TTFT's queueing.
     /// `None` without mock engine counters.
     pub fn step_wait_ms(&self) -> Option<f64> {
-        let w = self.workers?;
+        let w = self.workers.as_ref()?;
         (w.busy_s > 0.0 && w.busy_squared_s2 > 0.0)
             .then(|| w.busy_squared_s2 / (2.0 * w.busy_s) * 1000.0)
     }
 
     /// Mean server-side time to first token (workers' `/metrics`), ms.
     pub fn server_ttft_mean_ms(&self) -> Option<f64> {
-        self.workers.and_then(|w| w.mean_first_token_ms())
+        self.workers
+            .as_ref()
+            .and_then(WorkerCounters::mean_first_token_ms)
     }
 
     /// Client-measured mean TTFT minus the server-side mean: what the network path, the client
@@ -330,6 +360,16 @@ impl RunStats {
     /// Completed requests per `x-worker-id`, sorted by id.
     pub fn per_worker(&self) -> Vec<(String, usize)> {
         let mut m: std::collections::BTreeMap<String, usize> = Default::default();
+        let named = self.ok().any(|r| r.worker_id.is_some());
+        if let (false, Some(w)) = (named, &self.workers) {
+            // No response named its worker (real engines): the workers' own counts.
+            if w.finished_requests.iter().any(|n| *n > 0.0) {
+                return (1..)
+                    .zip(&w.finished_requests)
+                    .map(|(i, n)| (format!("worker {i}"), n.max(0.0) as usize))
+                    .collect();
+            }
+        }
         for r in self.ok() {
             *m.entry(r.worker_id.clone().unwrap_or_else(|| "?".into()))
                 .or_default() += 1;
@@ -377,7 +417,7 @@ impl RunStats {
             },
             "server_ttft_mean_ms": self.server_ttft_mean_ms(),
             "ttft_overhead_ms": self.ttft_overhead_ms(),
-            "workers_cpu_s": self.workers.map(|w| w.cpu_s),
+            "workers_cpu_s": self.workers.as_ref().map(|w| w.cpu_s),
         })
     }
 }
