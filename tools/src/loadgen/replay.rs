@@ -242,8 +242,10 @@ pub fn pooled_replay(
     block_size: u32,
     capacity_blocks: Option<usize>,
 ) -> Affinity {
-    replay(workload, results, block_size, capacity_blocks, |r| {
-        r.worker_id.as_ref().map(|_| "pooled")
+    // Every request, whether or not its response named a worker (peers in front of real
+    // engines name none).
+    replay(workload, results, block_size, capacity_blocks, |_| {
+        Some("pooled")
     })
 }
 
@@ -256,7 +258,7 @@ fn replay<'r>(
 ) -> Affinity {
     let mut order: Vec<&RequestResult> = results
         .iter()
-        .filter(|r| r.ok && r.worker_id.is_some())
+        .filter(|r| r.ok && cache_of(r).is_some())
         .collect();
     order.sort_by(|a, b| a.sent_at_ms.total_cmp(&b.sent_at_ms));
     let mut held: HashMap<&str, WorkerCache> = HashMap::new();
@@ -502,6 +504,16 @@ mod tests {
         let mut followed = results.clone();
         followed[1].worker_id = Some("w1".into());
         assert_eq!(affinity_replay(&w, &followed, 4, Some(6)).cached_tokens, 12);
+        // Responses that name no worker (a peer in front of real engines): the same ceiling.
+        let anonymous: Vec<RequestResult> = results
+            .iter()
+            .map(|r| RequestResult {
+                worker_id: None,
+                ..r.clone()
+            })
+            .collect();
+        assert_eq!(affinity_replay(&w, &anonymous, 4, Some(6)).requests, 0);
+        assert_eq!(pooled_replay(&w, &anonymous, 4, Some(12)).cached_tokens, 12);
     }
 
     #[test]
