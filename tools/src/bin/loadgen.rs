@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use clap::{ArgGroup, Parser};
 use envoy_kv_router_tools::compare::{
-    compare_modes, quality_table, report_comparison, worker_kv_blocks, EventsVia, Fleet, VLLM_MODEL,
+    compare_modes, quality_table, report_comparison, worker_kv_blocks, EventsVia, Fleet,
 };
 use envoy_kv_router_tools::loadgen::{
     chat, format_stats, load_mooncake, run_workload_on, synthetic, write_svg_chart, ChatSpec,
@@ -16,7 +16,7 @@ use envoy_kv_router_tools::loadgen::{
 };
 use envoy_kv_router_tools::quality::{affinity_table, credit_table, load_miss_table};
 use envoy_kv_router_tools::sys::raise_fd_limit;
-use envoy_kv_router_tools::vllm::EngineConfig;
+use envoy_kv_router_tools::vllm::{self, EngineConfig};
 use serde_json::Value;
 
 #[derive(Debug, Parser)]
@@ -208,7 +208,7 @@ fn run_options(args: &Args) -> RunOptions {
     }
     if args.vllm_engines.is_some() {
         if args.model == MOCK_MODEL {
-            opts.model = VLLM_MODEL.to_string();
+            opts.model = vllm::MODEL.to_string();
         }
         // The tiny model's random weights end outputs early at random: every request runs its
         // full --max-output-tokens instead, as the workload says.
@@ -222,8 +222,6 @@ fn run_options(args: &Args) -> RunOptions {
 
 /// `--model`'s default: the mock workers' model name.
 const MOCK_MODEL: &str = "mock-model";
-/// The tiny real model's vocabulary (scripts/vllm/make_tiny_model.py).
-const TINY_MODEL_VOCAB: u32 = 512;
 
 fn main() {
     let args = Args::parse();
@@ -239,7 +237,7 @@ fn main() {
         Err(e) => eprintln!("loadgen: cannot raise the open-file limit: {e}"),
     }
     let mut opts = run_options(&args);
-    let workload = if let Some(path) = &args.trace {
+    let mut workload = if let Some(path) = &args.trace {
         load_mooncake(path, args.time_scale, args.max_requests)
             .unwrap_or_else(|e| fail(&e.to_string()))
     } else if let Some(spec) = &args.chat {
@@ -256,10 +254,9 @@ fn main() {
         }
         synthetic(&spec)
     };
-    let mut workload = workload;
     workload.fit(&ModelFit {
         trace_block_tokens: args.trace_block_tokens,
-        vocab: args.vllm_engines.map(|_| TINY_MODEL_VOCAB),
+        vocab: args.vllm_engines.map(|_| vllm::VOCAB),
         // Room for the output within the engine's context.
         max_prompt_tokens: args.vllm_engines.map(|_| {
             let out = args.max_output_tokens.unwrap_or(64);
