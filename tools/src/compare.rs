@@ -10,6 +10,7 @@
 //! with no bridge. The workload, the client measuring TTFT and the workers' `/metrics` giving
 //! the hit rate are the same for every arm.
 
+use crate::calibrate::{calibrate, CalibrateOptions};
 use crate::harness::{
     require_kv_event_bridge, Bridge, BridgeOptions, Envoy, EnvoyOptions, Worker, ZMQ_PUBLISH_ARGS,
 };
@@ -52,6 +53,9 @@ pub struct Fleet {
     /// Real vLLM engines instead of mock workers: started once for the whole comparison, their
     /// prefix caches emptied before each arm.
     pub vllm: Option<EngineConfig>,
+    /// The fleet's prefill-time and decode-step polynomials for `+fit` arms, when measured
+    /// ([`crate::calibrate`] on a real engine); else the mock's divided by its `--speedup`.
+    pub timing: Option<(Vec<f64>, Vec<f64>)>,
 }
 
 /// The value of `flag` in mock-worker arguments (`--flag value` or `--flag=value`), parsed.
@@ -86,6 +90,7 @@ impl Fleet {
             events_via: EventsVia::Bridge,
             arm_wasm: Vec::new(),
             vllm: None,
+            timing: None,
         }
     }
 
@@ -199,6 +204,20 @@ impl Fleet {
             .unwrap_or(1.0)
     }
 
+    /// The prefill-time and decode-step polynomials of `+fit` arms: the measured ones, else the
+    /// mock's divided by its `--speedup` (the filter's defaults are the mock's at speedup 1).
+    fn timing_polys(&self) -> (Vec<f64>, Vec<f64>) {
+        if let Some(t) = &self.timing {
+            return t.clone();
+        }
+        let k = 1.0 / self.worker_speedup();
+        let (prefill, decode) = mock_timing_polys();
+        (
+            prefill.iter().map(|c| c * k).collect(),
+            decode.iter().map(|c| c * k).collect(),
+        )
+    }
+
     /// The filter configuration for `mode` over `workers`.
     pub fn filter_config(&self, mode: &str, workers: &[Worker]) -> Value {
         let list: Vec<Value> = workers.iter().map(Worker::filter_entry).collect();
@@ -274,8 +293,8 @@ fn run_arm(
         // predictions bridging the event lag (workers' `kv_mode` `events+approximate`);
         // `+decay`: booked prefills decay over their predicted duration
         // (`load.prefill_load_model: polynomial`); `+compute:W`: `ttft.compute_weight` W;
-        // `+fit`: the timing polynomials divided by the workers' `--speedup` (the filter's
-        // defaults are the mocker's at speedup 1); `+cap`: the workers' `kv_capacity_blocks`
+        // `+fit`: the fleet's timing polynomials (measured on a real engine by `calibrate`,
+        // else the mock's divided by the workers' `--speedup`); `+cap`: the workers' `kv_capacity_blocks`
         // (their `--kv-blocks`: the decode term's KV fill); `+busy:F`: that and
         // `busy.decode_blocks_fraction` F; `+admit`: that and `ttft.admission_wait` (the
         // predicted wait for KV room).
@@ -299,12 +318,9 @@ fn run_arm(
                     }
                     "decay" => extra["load"]["prefill_load_model"] = json!("polynomial"),
                     "fit" => {
-                        let k = 1.0 / fleet.worker_speedup();
-                        let defaults = mock_timing_polys();
-                        extra["load"]["prefill_time_ms_poly"] =
-                            json!(defaults.0.iter().map(|c| c * k).collect::<Vec<f64>>());
-                        extra["ttft"]["decode_step_ms_poly"] =
-                            json!(defaults.1.iter().map(|c| c * k).collect::<Vec<f64>>());
+                        let (prefill, decode) = fleet.timing_polys();
+                        extra["load"]["prefill_time_ms_poly"] = json!(prefill);
+                        extra["ttft"]["decode_step_ms_poly"] = json!(decode);
                     }
                     // Load-gated affinity in front of the TTFT score (`affinity` at its
                     // defaults, or `affinity:T` with `max_extra_prefill_tokens` T).
@@ -541,6 +557,33 @@ fn start_vllm_fleet(fleet: &Fleet, config: &EngineConfig) -> io::Result<Vec<Engi
     Ok(engines)
 }
 
+/// The timing polynomials of the first real engine (the `+fit` arms' on a vLLM fleet), measured
+/// before any arm: prompts up to the model's length, decodes up to its `--max-num-seqs`.
+fn calibrate_engine(engines: &[Engine]) -> io::Result<(Vec<f64>, Vec<f64>)> {
+    let engine = engines
+        .first()
+        .ok_or_else(|| io::Error::other("no engine to calibrate"))?;
+    let config = &engine.config;
+    let opts = CalibrateOptions {
+        model: crate::vllm::MODEL.to_string(),
+        vocab: crate::vllm::VOCAB,
+        max_prompt_tokens: config.max_len.saturating_sub(64).max(64),
+        max_concurrency: config.max_num_seqs,
+        decode_prompt_tokens: config.max_len / 2,
+        decode_output_tokens: 32,
+        ..CalibrateOptions::default()
+    };
+    eprintln!("== calibrating the +fit arms' timing on {}", engine.name);
+    let addr = format!("127.0.0.1:{}", engine.port);
+    let c = calibrate(&addr, &opts)?;
+    eprint!("{}", c.report());
+    eprintln!("== timing: {}", c.filter_json());
+    let decode = c
+        .decode_poly
+        .ok_or_else(|| io::Error::other("the calibration measured no decode"))?;
+    Ok((c.prefill_poly, decode))
+}
+
 /// Runs every mode in turn and returns their stats in the same order.
 pub fn compare_modes(
     modes: &[&str],
@@ -553,6 +596,11 @@ pub fn compare_modes(
         Some(config) => Some(start_vllm_fleet(fleet, config)?),
         None => None,
     };
+    let mut fleet = fleet.clone();
+    if let (Some(engines), true) = (&engines, modes.iter().any(|m| m.contains("+fit"))) {
+        fleet.timing = Some(calibrate_engine(engines)?);
+    }
+    let fleet = &fleet;
     let kind = if engines.is_some() {
         "real vLLM engines"
     } else {

@@ -4,9 +4,11 @@
 //! * [`server`]: serving an axum router (foreground or on a background thread).
 //! * [`mock`]: the mock LLM worker (echo mode for tests, a vLLM-like engine for benchmarks).
 //! * [`loadgen`], [`compare`]: the async load generator and the mode-by-mode comparison.
+//! * [`calibrate`]: measures an engine's timing and fits the filter's TTFT polynomials.
 //! * [`peer`]: peer routers (`vllm-router`) as arms of the comparison.
 //! * [`harness`]: launches Envoy and mock workers for the integration tests and the demo.
 
+pub mod calibrate;
 pub mod client;
 pub mod compare;
 pub mod harness;

@@ -34,7 +34,8 @@ kv+render (exact ids from a render service: an extra mock worker serving \
 Policy arms: kv+affinity[:R] (load-gated affinity), kv+ttft[+approx][+decay][+compute:W][+affinity[:T]][+fit] \
 (the predicted-TTFT policy; +approx: predictions bridging the event lag; +decay: booked prefills \
 decay; +compute:W: ttft.compute_weight W; +affinity[:T]: the load-gated affinity in front of it, \
-max_extra_prefill_tokens T; +fit: timing polynomials divided by the workers' --speedup).\n\
+max_extra_prefill_tokens T; +fit: the fleet's timing polynomials: the mock's divided by the workers' --speedup, \
+or on real engines (--vllm-engines) measured on the first by `calibrate` before the arms).\n\
 --modes: start a fresh fleet of --fleet mock workers (engine mode, --worker-args; each with a \
 kv-event-bridge fed over ZMQ unless --events-via http) and a fresh Envoy with the filter for \
 each routing mode in turn, run the same workload through each, and \

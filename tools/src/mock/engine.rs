@@ -608,6 +608,9 @@ pub struct EngineMetrics {
     pub device_blocks: usize,
     pub host_blocks: usize,
     pub last_event_id: u64,
+    /// The device cache's size in blocks and the block size (vLLM's `cache_config_info`).
+    pub capacity_blocks: usize,
+    pub block_size: usize,
 }
 
 struct Inner {
@@ -768,6 +771,8 @@ impl Engine {
             device_blocks: g.core.cache().device_count(),
             host_blocks: g.core.cache().host_count(),
             last_event_id: g.log.last_id(),
+            capacity_blocks: g.core.config().kv_blocks,
+            block_size: self.block_size,
         }
     }
 

@@ -226,5 +226,19 @@ pub(super) fn render(w: &MockWorker) -> String {
         "Prefix cache hit tokens (vLLM name).",
         c.prefix_hit_tokens as f64,
     );
+    if engine {
+        // vLLM's info gauge: the cache's settings as labels (what `calibrate` reads the KV
+        // capacity from).
+        let _ = writeln!(
+            s,
+            "# HELP vllm:cache_config_info Information of the KV cache config."
+        );
+        let _ = writeln!(s, "# TYPE vllm:cache_config_info gauge");
+        let _ = writeln!(
+            s,
+            "vllm:cache_config_info{{block_size=\"{}\",num_gpu_blocks=\"{}\",worker_id=\"{id}\"}} 1",
+            m.block_size, m.capacity_blocks
+        );
+    }
     s
 }
