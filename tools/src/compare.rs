@@ -812,4 +812,15 @@ mod tests {
         assert_eq!(fleet(&["--speedup"]), 1.0);
         assert_eq!(mock_timing_polys().0, [16.5, 0.0152, 4.21e-7]);
     }
+
+    #[test]
+    fn fit_arms_take_the_measured_timing_else_the_mocks_at_its_speedup() {
+        let mut fleet = Fleet::new(2, 64, &["--speedup", "2"]);
+        assert_eq!(
+            fleet.timing_polys(),
+            (vec![8.25, 0.0076, 2.105e-7], vec![2.87, 27.005, -12.87])
+        );
+        fleet.timing = Some((vec![30.0, 0.01], vec![9.0, 2.0]));
+        assert_eq!(fleet.timing_polys(), (vec![30.0, 0.01], vec![9.0, 2.0]));
+    }
 }
