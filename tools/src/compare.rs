@@ -717,6 +717,11 @@ pub fn quality_table(results: &[(String, RunStats)], workers: u64) -> String {
          during a step waits for it to end, sum S^2 / 2 sum S over the engines' steps; path = \
          TTFT mean at the client minus the workers' own: the router and the network)"
     );
+    for (name, s) in results {
+        for (why, count) in s.error_summary().iter().take(3) {
+            let _ = writeln!(out, "{name}: {count} failed: {why}");
+        }
+    }
     out
 }
 
@@ -822,5 +827,33 @@ mod tests {
         );
         fleet.timing = Some((vec![30.0, 0.01], vec![9.0, 2.0]));
         assert_eq!(fleet.timing_polys(), (vec![30.0, 0.01], vec![9.0, 2.0]));
+    }
+
+    #[test]
+    fn the_quality_table_says_why_requests_failed() {
+        use crate::loadgen::{RequestResult, RunStats};
+        let failed = |why: &str| RequestResult {
+            error: Some(why.into()),
+            ..RequestResult::default()
+        };
+        let stats = RunStats {
+            results: vec![
+                failed("status 503: no healthy upstream"),
+                failed("stream ended without [DONE]"),
+                failed("status 503: no healthy upstream"),
+            ],
+            ..RunStats::default()
+        };
+        let table = quality_table(
+            &[("kv".into(), stats), ("rr".into(), RunStats::default())],
+            2,
+        );
+        assert!(
+            table.contains(
+                "kv: 2 failed: status 503: no healthy upstream\nkv: 1 failed: stream ended"
+            ),
+            "{table}"
+        );
+        assert!(!table.contains("rr:"), "{table}");
     }
 }
