@@ -279,6 +279,10 @@ pub struct WorkerConfig {
     pub models: Vec<String>,
     /// Where its cached prefixes come from (`events` by default).
     pub kv_mode: WorkerKvMode,
+    /// Its own prefill-time polynomial, else `load.prefill_time_ms_poly` ([`Self::prefill_poly`]).
+    pub prefill_time_ms_poly: Option<Vec<f64>>,
+    /// Its own decode-step polynomial, else `ttft.decode_step_ms_poly`.
+    pub decode_step_ms_poly: Option<Vec<f64>>,
     /// Index of this worker's first slot.
     pub first_slot: SlotIdx,
     /// False for a `membership` pool entry no host occupies, and for a host Envoy reports
@@ -290,6 +294,18 @@ impl WorkerConfig {
     /// A `membership` pool entry that no host occupies now (it has no address).
     pub fn is_vacant(&self) -> bool {
         self.address_text.is_empty()
+    }
+
+    /// The prefill-time polynomial to price this worker's prompts with: its own, else the
+    /// fleet's `fleet` (`load.prefill_time_ms_poly`).
+    pub fn prefill_poly<'a>(&'a self, fleet: &'a [f64]) -> &'a [f64] {
+        self.prefill_time_ms_poly.as_deref().unwrap_or(fleet)
+    }
+
+    /// The decode-step polynomial for this worker: its own, else the fleet's `fleet`
+    /// (`ttft.decode_step_ms_poly`).
+    pub fn decode_poly<'a>(&'a self, fleet: &'a [f64]) -> &'a [f64] {
+        self.decode_step_ms_poly.as_deref().unwrap_or(fleet)
     }
 
     pub fn serves_model(&self, model: &str) -> bool {
@@ -716,6 +732,33 @@ mod tests {
             r#"{"load": {"prefill_time_ms_poly": []}, "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#,
         );
         assert!(e.starts_with("load.prefill_time_ms_poly:"), "{e}");
+        let e = err(r#"{"workers": [{"id": 1, "address": "10.0.0.1:8000"},
+                {"id": 2, "address": "10.0.0.2:8000", "prefill_time_ms_poly": [1, 2, 3, 4, 5, 6, 7, 8, 9]}]}"#);
+        assert!(e.starts_with("workers[1].prefill_time_ms_poly:"), "{e}");
+        let e = err(
+            r#"{"workers": [{"id": 1, "address": "10.0.0.1:8000", "decode_step_ms_poly": []}]}"#,
+        );
+        assert!(e.starts_with("workers[0].decode_step_ms_poly:"), "{e}");
+    }
+
+    #[test]
+    fn a_worker_may_have_its_own_timing_and_a_pool_its_template() {
+        let json = r#"{"load": {"prefill_time_ms_poly": [10, 0.01]},
+          "membership": {"cluster": "llm", "max_workers": 2,
+                         "worker": {"prefill_time_ms_poly": [3, 0.003], "decode_step_ms_poly": [2]}},
+          "workers": [{"id": 1, "address": "10.0.0.1:8000", "prefill_time_ms_poly": [5, 0.005]},
+                      {"id": 2, "address": "10.0.0.2:8000"}]}"#;
+        let c = Config::from_json(json.as_bytes()).unwrap();
+        let fleet = c.load.prefill_time_ms_poly.clone();
+        assert_eq!(c.workers[0].prefill_poly(&fleet), &[5.0, 0.005][..]);
+        assert_eq!(c.workers[0].decode_poly(&[7.0]), &[7.0][..]);
+        assert_eq!(c.workers[1].prefill_poly(&fleet), &[10.0, 0.01][..]);
+        // Every pool entry takes the template's.
+        assert_eq!(c.workers.len(), 4);
+        for pooled in &c.workers[2..] {
+            assert_eq!(pooled.prefill_poly(&fleet), &[3.0, 0.003][..]);
+            assert_eq!(pooled.decode_poly(&[7.0]), &[2.0][..]);
+        }
     }
 
     #[test]

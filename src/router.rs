@@ -32,7 +32,7 @@ use crate::request::{LlmRequest, Pin};
 use crate::rng::Rng;
 pub use crate::route_error::{Incompatibility, RouteError};
 use crate::select;
-use crate::ttft::{predicted_ttft, PredictedTtft, TtftInputs};
+use crate::ttft::{predicted_ttft, EngineTiming, PredictedTtft, TtftInputs};
 use crate::types::{Overlap, SlotIdx};
 
 /// Characters per token assumed for requests without token ids.
@@ -365,7 +365,8 @@ fn cost_of(scores: &[(SlotIdx, f64)], slot: SlotIdx) -> Option<f64> {
     }
 }
 
-/// The predicted TTFT of `slot` ([`crate::ttft`]), with its worker's step size and capacity.
+/// The predicted TTFT of `slot` ([`crate::ttft`]), with its worker's timing, step size and
+/// capacity.
 fn ttft_score(
     config: &Config,
     ttft: &TtftConfig,
@@ -392,13 +393,13 @@ fn ttft_score(
             .unwrap_or(ttft.default_output_tokens),
         preferred_multiplier: 1.0,
     };
-    predicted_ttft(
-        ttft,
-        &config.cost,
-        &config.load.prefill_time_ms_poly,
-        config.block_size,
-        &inputs,
-    )
+    let fleet_prefill = &config.load.prefill_time_ms_poly;
+    let fleet_decode = &ttft.decode_step_ms_poly;
+    let timing = EngineTiming {
+        prefill_ms_poly: worker.map_or(fleet_prefill, |w| w.prefill_poly(fleet_prefill)),
+        decode_step_ms_poly: worker.map_or(fleet_decode, |w| w.decode_poly(fleet_decode)),
+    };
+    predicted_ttft(ttft, &config.cost, &timing, config.block_size, &inputs)
 }
 
 /// The fallbacks: the best `fallback_count` candidates (by cost, else fewest in flight; ties by

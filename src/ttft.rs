@@ -119,15 +119,24 @@ fn step_prefill_ms(poly: &[f64], tokens: f64) -> f64 {
     horner(poly, tokens).max(0.0)
 }
 
-/// The predicted TTFT of one slot; see the module docs. `prefill_poly` is
-/// `load.prefill_time_ms_poly`.
+/// How fast one worker's engine is: its own polynomials, else the fleet's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EngineTiming<'a> {
+    /// Prefill time (ms) of one step by its tokens: `load.prefill_time_ms_poly`.
+    pub prefill_ms_poly: &'a [f64],
+    /// Decode step time (ms) by KV fill: `ttft.decode_step_ms_poly`.
+    pub decode_step_ms_poly: &'a [f64],
+}
+
+/// The predicted TTFT of one slot on an engine of `timing`; see the module docs.
 pub fn predicted_ttft(
     config: &TtftConfig,
     weights: &CostWeights,
-    prefill_poly: &[f64],
+    timing: &EngineTiming,
     block_size: u32,
     inputs: &TtftInputs,
 ) -> Result<PredictedTtft, NonFiniteCost> {
+    let prefill_poly = timing.prefill_ms_poly;
     let load = &inputs.load;
     if !(load.prefill_tokens.is_finite() && load.decode_blocks.is_finite()) {
         return Err(NonFiniteCost {
@@ -149,12 +158,12 @@ pub fn predicted_ttft(
             _ => 0.0,
         };
         let steps = (work_tokens / chunk).ceil().max(1.0);
-        steps * horner(&config.decode_step_ms_poly, fill).max(0.0)
+        steps * horner(timing.decode_step_ms_poly, fill).max(0.0)
     } else {
         0.0
     };
     let admission_ms = if config.admission_wait {
-        admission_wait_ms(config, bs, uncached_tokens, inputs)
+        admission_wait_ms(timing, bs, uncached_tokens, inputs)
     } else {
         0.0
     };
@@ -184,7 +193,7 @@ pub fn predicted_ttft(
 
 /// The admission term (module docs): how long the prompt waits for free KV blocks. 0 without a
 /// capacity or a reported usage, or with room to spare; finite and `>= 0`.
-fn admission_wait_ms(config: &TtftConfig, bs: f64, uncached_tokens: f64, i: &TtftInputs) -> f64 {
+fn admission_wait_ms(timing: &EngineTiming, bs: f64, uncached_tokens: f64, i: &TtftInputs) -> f64 {
     let (Some(capacity), Some(usage)) = (i.kv_capacity_blocks, i.kv_usage) else {
         return 0.0;
     };
@@ -200,7 +209,7 @@ fn admission_wait_ms(config: &TtftConfig, bs: f64, uncached_tokens: f64, i: &Ttf
     if short <= 0.0 {
         return 0.0;
     }
-    let step_ms = horner(&config.decode_step_ms_poly, usage).max(0.0);
+    let step_ms = horner(timing.decode_step_ms_poly, usage).max(0.0);
     let lifetime_ms = f64::from(i.output_tokens.max(1)) * step_ms;
     let wait = short * lifetime_ms / used.max(1.0);
     if wait.is_finite() {
@@ -216,6 +225,11 @@ mod tests {
     use super::*;
 
     const POLY: [f64; 3] = [16.5, 0.0152, 4.21e-7];
+    const DECODE: [f64; 3] = [5.74, 54.01, -25.74];
+    const MOCKER: EngineTiming = EngineTiming {
+        prefill_ms_poly: &POLY,
+        decode_step_ms_poly: &DECODE,
+    };
 
     fn mocker_prefill(t: f64) -> f64 {
         4.21e-7 * t * t + 0.0152 * t + 16.5
@@ -245,7 +259,7 @@ mod tests {
         predicted_ttft(
             &TtftConfig::default(),
             &CostWeights::default(),
-            &POLY,
+            &MOCKER,
             64,
             i,
         )
@@ -323,7 +337,7 @@ mod tests {
             ..TtftConfig::default()
         };
         let p = |i: &TtftInputs| {
-            predicted_ttft(&weighted, &CostWeights::default(), &POLY, 64, i).unwrap()
+            predicted_ttft(&weighted, &CostWeights::default(), &MOCKER, 64, i).unwrap()
         };
         // 20,000 uncached tokens behind a 10,000-token queue: the TTFT is unchanged, the own
         // compute is 2 full 8,192-token steps + 3,616 tokens, alone.
@@ -351,7 +365,7 @@ mod tests {
             ..TtftConfig::default()
         };
         let p = |i: &TtftInputs| {
-            predicted_ttft(&admitting, &CostWeights::default(), &POLY, 64, i).unwrap()
+            predicted_ttft(&admitting, &CostWeights::default(), &MOCKER, 64, i).unwrap()
         };
         // 8,192 blocks, 90% used: 737.28 free after the 1% watermark (81.92). A 64,000-token
         // prompt needs 1,000 blocks and 6,400 booked tokens ahead 100 more: 362.72 short.
@@ -398,7 +412,7 @@ mod tests {
         let r = predicted_ttft(
             &TtftConfig::default(),
             &CostWeights::default(),
-            &POLY,
+            &MOCKER,
             64,
             &bad,
         );
@@ -453,6 +467,63 @@ mod tests {
         decide(c, &input, &mut SelectorState::new(seed))
             .unwrap()
             .slot
+    }
+
+    #[test]
+    fn each_worker_is_priced_at_its_own_speed() {
+        // Slot 2's engine is three times faster, its decode steps twice; slots 0 and 1 use the
+        // fleet's polynomials.
+        let mixed = || {
+            let json = r#"{"block_size": 64, "ttft": {}, "workers": [
+                {"id": 1, "address": "10.0.0.1:8000"},
+                {"id": 2, "address": "10.0.0.2:8000"},
+                {"id": 3, "address": "10.0.0.3:8000",
+                 "prefill_time_ms_poly": [5.5, 0.0050666666666666667, 1.4033333333333333e-7],
+                 "decode_step_ms_poly": [2.87, 27.005, -12.87]}]}"#;
+            Config::from_json(json.as_bytes()).unwrap()
+        };
+        let c = mixed();
+        // Idle: 12,288 tokens take a third of the time there, so it takes them every time.
+        let idle = [load(0.0, 0.0, 0); 3];
+        for seed in 0..20 {
+            assert_eq!(pick(&c, &[0, 0, 0], &idle, seed), 2);
+        }
+        // 12,288 tokens queued ahead there as well: 24,576 tokens at a third of the price
+        // (~178 ms with its decode steps) still beat 12,288 idle ones at the full price (~255).
+        let ahead = [load(0.0, 0.0, 0), load(0.0, 0.0, 0), load(12_288.0, 0.0, 1)];
+        assert_eq!(pick(&c, &[0, 0, 0], &ahead, 7), 2);
+        // 36,864 queued (~355 ms there) do not.
+        let more = [load(0.0, 0.0, 0), load(0.0, 0.0, 0), load(36_864.0, 0.0, 1)];
+        assert_ne!(pick(&c, &[0, 0, 0], &more, 7), 2);
+        // The prediction itself: a third of the fleet polynomial's, to rounding; the decode
+        // step (one request in flight, no capacity: fill 0) half of it.
+        let worker = c.worker_of_slot(2).unwrap();
+        let own = EngineTiming {
+            prefill_ms_poly: worker.prefill_poly(&c.load.prefill_time_ms_poly),
+            decode_step_ms_poly: worker.decode_poly(&DECODE),
+        };
+        let i = inputs(4096, 0, 0.0, 1);
+        let fast = predicted_ttft(
+            &TtftConfig::default(),
+            &CostWeights::default(),
+            &own,
+            64,
+            &i,
+        )
+        .unwrap();
+        let slow = ttft(&i);
+        assert!(
+            (fast.prefill_ms - slow.prefill_ms / 3.0).abs() < 1e-6,
+            "{fast:?} {slow:?}"
+        );
+        assert!(
+            close(fast.decode_ms, slow.decode_ms / 2.0),
+            "{fast:?} {slow:?}"
+        );
+        // A worker without its own uses the fleet's.
+        let plain = c.worker_of_slot(0).unwrap();
+        assert_eq!(plain.prefill_poly(&POLY), &POLY[..]);
+        assert_eq!(plain.decode_poly(&DECODE), &DECODE[..]);
     }
 
     #[test]

@@ -381,3 +381,66 @@ fn a_prompt_that_would_wait_for_kv_room_goes_where_it_fits() {
         );
     }
 }
+
+#[test]
+fn a_mixed_fleet_is_priced_at_each_workers_own_speed() {
+    let workers = echo_workers(2, BLOCK);
+    // Worker 2's engine is four times faster (another GPU generation): its polynomials are the
+    // defaults divided by 4.
+    let slow = [16.5, 0.0152, 4.21e-7];
+    let fast: Vec<f64> = slow.iter().map(|c| c / 4.0).collect();
+    let list = |own: bool| {
+        let mut second = json!({"id": 2, "address": workers[1].addr});
+        if own {
+            second["prefill_time_ms_poly"] = json!(fast);
+            second["decode_step_ms_poly"] = json!([5.74 / 4.0, 54.01 / 4.0, -25.74 / 4.0]);
+        }
+        json!([{"id": 1, "address": workers[0].addr}, second])
+    };
+    let prompt = |i: u32| completion(&tokens(30_000 * (i + 1), 125 * BLOCK));
+
+    // One polynomial for the fleet: two idle workers tie and split the prompts.
+    let same = envoy_with(
+        &workers,
+        json!({"mode": "kv", "ttft": {}, "workers": list(false)}),
+    );
+    let split = distribution(&same, 30, prompt);
+    assert!(split.len() == 2, "a tie splits: {split:?}");
+    drop(same);
+
+    // Each worker's own: the fast one is predicted at a quarter of the slow one's time (2,000
+    // tokens: 48.6 against 12.1 ms) and takes every prompt while both are idle.
+    let envoy = envoy_with(
+        &workers,
+        json!({"mode": "kv", "ttft": {}, "workers": list(true)}),
+    );
+    let (w, _, resp) = route(&envoy, &prompt(100));
+    let c = costs(&resp);
+    let expect_slow = 16.5 + 0.0152 * 2000.0 + 4.21e-7 * 2000.0 * 2000.0;
+    assert_eq!(w, 2, "costs {c:?}");
+    assert!((c[&1] - expect_slow).abs() < 0.5, "costs {c:?}");
+    assert!((c[&2] - expect_slow / 4.0).abs() < 0.2, "costs {c:?}");
+    let idle = distribution(&envoy, 20, prompt);
+    assert_eq!(idle.get(&1), None, "the fast worker is idle: {idle:?}");
+
+    // A 16,000-token prefill booked on the fast worker (its first token held back 3 s) puts a
+    // 2,000-token prompt there at ~99 ms, against 48.6 ms on the idle slow one.
+    let long = json!({"model": "m", "prompt": tokens(1, 1000 * BLOCK), "stream": true, "max_tokens": 2,
+        "nvext": {"backend_instance_id": 2}, "mock": {"first_token_delay_ms": 3000, "chunks": 2, "chunk_interval_ms": 3000}});
+    let listener = envoy.listener.clone();
+    let holder = std::thread::spawn(move || {
+        let mut s = stream_completion(&listener, &long).expect("long");
+        let _ = s.next_event();
+        s.abort();
+    });
+    assert!(envoy.wait_for(Duration::from_secs(10), |e| {
+        e.router_stat("worker.2.rank.0.prefill_tokens") > 0
+    }));
+    let busy = distribution(&envoy, 5, |i| prompt(200 + i));
+    assert_eq!(
+        busy.get(&2),
+        None,
+        "the fast worker's queue costs more: {busy:?}"
+    );
+    holder.join().expect("long request");
+}

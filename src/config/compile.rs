@@ -205,19 +205,29 @@ fn check_busy(b: &BusyThresholds) -> Result<(), ConfigError> {
     Ok(())
 }
 
-fn check_load(l: &LoadConfig) -> Result<(), ConfigError> {
-    let poly = &l.prefill_time_ms_poly;
+/// A timing polynomial (ms, lowest degree first): 1 to 8 finite coefficients.
+pub(super) fn timing_poly(field: &str, poly: &[f64]) -> Result<(), ConfigError> {
     if poly.is_empty() || poly.len() > 8 {
         return Err(ConfigError::OutOfRange {
-            field: "load.prefill_time_ms_poly".to_string(),
+            field: field.to_string(),
             expected: "a list of 1 to 8 coefficients (lowest degree first)",
             got: format!("{} coefficients", poly.len()),
         });
     }
     for (i, c) in poly.iter().enumerate() {
-        let field = format!("load.prefill_time_ms_poly[{i}]");
-        f64_in(&field, *c, f64::MIN, f64::MAX, "a finite number")?;
+        f64_in(
+            &format!("{field}[{i}]"),
+            *c,
+            f64::MIN,
+            f64::MAX,
+            "a finite number",
+        )?;
     }
+    Ok(())
+}
+
+fn check_load(l: &LoadConfig) -> Result<(), ConfigError> {
+    timing_poly("load.prefill_time_ms_poly", &l.prefill_time_ms_poly)?;
     u64_in(
         "load.request_timeout_ms",
         l.request_timeout_ms,
@@ -378,6 +388,12 @@ fn compile_workers(
         for (m, model) in w.models.iter().enumerate() {
             non_empty(&path(&format!("models[{m}]")), model)?;
         }
+        if let Some(poly) = &w.prefill_time_ms_poly {
+            timing_poly(&path("prefill_time_ms_poly"), poly)?;
+        }
+        if let Some(poly) = &w.decode_step_ms_poly {
+            timing_poly(&path("decode_step_ms_poly"), poly)?;
+        }
 
         // total <= u16::MAX was checked above, so these conversions cannot fail; map to the
         // same error anyway rather than panic.
@@ -401,6 +417,8 @@ fn compile_workers(
             max_num_batched_tokens: w.max_num_batched_tokens,
             models: w.models,
             kv_mode: w.kv_mode,
+            prefill_time_ms_poly: w.prefill_time_ms_poly,
+            decode_step_ms_poly: w.decode_step_ms_poly,
             first_slot,
             routable: true,
         });

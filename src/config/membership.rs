@@ -90,6 +90,8 @@ struct PoolTemplate {
     max_num_batched_tokens: Option<u32>,
     models: Vec<String>,
     kv_mode: WorkerKvMode,
+    prefill_time_ms_poly: Option<Vec<f64>>,
+    decode_step_ms_poly: Option<Vec<f64>>,
 }
 
 impl Default for PoolTemplate {
@@ -103,6 +105,8 @@ impl Default for PoolTemplate {
             max_num_batched_tokens: None,
             models: Vec::new(),
             kv_mode: WorkerKvMode::Events,
+            prefill_time_ms_poly: None,
+            decode_step_ms_poly: None,
         }
     }
 }
@@ -121,6 +125,8 @@ impl PoolTemplate {
             max_num_batched_tokens: self.max_num_batched_tokens,
             models: self.models.clone(),
             kv_mode: self.kv_mode,
+            prefill_time_ms_poly: self.prefill_time_ms_poly.clone(),
+            decode_step_ms_poly: self.decode_step_ms_poly.clone(),
         }
     }
 }

@@ -104,6 +104,10 @@ pub(super) struct RawWorker {
     pub models: Vec<String>,
     #[serde(default = "events_only")]
     pub kv_mode: WorkerKvMode,
+    /// This worker's own `load.prefill_time_ms_poly` (a different GPU, model shard or engine).
+    pub prefill_time_ms_poly: Option<Vec<f64>>,
+    /// This worker's own `ttft.decode_step_ms_poly`.
+    pub decode_step_ms_poly: Option<Vec<f64>>,
 }
 
 fn one() -> u32 {

@@ -66,14 +66,7 @@ pub(super) fn check_ttft(c: &TtftConfig) -> Result<(), ConfigError> {
             got: c.chunk_tokens.to_string(),
         });
     }
-    let n = c.decode_step_ms_poly.len();
-    if n == 0 || n > 8 || c.decode_step_ms_poly.iter().any(|v| !v.is_finite()) {
-        return Err(ConfigError::OutOfRange {
-            field: "ttft.decode_step_ms_poly".to_string(),
-            expected: "a list of 1 to 8 finite coefficients (lowest degree first)",
-            got: format!("{:?}", c.decode_step_ms_poly),
-        });
-    }
+    super::compile::timing_poly("ttft.decode_step_ms_poly", &c.decode_step_ms_poly)?;
     if c.default_output_tokens == 0 || c.default_output_tokens > MAX_CHUNK_TOKENS {
         return Err(ConfigError::OutOfRange {
             field: "ttft.default_output_tokens".to_string(),

@@ -631,7 +631,7 @@ impl RequestContext {
         // `ttft` policy's (the same steps its score prices).
         let expected_ms = match config.load.prefill_load_model {
             PrefillLoadModel::Polynomial => Some(prefill_duration_ms(
-                &config.load.prefill_time_ms_poly,
+                worker.prefill_poly(&config.load.prefill_time_ms_poly),
                 decision.prefill_tokens,
                 worker
                     .max_num_batched_tokens

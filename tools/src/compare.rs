@@ -56,6 +56,9 @@ pub struct Fleet {
     /// The fleet's prefill-time and decode-step polynomials for `+fit` arms, when measured
     /// ([`crate::calibrate`] on a real engine); else the mock's divided by its `--speedup`.
     pub timing: Option<(Vec<f64>, Vec<f64>)>,
+    /// A mixed fleet: mock worker `id` runs at `speedups[(id - 1) % len]` (`--speedup`), e.g.
+    /// two GPU generations. Empty: every worker as `worker_args` say.
+    pub speedups: Vec<f64>,
 }
 
 /// The value of `flag` in mock-worker arguments (`--flag value` or `--flag=value`), parsed.
@@ -91,6 +94,7 @@ impl Fleet {
             arm_wasm: Vec::new(),
             vllm: None,
             timing: None,
+            speedups: Vec::new(),
         }
     }
 
@@ -137,13 +141,44 @@ impl Fleet {
         if let Some(engines) = engines {
             return self.engine_workers(engines, self.events_via == EventsVia::Bridge);
         }
-        let block = self.block_size.to_string();
-        let mut args: Vec<&str> = vec!["--mode", "engine", "--block-size", &block];
-        args.extend(self.worker_args.iter().map(String::as_str));
-        match self.events_via {
-            EventsVia::Bridge => Worker::spawn_many_bridged(self.workers, self.block_size, &args),
-            EventsVia::Http => Worker::spawn_many(self.workers, &args),
+        let bridged = self.events_via == EventsVia::Bridge;
+        (1..=self.workers)
+            .map(|id| {
+                let args = self.mock_args(id);
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                if bridged {
+                    Worker::spawn_bridged(id, self.block_size, &args)
+                } else {
+                    Worker::spawn(id, &args)
+                }
+            })
+            .collect()
+    }
+
+    /// Mock worker `id`'s arguments: engine mode, the block size, `worker_args`, and its own
+    /// `--speedup` in a mixed fleet.
+    fn mock_args(&self, id: u64) -> Vec<String> {
+        let mut args: Vec<String> = ["--mode", "engine", "--block-size"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        args.push(self.block_size.to_string());
+        args.extend(self.worker_args.iter().cloned());
+        if let Some(s) = self.speedup_of(id) {
+            args.extend(["--speedup".to_string(), s.to_string()]);
         }
+        args
+    }
+
+    /// Worker `id`'s own speedup in a mixed fleet (`speedups`), else `None`.
+    pub fn speedup_of(&self, id: u64) -> Option<f64> {
+        let n = self.speedups.len() as u64;
+        if n == 0 || id == 0 {
+            return None;
+        }
+        self.speedups
+            .get(usize::try_from((id - 1) % n).ok()?)
+            .copied()
     }
 
     /// The fleet of a peer arm: the same workers, publishing their KV events on ZMQ (no bridge)
@@ -152,12 +187,15 @@ impl Fleet {
         if let Some(engines) = engines {
             return self.engine_workers(engines, false);
         }
-        let block = self.block_size.to_string();
-        let mut args: Vec<&str> = vec!["--mode", "engine", "--block-size", &block];
-        args.extend(self.worker_args.iter().map(String::as_str));
-        args.extend_from_slice(&ZMQ_PUBLISH_ARGS);
-        args.extend_from_slice(&PEER_WORKER_ARGS);
-        Worker::spawn_many(self.workers, &args)
+        (1..=self.workers)
+            .map(|id| {
+                let args = self.mock_args(id);
+                let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
+                args.extend_from_slice(&ZMQ_PUBLISH_ARGS);
+                args.extend_from_slice(&PEER_WORKER_ARGS);
+                Worker::spawn(id, &args)
+            })
+            .collect()
     }
 
     /// Real engines as the workers of one arm: each engine's prefix cache emptied (and the
@@ -197,8 +235,12 @@ impl Fleet {
         }
     }
 
-    /// The workers' `--speedup` (1 when not given).
+    /// The workers' `--speedup` (1 when not given); in a mixed fleet the mean of `speedups`
+    /// (the fleet's throughput, as one polynomial for all of it would price it).
     pub fn worker_speedup(&self) -> f64 {
+        if !self.speedups.is_empty() {
+            return self.speedups.iter().sum::<f64>() / self.speedups.len() as f64;
+        }
         self.worker_arg::<f64>("--speedup")
             .filter(|v| v.is_finite() && *v > 0.0)
             .unwrap_or(1.0)
@@ -210,12 +252,26 @@ impl Fleet {
         if let Some(t) = &self.timing {
             return t.clone();
         }
-        let k = 1.0 / self.worker_speedup();
-        let (prefill, decode) = mock_timing_polys();
-        (
-            prefill.iter().map(|c| c * k).collect(),
-            decode.iter().map(|c| c * k).collect(),
-        )
+        mock_timing_at(self.worker_speedup())
+    }
+
+    /// `+fit` on a mixed fleet: each worker of `config` priced at its own speed (`+fitmean`:
+    /// one polynomial at the fleet's mean speed for all, what a filter without per-worker
+    /// timing can do).
+    fn price_each_worker(&self, mode: &str, config: &mut Value) {
+        if !(mode.starts_with("kv+ttft") && mode.split('+').any(|o| o == "fit")) {
+            return;
+        }
+        let Some(list) = config["workers"].as_array_mut() else {
+            return;
+        };
+        for w in list {
+            if let Some(speedup) = w["id"].as_u64().and_then(|id| self.speedup_of(id)) {
+                let (prefill, decode) = mock_timing_at(speedup);
+                w["prefill_time_ms_poly"] = json!(prefill);
+                w["decode_step_ms_poly"] = json!(decode);
+            }
+        }
     }
 
     /// The filter configuration for `mode` over `workers`.
@@ -303,7 +359,7 @@ fn run_arm(
                 io::Error::new(
                     io::ErrorKind::InvalidInput,
                     format!(
-                        "{m}: expected kv+ttft[+approx][+decay][+compute:W][+affinity[:T]][+fit][+cap][+busy:F][+admit]"
+                        "{m}: expected kv+ttft[+approx][+decay][+compute:W][+affinity[:T]][+fit|+fitmean][+cap][+busy:F][+admit]"
                     ),
                 )
             };
@@ -317,7 +373,7 @@ fn run_arm(
                         extra["busy"] = json!({"decode_blocks_fraction": f});
                     }
                     "decay" => extra["load"]["prefill_load_model"] = json!("polynomial"),
-                    "fit" => {
+                    "fit" | "fitmean" => {
                         let (prefill, decode) = fleet.timing_polys();
                         extra["load"]["prefill_time_ms_poly"] = json!(prefill);
                         extra["ttft"]["decode_step_ms_poly"] = json!(decode);
@@ -392,6 +448,7 @@ fn run_arm(
             }
         }
     }
+    fleet.price_each_worker(mode, &mut config);
     if mode.starts_with("kv+ttft")
         && (mode.contains("+cap") || mode.contains("+busy:") || mode.contains("+admit"))
     {
@@ -767,6 +824,16 @@ fn mock_timing_polys() -> ([f64; 3], [f64; 3]) {
     ([16.5, 0.0152, 4.21e-7], [5.74, 54.01, -25.74])
 }
 
+/// The mock engine's polynomials at `--speedup` `speedup` (every time divided by it).
+fn mock_timing_at(speedup: f64) -> (Vec<f64>, Vec<f64>) {
+    let k = 1.0 / speedup;
+    let (prefill, decode) = mock_timing_polys();
+    (
+        prefill.iter().map(|c| c * k).collect(),
+        decode.iter().map(|c| c * k).collect(),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -827,6 +894,53 @@ mod tests {
         );
         fleet.timing = Some((vec![30.0, 0.01], vec![9.0, 2.0]));
         assert_eq!(fleet.timing_polys(), (vec![30.0, 0.01], vec![9.0, 2.0]));
+    }
+
+    #[test]
+    fn a_mixed_fleet_prices_each_worker_at_its_own_speed_with_fit() {
+        let mut fleet = Fleet::new(3, 64, &["--kv-blocks", "8192"]);
+        fleet.speedups = vec![1.0, 4.0];
+        assert_eq!(
+            (1..=4).map(|id| fleet.speedup_of(id)).collect::<Vec<_>>(),
+            vec![Some(1.0), Some(4.0), Some(1.0), Some(4.0)]
+        );
+        assert!(fleet
+            .mock_args(2)
+            .ends_with(&["--speedup".into(), "4".into()]));
+        // One polynomial for all: the mean speed.
+        assert_eq!(fleet.worker_speedup(), 2.5);
+        let config = |fleet: &Fleet, mode: &str| {
+            let mut c = json!({"workers": [{"id": 1}, {"id": 2}, {"id": 3}]});
+            fleet.price_each_worker(mode, &mut c);
+            c
+        };
+        let own = config(&fleet, "kv+ttft+decay+fit+admit");
+        assert_eq!(
+            own["workers"][1]["prefill_time_ms_poly"],
+            json!([4.125, 0.0038, 1.0525e-7])
+        );
+        assert_eq!(
+            own["workers"][1]["decode_step_ms_poly"],
+            json!([1.435, 13.5025, -6.435])
+        );
+        assert_eq!(
+            own["workers"][2]["prefill_time_ms_poly"],
+            json!([16.5, 0.0152, 4.21e-7])
+        );
+        for mode in ["kv+ttft+decay+fitmean", "kv+ttft", "kv"] {
+            assert!(
+                config(&fleet, mode)["workers"][1]
+                    .get("prefill_time_ms_poly")
+                    .is_none(),
+                "{mode}"
+            );
+        }
+        // A homogeneous fleet keeps one polynomial.
+        fleet.speedups.clear();
+        assert!(fleet.mock_args(2).iter().all(|a| a != "--speedup"));
+        assert!(config(&fleet, "kv+ttft+fit")["workers"][1]
+            .get("prefill_time_ms_poly")
+            .is_none());
     }
 
     #[test]

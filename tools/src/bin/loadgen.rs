@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use clap::{ArgGroup, Parser};
 use envoy_kv_router_tools::compare::{
-    compare_modes, quality_table, report_comparison, worker_kv_blocks, EventsVia, Fleet,
+    compare_modes, quality_table, report_comparison, worker_arg, worker_kv_blocks, EventsVia, Fleet,
 };
 use envoy_kv_router_tools::loadgen::{
     chat, format_stats, load_mooncake, run_workload_on, synthetic, write_svg_chart, ChatSpec,
@@ -31,11 +31,12 @@ CHAT: conversations=C,turns=T,system_prompts=S,system_chars=X,user_chars=U,reply
 Text arms (--modes): kv+text (approximate mode: text prefix hashes and predicted blocks), \
 kv+render (exact ids from a render service: an extra mock worker serving \
 /v1/chat/completions/render), kv+ids (the same chat prompts sent as token ids: the baseline).\n\
-Policy arms: kv+affinity[:R] (load-gated affinity), kv+ttft[+approx][+decay][+compute:W][+affinity[:T]][+fit] \
+Policy arms: kv+affinity[:R] (load-gated affinity), kv+ttft[+approx][+decay][+compute:W][+affinity[:T]][+fit|+fitmean] \
 (the predicted-TTFT policy; +approx: predictions bridging the event lag; +decay: booked prefills \
 decay; +compute:W: ttft.compute_weight W; +affinity[:T]: the load-gated affinity in front of it, \
 max_extra_prefill_tokens T; +fit: the fleet's timing polynomials: the mock's divided by the workers' --speedup, \
-or on real engines (--vllm-engines) measured on the first by `calibrate` before the arms).\n\
+or on real engines (--vllm-engines) measured on the first by `calibrate` before the arms; on a \
+mixed fleet (--worker-speedups) each worker's own; +fitmean: one polynomial at the fleet's mean speedup).\n\
 --modes: start a fresh fleet of --fleet mock workers (engine mode, --worker-args; each with a \
 kv-event-bridge fed over ZMQ unless --events-via http) and a fresh Envoy with the filter for \
 each routing mode in turn, run the same workload through each, and \
@@ -83,6 +84,10 @@ struct Args {
     /// Extra mock-worker arguments for the fleet of --modes, e.g. '--kv-blocks 8192'.
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     worker_args: String,
+    /// A mixed fleet of mock workers (--modes): worker i runs at the i-th of these speedups
+    /// (cycled), e.g. '1,3' for two GPU generations. Not with --speedup in --worker-args.
+    #[arg(long, value_delimiter = ',')]
+    worker_speedups: Vec<f64>,
     /// KV block size of the fleet and the filter (--modes).
     #[arg(long, default_value_t = 64)]
     block_size: u32,
@@ -280,6 +285,24 @@ fn main() {
             &args.worker_args.split_whitespace().collect::<Vec<_>>(),
         );
         fleet.events_via = args.events_via;
+        if !args.worker_speedups.is_empty() {
+            if args
+                .worker_speedups
+                .iter()
+                .any(|v| !(v.is_finite() && *v > 0.0))
+            {
+                fail("--worker-speedups: every speedup must be finite and > 0");
+            }
+            if worker_arg::<String>(&fleet.worker_args, "--speedup").is_some() {
+                fail(
+                    "--worker-speedups sets each worker's --speedup: remove it from --worker-args",
+                );
+            }
+            if args.vllm_engines.is_some() {
+                fail("--worker-speedups is for mock fleets, not --vllm-engines");
+            }
+            fleet.speedups = args.worker_speedups.clone();
+        }
         if let Some(n) = args.vllm_engines {
             // vLLM refuses to start unless one request of the full context fits in its cache
             // beside a spare block.
