@@ -391,3 +391,33 @@ fn a_static_entry_wins_over_the_hosts_description() {
     assert_eq!(resp.status, 404, "{}", resp.text());
     assert_eq!(envoy.router_stat("membership.described"), 0);
 }
+
+/// A discovered worker's timing on its page (`kv-event-bridge --worker-prefill-time-ms-poly`)
+/// prices it in the TTFT policy: the faster of two idle workers takes every prompt.
+#[test]
+fn a_discovered_worker_is_priced_at_its_described_speed() {
+    let workers = echo_workers(2, BLOCK);
+    let (w1, w2) = (&workers[0], &workers[1]);
+    let fast = json!({"prefill_time_ms_poly": [4.125, 0.0038, 1.0525e-7],
+                      "decode_step_ms_poly": [1.435, 13.5025, -6.435]});
+    assert_eq!(w2.admin("/admin/describe", &fast).unwrap().status, 200);
+    let envoy = start(&[w1, w2], &[], eds(), json!({"ttft": {}}));
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| e
+            .router_stat("membership.described")
+            == 1),
+        "worker 2's description applied"
+    );
+    // 2,000 tokens: 48.6 ms at the template's (the fleet's) polynomial, a quarter on worker 2.
+    let prompt = |i: u32| completion(&tokens(40_000 * (i + 1), 125 * BLOCK));
+    let (_, _, resp) = route(&envoy, &prompt(0));
+    let mut c: Vec<f64> = costs(&resp).into_values().collect();
+    c.sort_by(f64::total_cmp);
+    assert!(
+        (c[0] - 12.14).abs() < 0.1 && (c[1] - 48.58).abs() < 0.2,
+        "{c:?}"
+    );
+    for i in 1..20 {
+        assert_eq!(route(&envoy, &prompt(i)).0, 2, "prompt {i}");
+    }
+}

@@ -122,9 +122,27 @@ pub struct Args {
     /// ...its batch budget per DP rank...
     #[arg(long = "worker-max-num-batched-tokens", value_name = "TOKENS")]
     pub worker_max_num_batched_tokens: Option<u32>,
-    /// ...and the models it serves (repeatable; default: the ids of `--engine-models-url`).
+    /// ...the models it serves (repeatable; default: the ids of `--engine-models-url`)...
     #[arg(long = "worker-model", value_name = "MODEL")]
     pub worker_models: Vec<String>,
+    /// ...its engine's prefill time in ms per step by tokens, lowest degree first (what
+    /// `calibrate` prints as `load.prefill_time_ms_poly`; the filter's TTFT policy prices this
+    /// worker with it)...
+    #[arg(
+        long = "worker-prefill-time-ms-poly",
+        value_name = "C0,C1,..",
+        value_delimiter = ',',
+        allow_hyphen_values = true
+    )]
+    pub worker_prefill_time_ms_poly: Vec<f64>,
+    /// ...and its decode step time in ms by KV fill (`calibrate`'s `ttft.decode_step_ms_poly`).
+    #[arg(
+        long = "worker-decode-step-ms-poly",
+        value_name = "D0,D1,..",
+        value_delimiter = ',',
+        allow_hyphen_values = true
+    )]
+    pub worker_decode_step_ms_poly: Vec<f64>,
 
     /// The engine's OpenAI `/v1/models`, read every `--engine-metrics-interval-ms` for the
     /// description's `models`.
@@ -212,6 +230,22 @@ impl Args {
         {
             check_endpoint(endpoint)?;
         }
+        for (flag, poly) in [
+            (
+                "--worker-prefill-time-ms-poly",
+                &self.worker_prefill_time_ms_poly,
+            ),
+            (
+                "--worker-decode-step-ms-poly",
+                &self.worker_decode_step_ms_poly,
+            ),
+        ] {
+            if poly.len() > 8 || poly.iter().any(|c| !c.is_finite()) {
+                return Err(format!(
+                    "{flag}: 1 to 8 finite coefficients, lowest degree first (got {poly:?})"
+                ));
+            }
+        }
         let mut ranks: Vec<u32> = self.dp_ranks.clone();
         ranks.sort_unstable();
         if ranks.windows(2).any(|w| w.first() == w.get(1)) {
@@ -274,6 +308,10 @@ impl Args {
                 kv_capacity_blocks: self.worker_kv_capacity_blocks,
                 max_num_batched_tokens: self.worker_max_num_batched_tokens,
                 models: (!self.worker_models.is_empty()).then_some(self.worker_models),
+                prefill_time_ms_poly: (!self.worker_prefill_time_ms_poly.is_empty())
+                    .then_some(self.worker_prefill_time_ms_poly),
+                decode_step_ms_poly: (!self.worker_decode_step_ms_poly.is_empty())
+                    .then_some(self.worker_decode_step_ms_poly),
             },
             engine_metrics_interval: ms(self.engine_metrics_interval_ms.max(10)),
         })
@@ -365,6 +403,44 @@ mod tests {
             "0"
         ])
         .is_err());
+    }
+
+    #[test]
+    fn the_workers_timing_goes_on_its_description() {
+        let base = ["--block-size", "32", "--engine", "tcp://h:1"];
+        let with = |extra: &[&str]| {
+            let mut all = base.to_vec();
+            all.extend_from_slice(extra);
+            parse(&all)
+        };
+        let c = with(&[
+            "--worker-prefill-time-ms-poly",
+            "8.25,0.0076,2.105e-7",
+            "--worker-decode-step-ms-poly",
+            "2.87,27.005,-12.87",
+        ])
+        .unwrap();
+        assert_eq!(
+            c.worker.prefill_time_ms_poly,
+            Some(vec![8.25, 0.0076, 2.105e-7])
+        );
+        assert_eq!(
+            c.worker.decode_step_ms_poly,
+            Some(vec![2.87, 27.005, -12.87])
+        );
+        let json = c.worker.to_json().unwrap();
+        assert!(
+            json.contains(r#""prefill_time_ms_poly":[8.25,0.0076,2.105e-7]"#),
+            "{json}"
+        );
+        let plain = with(&[]).unwrap();
+        assert_eq!(plain.worker.prefill_time_ms_poly, None);
+        assert!(!plain.worker.to_json().unwrap().contains("poly"));
+        let e = with(&["--worker-prefill-time-ms-poly", "1,2,3,4,5,6,7,8,9"]).unwrap_err();
+        assert!(e.contains("--worker-prefill-time-ms-poly: 1 to 8"), "{e}");
+        let e = with(&["--worker-decode-step-ms-poly", "1,inf"]).unwrap_err();
+        assert!(e.contains("--worker-decode-step-ms-poly"), "{e}");
+        assert!(with(&["--worker-decode-step-ms-poly", "1,x"]).is_err());
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use serde::Serialize;
 
 /// What the bridge says about its worker. `None` fields are left out.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct WorkerDescription {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub block_size: Option<u32>,
@@ -21,6 +21,11 @@ pub struct WorkerDescription {
     pub max_num_batched_tokens: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub models: Option<Vec<String>>,
+    /// Set by flags only (`calibrate` measures them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_time_ms_poly: Option<Vec<f64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decode_step_ms_poly: Option<Vec<f64>>,
 }
 
 impl WorkerDescription {
@@ -36,6 +41,14 @@ impl WorkerDescription {
                 .max_num_batched_tokens
                 .or(learned.max_num_batched_tokens),
             models: self.models.clone().or_else(|| learned.models.clone()),
+            prefill_time_ms_poly: self
+                .prefill_time_ms_poly
+                .clone()
+                .or_else(|| learned.prefill_time_ms_poly.clone()),
+            decode_step_ms_poly: self
+                .decode_step_ms_poly
+                .clone()
+                .or_else(|| learned.decode_step_ms_poly.clone()),
         }
     }
 

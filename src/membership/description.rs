@@ -1,5 +1,5 @@
 //! A worker's own description of itself (the `worker` object of its event page or dump): DP
-//! layout, device, capacity, batch budget, models. With `membership`, a discovered host's
+//! layout, device, capacity, batch budget, models, timing. With `membership`, a discovered host's
 //! description overrides the `membership.worker` template on its pool entry; a static `workers`
 //! entry for its address still wins (the description is ignored there).
 //!
@@ -17,7 +17,7 @@ pub const MAX_MODELS: usize = 32;
 pub const MAX_MODEL_BYTES: usize = 256;
 
 /// What a worker says about itself. Absent fields leave the template's value.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct WorkerDescription {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_size: Option<u32>,
@@ -33,6 +33,12 @@ pub struct WorkerDescription {
     pub max_num_batched_tokens: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub models: Option<Vec<String>>,
+    /// Its engine's prefill time (ms) per step by tokens, as `calibrate` measured it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_time_ms_poly: Option<Vec<f64>>,
+    /// Its engine's decode step time (ms) by KV fill.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_step_ms_poly: Option<Vec<f64>>,
 }
 
 /// Why (part of) a description was not applied.
@@ -49,6 +55,8 @@ pub enum Refusal {
     Models,
     /// A zero capacity or batch budget.
     Zero { field: &'static str },
+    /// A timing polynomial without 1 to 8 finite coefficients.
+    Polynomial { field: &'static str },
 }
 
 impl std::fmt::Display for Refusal {
@@ -70,6 +78,10 @@ impl std::fmt::Display for Refusal {
                 "more than {MAX_MODELS} models or a model name over {MAX_MODEL_BYTES} bytes; keeping the template's models"
             ),
             Refusal::Zero { field } => write!(f, "{field} is 0; keeping the template's"),
+            Refusal::Polynomial { field } => write!(
+                f,
+                "{field} is not 1 to 8 finite coefficients; keeping the template's"
+            ),
         }
     }
 }
@@ -122,6 +134,27 @@ pub fn vet(
         });
         out.max_num_batched_tokens = None;
     }
+    let well_formed = |p: &[f64]| (1..=8).contains(&p.len()) && p.iter().all(|c| c.is_finite());
+    if out
+        .prefill_time_ms_poly
+        .as_deref()
+        .is_some_and(|p| !well_formed(p))
+    {
+        refused.push(Refusal::Polynomial {
+            field: "prefill_time_ms_poly",
+        });
+        out.prefill_time_ms_poly = None;
+    }
+    if out
+        .decode_step_ms_poly
+        .as_deref()
+        .is_some_and(|p| !well_formed(p))
+    {
+        refused.push(Refusal::Polynomial {
+            field: "decode_step_ms_poly",
+        });
+        out.decode_step_ms_poly = None;
+    }
     (out, refused)
 }
 
@@ -138,5 +171,11 @@ pub fn apply(worker: &mut WorkerConfig, d: &WorkerDescription) {
     }
     if let Some(models) = &d.models {
         worker.models = models.clone();
+    }
+    if let Some(poly) = &d.prefill_time_ms_poly {
+        worker.prefill_time_ms_poly = Some(poly.clone());
+    }
+    if let Some(poly) = &d.decode_step_ms_poly {
+        worker.decode_step_ms_poly = Some(poly.clone());
     }
 }

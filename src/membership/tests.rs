@@ -91,7 +91,8 @@ fn a_described_pool_entry_uses_its_description_and_a_static_entry_its_config() {
     let page = parse_event_page(
         br#"{"block_size": 16, "last_event_id": 0, "events": [],
              "worker": {"block_size": 16, "dp_size": 4, "device": "gpu", "kv_capacity_blocks": 900,
-                        "max_num_batched_tokens": 4096, "models": ["m-only-here"], "future": 1}}"#,
+                        "max_num_batched_tokens": 4096, "models": ["m-only-here"], "future": 1,
+                        "prefill_time_ms_poly": [4, 0.004], "decode_step_ms_poly": [1.5, 13]}}"#,
         16,
         1 << 20,
     )
@@ -120,6 +121,9 @@ fn a_described_pool_entry_uses_its_description_and_a_static_entry_its_config() {
     assert_eq!(w.models, vec!["m-only-here".to_string()]);
     assert_eq!(w.kv_capacity_blocks, Some(900));
     assert_eq!(w.max_num_batched_tokens, Some(4096));
+    assert_eq!(w.prefill_poly(&[16.5]), &[4.0, 0.004][..]);
+    assert_eq!(w.decode_poly(&[5.74]), &[1.5, 13.0][..]);
+    assert_eq!(e.workers[0].prefill_poly(&[16.5]), &[16.5][..]);
     assert_eq!(w.device, crate::config::Device::Gpu);
     assert_eq!(w.dp_size, 2, "slots are fixed: the template's layout stays");
     assert!(e.workers[0].models.is_empty());
@@ -148,6 +152,28 @@ fn a_described_pool_entry_uses_its_description_and_a_static_entry_its_config() {
     assert_eq!(
         (v.models, v.kv_capacity_blocks, v.max_num_batched_tokens),
         (None, None, Some(8))
+    );
+    // So are timing polynomials without 1 to 8 finite coefficients.
+    let timing = description::WorkerDescription {
+        prefill_time_ms_poly: Some(vec![1.0; 9]),
+        decode_step_ms_poly: Some(vec![]),
+        ..Default::default()
+    };
+    let (v, r) = vet(&c.workers[1], 16, &timing);
+    assert_eq!(
+        r,
+        vec![
+            Refusal::Polynomial {
+                field: "prefill_time_ms_poly"
+            },
+            Refusal::Polynomial {
+                field: "decode_step_ms_poly"
+            }
+        ]
+    );
+    assert_eq!(
+        (v.prefill_time_ms_poly, v.decode_step_ms_poly),
+        (None, None)
     );
 }
 

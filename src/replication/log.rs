@@ -96,7 +96,7 @@ pub struct WorkerPollState {
 }
 
 /// The host occupying a worker entry, as the membership poller last saw it in Envoy.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Member {
     /// `ip:port` Envoy routes to.
     pub address: String,
