@@ -113,6 +113,26 @@ impl Calibration {
         v
     }
 
+    /// The same for one worker's entry (`workers[]`, `membership.worker`): `{"prefill_time_ms_poly",
+    /// "decode_step_ms_poly"}`, for a mixed fleet priced worker by worker.
+    pub fn worker_json(&self) -> Value {
+        let mut v = json!({"prefill_time_ms_poly": self.prefill_poly});
+        if let Some(d) = &self.decode_poly {
+            v["decode_step_ms_poly"] = json!(d);
+        }
+        v
+    }
+
+    /// The same as `kv-event-bridge` flags, so a discovered worker describes its own timing.
+    pub fn bridge_flags(&self) -> String {
+        let list = |p: &[f64]| p.iter().map(f64::to_string).collect::<Vec<_>>().join(",");
+        let mut s = format!("--worker-prefill-time-ms-poly {}", list(&self.prefill_poly));
+        if let Some(d) = &self.decode_poly {
+            s.push_str(&format!(" --worker-decode-step-ms-poly {}", list(d)));
+        }
+        s
+    }
+
     /// The measured points beside the fitted values, for people.
     pub fn report(&self) -> String {
         let mut s = String::new();
@@ -427,6 +447,40 @@ impl PromptSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fit_prints_for_the_fleet_a_worker_or_its_bridge() {
+        let mut c = Calibration {
+            prefill: Vec::new(),
+            prefill_poly: vec![8.25, 0.0076, 2.105e-7],
+            decode: Vec::new(),
+            decode_poly: Some(vec![2.87, 27.0]),
+        };
+        assert_eq!(
+            c.filter_json(),
+            json!({"load": {"prefill_time_ms_poly": [8.25, 0.0076, 2.105e-7]},
+                   "ttft": {"decode_step_ms_poly": [2.87, 27.0]}})
+        );
+        assert_eq!(
+            c.worker_json(),
+            json!({"prefill_time_ms_poly": [8.25, 0.0076, 2.105e-7],
+                   "decode_step_ms_poly": [2.87, 27.0]})
+        );
+        assert_eq!(
+            c.bridge_flags(),
+            "--worker-prefill-time-ms-poly 8.25,0.0076,0.0000002105 \
+             --worker-decode-step-ms-poly 2.87,27"
+        );
+        c.decode_poly = None;
+        assert_eq!(
+            c.worker_json(),
+            json!({"prefill_time_ms_poly": [8.25, 0.0076, 2.105e-7]})
+        );
+        assert_eq!(
+            c.bridge_flags(),
+            "--worker-prefill-time-ms-poly 8.25,0.0076,0.0000002105"
+        );
+    }
 
     #[test]
     fn an_exact_quadratic_is_recovered() {

@@ -21,7 +21,8 @@ use envoy_kv_router_tools::calibrate::{calibrate, CalibrateOptions};
 as compute). Keep --max-prompt-tokens within the engine's max_num_batched_tokens and \
 max_model_len. Prints the measurements on stderr and, on stdout, \
 {\"load\": {\"prefill_time_ms_poly\": [...]}, \"ttft\": {\"decode_step_ms_poly\": [...]}} \
-to merge into the filter configuration."
+to merge into the filter configuration (--output worker: the two fields for one worker's entry; \
+--output bridge-flags: kv-event-bridge's --worker-*-poly flags)."
 )]
 struct Args {
     /// The engine: IP:PORT of its OpenAI-compatible server.
@@ -57,6 +58,17 @@ struct Args {
     /// Per-request timeout, seconds.
     #[arg(long, default_value_t = 120)]
     timeout_s: u64,
+    /// What stdout gets: the fleet's polynomials (`filter`), one worker entry's (`worker`, for a
+    /// mixed fleet) or `kv-event-bridge` flags (`bridge-flags`, a discovered worker's own).
+    #[arg(long, value_enum, default_value_t = Output::Filter)]
+    output: Output,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum Output {
+    Filter,
+    Worker,
+    BridgeFlags,
 }
 
 fn main() {
@@ -78,7 +90,11 @@ fn main() {
     match calibrate(&args.target, &opts) {
         Ok(calibration) => {
             eprint!("{}", calibration.report());
-            println!("{}", calibration.filter_json());
+            match args.output {
+                Output::Filter => println!("{}", calibration.filter_json()),
+                Output::Worker => println!("{}", calibration.worker_json()),
+                Output::BridgeFlags => println!("{}", calibration.bridge_flags()),
+            }
         }
         Err(e) => {
             eprintln!("calibrate: {e}");
