@@ -397,6 +397,7 @@ fn ttft_score(
     let fleet_decode = &ttft.decode_step_ms_poly;
     let timing = EngineTiming {
         prefill_ms_poly: worker.map_or(fleet_prefill, |w| w.prefill_poly(fleet_prefill)),
+        fleet_prefill_ms_poly: fleet_prefill,
         decode_step_ms_poly: worker.map_or(fleet_decode, |w| w.decode_poly(fleet_decode)),
     };
     predicted_ttft(ttft, &config.cost, &timing, config.block_size, &inputs)

@@ -9,12 +9,13 @@
 //! decode   = steps * decode_poly(decode_blocks / kv_capacity_blocks)   if requests in flight, else 0
 //! admit    = short * lifetime / used    (ttft.admission_wait; 0 when short <= 0, see below)
 //! ttft_ms  = (prefill + decode + admit) * preferred_taint_multiplier
-//! own      = floor(uncached / chunk) * poly(chunk) + poly(uncached mod chunk)
+//! own      = floor(uncached / chunk) * fleet_poly(chunk) + fleet_poly(uncached mod chunk)
 //! score_ms = ttft_ms + compute_weight * own * preferred_taint_multiplier
 //! ```
 //!
-//! * `poly` is `load.prefill_time_ms_poly` (the mocker's 4.21e-7 T^2 + 0.0152 T + 16.5 by default)
-//!   and `chunk` the worker's `max_num_batched_tokens` (else `ttft.chunk_tokens`): an engine with
+//! * `poly` is the worker's own `prefill_time_ms_poly`, else `load.prefill_time_ms_poly` (the
+//!   fleet's, `fleet_poly`; the mocker's 4.21e-7 T^2 + 0.0152 T + 16.5 by default), and `chunk`
+//!   the worker's `max_num_batched_tokens` (else `ttft.chunk_tokens`): an engine with
 //!   chunked prefill computes the queue ahead of the request, then the request, in steps of at
 //!   most `chunk` tokens, each step paying the polynomial of its own tokens.
 //! * Cached blocks count through the Dynamo cost's own credits, so the tiers weigh the same in
@@ -23,8 +24,12 @@
 //!   request that queues behind it on the slot waits for it too. The TTFT alone gives a
 //!   conversation's history up as soon as the holder's queue costs more than recomputing the
 //!   history elsewhere; the recomputation then delays the next requests there. With weight `w`
-//!   the holder keeps the request until its queue costs `1 + w` times the recomputation. Equal
-//!   for every slot when no slot holds a prefix, so it changes nothing about balance.
+//!   the holder keeps the request until its queue costs `1 + w` times the recomputation. It is
+//!   priced at the fleet's polynomial on every worker, so it is equal for every slot when no slot
+//!   holds a prefix and changes nothing about balance, in a mixed fleet too: at each worker's
+//!   own speed, weight 4 would multiply a fast engine's lead by 5 and pile every long prompt on
+//!   the fast engines while the slow ones idle (measured: 99% of the prompt tokens on the fast
+//!   half of a 1:3 fleet, their caches thrashing, hit rate 8% against 21%).
 //! * The decode term is small by design: each step of a busy worker also decodes its running
 //!   requests (`decode_poly` of its KV fill; fill 0 without a configured capacity).
 //! * The admission term (`ttft.admission_wait`) is the wait for KV room. An engine allocates a
@@ -122,8 +127,12 @@ fn step_prefill_ms(poly: &[f64], tokens: f64) -> f64 {
 /// How fast one worker's engine is: its own polynomials, else the fleet's.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct EngineTiming<'a> {
-    /// Prefill time (ms) of one step by its tokens: `load.prefill_time_ms_poly`.
+    /// Prefill time (ms) of one step by its tokens: the worker's, else
+    /// `load.prefill_time_ms_poly`.
     pub prefill_ms_poly: &'a [f64],
+    /// The fleet's `load.prefill_time_ms_poly`: the price of the compute term, the same on
+    /// every worker.
+    pub fleet_prefill_ms_poly: &'a [f64],
     /// Decode step time (ms) by KV fill: `ttft.decode_step_ms_poly`.
     pub decode_step_ms_poly: &'a [f64],
 }
@@ -170,7 +179,7 @@ pub fn predicted_ttft(
     let ttft_ms = (prefill_ms + decode_ms + admission_ms) * inputs.preferred_multiplier;
     let compute_ms = if config.compute_weight > 0.0 {
         config.compute_weight
-            * chunked_prefill_ms(prefill_poly, uncached_tokens, chunk)
+            * chunked_prefill_ms(timing.fleet_prefill_ms_poly, uncached_tokens, chunk)
             * inputs.preferred_multiplier
     } else {
         0.0
@@ -228,6 +237,7 @@ mod tests {
     const DECODE: [f64; 3] = [5.74, 54.01, -25.74];
     const MOCKER: EngineTiming = EngineTiming {
         prefill_ms_poly: &POLY,
+        fleet_prefill_ms_poly: &POLY,
         decode_step_ms_poly: &DECODE,
     };
 
@@ -500,6 +510,7 @@ mod tests {
         let worker = c.worker_of_slot(2).unwrap();
         let own = EngineTiming {
             prefill_ms_poly: worker.prefill_poly(&c.load.prefill_time_ms_poly),
+            fleet_prefill_ms_poly: &c.load.prefill_time_ms_poly,
             decode_step_ms_poly: worker.decode_poly(&DECODE),
         };
         let i = inputs(4096, 0, 0.0, 1);
@@ -520,6 +531,19 @@ mod tests {
             close(fast.decode_ms, slow.decode_ms / 2.0),
             "{fast:?} {slow:?}"
         );
+        // The compute term is priced at the fleet's polynomial everywhere: a speed lead is
+        // counted once (in the TTFT), not again times the weight.
+        let weighted = TtftConfig {
+            compute_weight: 4.0,
+            ..TtftConfig::default()
+        };
+        let w = |t: &EngineTiming| {
+            predicted_ttft(&weighted, &CostWeights::default(), t, 64, &i).unwrap()
+        };
+        let (fast_w, slow_w) = (w(&own), w(&MOCKER));
+        assert!(close(fast_w.compute_ms, slow_w.compute_ms), "{fast_w:?}");
+        assert!(close(fast_w.compute_ms, 4.0 * mocker_prefill(4096.0)));
+        assert!(close(fast_w.ttft_ms, fast.ttft_ms));
         // A worker without its own uses the fleet's.
         let plain = c.worker_of_slot(0).unwrap();
         assert_eq!(plain.prefill_poly(&POLY), &POLY[..]);
