@@ -27,6 +27,7 @@ use crate::types::{DpRank, SlotIdx, WorkerId};
 mod affinity;
 mod approximate;
 mod compile;
+mod engine_priority;
 mod membership;
 mod raw;
 mod tokenizer;
@@ -34,6 +35,7 @@ mod ttft;
 
 pub use affinity::AffinityConfig;
 pub use approximate::{ApproximateConfig, WorkerKvMode};
+pub use engine_priority::EnginePriorityConfig;
 pub use membership::{MembershipConfig, MAX_POOL_WORKERS};
 pub use tokenizer::TokenizerConfig;
 pub use ttft::TtftConfig;
@@ -366,6 +368,8 @@ pub struct Config {
     pub affinity: Option<AffinityConfig>,
     /// The predicted-TTFT policy in `kv` mode (instead of the Dynamo cost), when set.
     pub ttft: Option<TtftConfig>,
+    /// Write each routed request's scheduling priority into its body, when set.
+    pub engine_priority: Option<EnginePriorityConfig>,
     pub workers: Vec<WorkerConfig>,
     pub slots: Vec<Slot>,
     /// Follow the routed cluster's hosts (see `config/membership.rs`); `None` = static list only.
@@ -578,6 +582,32 @@ mod tests {
     }
 
     const ONE: &str = r#"{"workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#;
+
+    #[test]
+    fn engine_priority_is_off_by_default_and_its_weight_bounded() {
+        assert_eq!(
+            Config::from_json(ONE.as_bytes()).unwrap().engine_priority,
+            None
+        );
+        let with = |extra: &str| {
+            format!(
+                r#"{{"engine_priority": {extra}, "workers": [{{"id": 1, "address": "10.0.0.1:8000"}}]}}"#
+            )
+        };
+        let c = Config::from_json(with("{}").as_bytes()).unwrap();
+        assert_eq!(
+            c.engine_priority,
+            Some(EnginePriorityConfig {
+                arrival_weight: 0.0
+            })
+        );
+        let c = Config::from_json(with(r#"{"arrival_weight": 1}"#).as_bytes()).unwrap();
+        assert_eq!(c.engine_priority.unwrap().arrival_weight, 1.0);
+        let e = err(&with(r#"{"arrival_weight": -1}"#));
+        assert!(e.contains("engine_priority.arrival_weight"), "{e}");
+        let e = err(&with(r#"{"field": "prio"}"#));
+        assert!(e.contains("engine_priority") && e.contains("field"), "{e}");
+    }
 
     #[test]
     fn design_example_parses_with_every_field() {

@@ -16,6 +16,7 @@ pub mod load;
 pub mod load_store;
 pub mod membership;
 pub mod polling;
+pub mod priority;
 pub mod prompt_text;
 pub mod render;
 pub mod replication;

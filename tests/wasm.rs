@@ -771,3 +771,26 @@ fn huge_block_size_hashes_nothing_without_allocating() {
     assert!(prompt_sequence_hashes(&t, u32::MAX, None).is_empty());
     assert!(local_block_hashes(&t, u32::MAX, DYNAMO_HASH_SEED).is_empty());
 }
+
+/// The priority is an i64 built from a u64 clock through f64 (`usize` is 32 bits here): the
+/// value and the splice are the same on wasm32 as natively.
+#[cfg_attr(not(target_arch = "wasm32"), test)]
+#[cfg_attr(target_arch = "wasm32", wasm_bindgen_test)]
+fn the_engine_priority_is_the_same_on_wasm32() {
+    use envoy_kv_router::config::EnginePriorityConfig;
+    use envoy_kv_router::priority::{request_priority, splice_priority, EPOCH_MS};
+    let by_arrival = EnginePriorityConfig {
+        arrival_weight: 1.0,
+    };
+    // Five years after the epoch (1.6e11 ms) and 40.5 ms of prefill, in µs: past 2^32.
+    let now = EPOCH_MS + 157_680_000_000;
+    assert_eq!(
+        request_priority(&by_arrival, 40.5, now),
+        157_680_000_040_500
+    );
+    let s = splice_priority(br#"{"model":"m"}"#, 157_680_000_040_500).unwrap();
+    assert_eq!(
+        (s.drain, s.insert.as_slice()),
+        (1, &br#"{"priority":157680000040500,"#[..])
+    );
+}

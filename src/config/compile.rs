@@ -131,6 +131,9 @@ pub(super) fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     if let Some(t) = &raw.ttft {
         super::ttft::check_ttft(t)?;
     }
+    if let Some(p) = &raw.engine_priority {
+        super::engine_priority::check_engine_priority(p)?;
+    }
     let approximate = match raw.approximate {
         Some(mut a) => {
             super::approximate::finish(&mut a, raw.block_size)?;
@@ -168,6 +171,7 @@ pub(super) fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         approximate,
         affinity: raw.affinity,
         ttft: raw.ttft,
+        engine_priority: raw.engine_priority,
         workers,
         slots,
         membership,

@@ -40,6 +40,7 @@ pub(super) struct RawConfig {
     pub approximate: Option<ApproximateConfig>,
     pub affinity: Option<super::AffinityConfig>,
     pub ttft: Option<super::TtftConfig>,
+    pub engine_priority: Option<super::EnginePriorityConfig>,
     pub membership: Option<super::membership::RawMembership>,
     /// Required; `Option` so that its absence reads as "workers: required field is missing".
     pub workers: Option<Vec<RawWorker>>,
@@ -75,6 +76,7 @@ impl Default for RawConfig {
             approximate: None,
             affinity: None,
             ttft: None,
+            engine_priority: None,
             membership: None,
             workers: None,
             allow_client_pinning: None,

@@ -82,6 +82,13 @@ pub fn buffer(kind: BufferType, len: usize) -> Option<Vec<u8>> {
     }
 }
 
+/// Replaces the first `drain` bytes of a buffer with `insert` (Envoy edits a buffer only at its
+/// start or its end).
+pub fn replace_buffer_start(kind: BufferType, drain: usize, insert: &[u8]) -> bool {
+    counted();
+    hostcalls::set_buffer(kind, 0, drain, insert).is_ok()
+}
+
 /// Envoy's shared data (process-wide, per `vm_id`) as the core's [`SharedStore`].
 pub struct HostStore;
 

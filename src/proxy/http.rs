@@ -14,6 +14,7 @@ use crate::config::{ClientHints, Config, DestinationFormat, PrefillLoadModel, Ro
 use crate::lazy_hash::PromptHasher;
 use crate::load::{output_milli_blocks, Ticket};
 use crate::load_store::{self, Release};
+use crate::priority::{request_priority, splice_priority};
 use crate::prompt_text::{prompt_text, render_cache_key, text_prefix_hashes};
 use crate::render::{classify, parse_reply, RenderFailure};
 use crate::request::{
@@ -627,18 +628,30 @@ impl RequestContext {
         }
 
         let key = vm.new_request_key();
-        // The booked prefill decays over the engine's steps: the worker's step size, else the
-        // `ttft` policy's (the same steps its score prices).
-        let expected_ms = match config.load.prefill_load_model {
-            PrefillLoadModel::Polynomial => Some(prefill_duration_ms(
+        // The request's prefill on the worker's engine, in the worker's steps, else the `ttft`
+        // policy's (the same steps its score prices).
+        let prefill_ms = || {
+            prefill_duration_ms(
                 worker.prefill_poly(&config.load.prefill_time_ms_poly),
                 decision.prefill_tokens,
                 worker
                     .max_num_batched_tokens
                     .or(config.ttft.as_ref().map(|t| t.chunk_tokens)),
-            )),
+            )
+        };
+        // The booked prefill decays over those steps.
+        let expected_ms = match config.load.prefill_load_model {
+            PrefillLoadModel::Polynomial => Some(prefill_ms()),
             PrefillLoadModel::None => None,
         };
+        if let Some(engine_priority) = &config.engine_priority {
+            let priority = request_priority(engine_priority, prefill_ms(), now);
+            if write_priority(priority) {
+                vm.metrics.add_later("engine_priority.written", 1);
+            } else {
+                vm.metrics.add_later("engine_priority.unwritten", 1);
+            }
+        }
         let booked = load_store::update_slot_from(
             &HostStore,
             config.slots.len(),
@@ -874,6 +887,39 @@ impl RequestContext {
 
 /// Raises each slot's device overlap to its predicted run: every slot for text hashes (only
 /// predictions know them), only `kv_mode` approximate slots for token hashes.
+/// Bytes of the body read to place the priority: the object's `{` and the start of its first
+/// member (a body led by more whitespace than this is left alone and counted).
+const PRIORITY_HEAD_BYTES: usize = 64;
+
+/// Makes `"priority": P` the buffered request body's first member and corrects its
+/// `content-length`. `false` (body unchanged) when the body is not a JSON object or Envoy
+/// refuses the edit.
+fn write_priority(priority: i64) -> bool {
+    let Some(head) = host::buffer(BufferType::HttpRequestBody, PRIORITY_HEAD_BYTES) else {
+        return false;
+    };
+    let Some(splice) = splice_priority(&head, priority) else {
+        return false;
+    };
+    if !host::replace_buffer_start(BufferType::HttpRequestBody, splice.drain, &splice.insert) {
+        return false;
+    }
+    // A chunked body has no length to correct.
+    if let Some(length) = host::header(MapType::HttpRequestHeaders, "content-length")
+        .and_then(|v| v.trim().parse::<usize>().ok())
+    {
+        let grown = length
+            .saturating_add(splice.insert.len())
+            .saturating_sub(splice.drain);
+        host::set_header(
+            MapType::HttpRequestHeaders,
+            "content-length",
+            Some(&grown.to_string()),
+        );
+    }
+    true
+}
+
 fn merge_predictions(
     vm: &VmState,
     config: &Config,

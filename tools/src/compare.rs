@@ -353,13 +353,14 @@ fn run_arm(
         // else the mock's divided by the workers' `--speedup`); `+cap`: the workers' `kv_capacity_blocks`
         // (their `--kv-blocks`: the decode term's KV fill); `+busy:F`: that and
         // `busy.decode_blocks_fraction` F; `+admit`: that and `ttft.admission_wait` (the
-        // predicted wait for KV room).
+        // predicted wait for KV room); `+prio[:A]`: `engine_priority` (arrival weight A; the
+        // fleet must run `--scheduling-policy priority`).
         m if m.starts_with("kv+ttft") => {
             let bad = || {
                 io::Error::new(
                     io::ErrorKind::InvalidInput,
                     format!(
-                        "{m}: expected kv+ttft[+approx][+decay][+compute:W][+affinity[:T]][+fit|+fitmean][+cap][+busy:F][+admit]"
+                        "{m}: expected kv+ttft[+approx][+decay][+compute:W][+affinity[:T]][+fit|+fitmean][+cap][+busy:F][+admit][+prio[:A]]"
                     ),
                 )
             };
@@ -368,6 +369,11 @@ fn run_arm(
                 match option {
                     "approx" | "cap" => {}
                     "admit" => extra["ttft"]["admission_wait"] = json!(true),
+                    "prio" => extra["engine_priority"] = json!({}),
+                    o if o.starts_with("prio:") => {
+                        let a: f64 = o.trim_start_matches("prio:").parse().map_err(|_| bad())?;
+                        extra["engine_priority"] = json!({"arrival_weight": a});
+                    }
                     o if o.starts_with("busy:") => {
                         let f: f64 = o.trim_start_matches("busy:").parse().map_err(|_| bad())?;
                         extra["busy"] = json!({"decode_blocks_fraction": f});

@@ -36,7 +36,9 @@ Policy arms: kv+affinity[:R] (load-gated affinity), kv+ttft[+approx][+decay][+co
 decay; +compute:W: ttft.compute_weight W; +affinity[:T]: the load-gated affinity in front of it, \
 max_extra_prefill_tokens T; +fit: the fleet's timing polynomials: the mock's divided by the workers' --speedup, \
 or on real engines (--vllm-engines) measured on the first by `calibrate` before the arms; on a \
-mixed fleet (--worker-speedups) each worker's own; +fitmean: one polynomial at the fleet's mean speedup).\n\
+mixed fleet (--worker-speedups) each worker's own; +fitmean: one polynomial at the fleet's mean speedup; \
++prio[:A]: the filter writes each request's predicted prefill as its engine priority, arrival weight A; \
+run the fleet with --worker-args \"--scheduling-policy priority\").\n\
 --modes: start a fresh fleet of --fleet mock workers (engine mode, --worker-args; each with a \
 kv-event-bridge fed over ZMQ unless --events-via http) and a fresh Envoy with the filter for \
 each routing mode in turn, run the same workload through each, and \

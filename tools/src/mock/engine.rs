@@ -63,6 +63,20 @@ pub struct EngineConfig {
     pub dp_rank: u32,
     /// How blocks are named (the mock's own hash by default).
     pub block_hasher: BlockHasher,
+    /// vLLM's `--scheduling-policy`: arrival order, or each request's `priority` (lowest first,
+    /// then arrival), which also picks the preemption victim.
+    pub policy: SchedulingPolicy,
+}
+
+/// The order in which waiting requests are admitted (vLLM's `--scheduling-policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum SchedulingPolicy {
+    /// First come, first served: a request's `priority` other than 0 is refused, as vLLM does.
+    #[default]
+    Fcfs,
+    /// Lowest `(priority, arrival)` first; a preempted request goes back by its priority, and
+    /// the running request of the highest `(priority, arrival)` is the one preempted.
+    Priority,
 }
 
 impl Default for EngineConfig {
@@ -79,6 +93,7 @@ impl Default for EngineConfig {
             host_reload_weight: 0.25,
             dp_rank: 0,
             block_hasher: BlockHasher::Mock,
+            policy: SchedulingPolicy::Fcfs,
         }
     }
 }
@@ -165,6 +180,8 @@ pub struct Counters {
 #[derive(Debug)]
 struct Seq {
     id: ReqId,
+    /// The request's `priority` (0 unless given; read under the priority policy only).
+    priority: i64,
     tokens: Vec<u32>,
     prompt_len: usize,
     max_tokens: usize,
@@ -275,10 +292,22 @@ impl EngineCore {
         self.cache.active_blocks() as f64 / self.cfg.kv_blocks as f64
     }
 
-    /// Queues a request. Fails if it could never fit in the KV cache.
-    pub fn submit(&mut self, tokens: Vec<u32>, max_tokens: usize) -> Result<ReqId, String> {
+    /// Queues a request. Fails if it could never fit in the KV cache, or if it has a priority
+    /// other than 0 on an engine that schedules in arrival order (vLLM refuses it too).
+    pub fn submit(
+        &mut self,
+        tokens: Vec<u32>,
+        max_tokens: usize,
+        priority: i64,
+    ) -> Result<ReqId, String> {
         if tokens.is_empty() {
             return Err("empty prompt".into());
+        }
+        if priority != 0 && self.cfg.policy == SchedulingPolicy::Fcfs {
+            return Err(
+                "Got priority != 0 but the engine schedules in arrival order: start it with --scheduling-policy priority"
+                    .into(),
+            );
         }
         let max_tokens = max_tokens.max(1);
         let need = blocks_for(tokens.len() + max_tokens, self.cfg.block_size);
@@ -291,8 +320,9 @@ impl EngineCore {
         }
         let id = self.next_id;
         self.next_id += 1;
-        self.waiting.push_back(Seq {
+        self.enqueue(Seq {
             id,
+            priority,
             prompt_len: tokens.len(),
             tokens,
             max_tokens,
@@ -306,6 +336,21 @@ impl EngineCore {
             admitted_before: false,
         });
         Ok(id)
+    }
+
+    /// Puts a new request in the waiting queue: last, or by `(priority, arrival)`.
+    fn enqueue(&mut self, seq: Seq) {
+        match self.cfg.policy {
+            SchedulingPolicy::Fcfs => self.waiting.push_back(seq),
+            SchedulingPolicy::Priority => self.insert_by_priority(seq),
+        }
+    }
+
+    /// Ids grow with arrival, so `(priority, id)` is vLLM's `(priority, arrival_time)`.
+    fn insert_by_priority(&mut self, seq: Seq) {
+        let key = (seq.priority, seq.id);
+        let at = self.waiting.partition_point(|s| (s.priority, s.id) < key);
+        self.waiting.insert(at, seq);
     }
 
     /// Cancels a request (its blocks are released at the next step; no output follows).
@@ -400,12 +445,27 @@ impl EngineCore {
         true
     }
 
+    /// Preempts the newest running sequence (the lowest priority under the priority policy)
+    /// and returns it to the waiting queue: first, or by its priority.
     fn preempt_last(&mut self) -> Option<ReqId> {
-        let mut s = self.running.pop()?;
+        let mut s = match self.cfg.policy {
+            SchedulingPolicy::Fcfs => self.running.pop()?,
+            SchedulingPolicy::Priority => {
+                let (at, _) = self
+                    .running
+                    .iter()
+                    .enumerate()
+                    .max_by_key(|(_, s)| (s.priority, s.id))?;
+                self.running.remove(at)
+            }
+        };
         release_all(&mut self.cache, &mut s);
         self.counters.preemptions += 1;
         let id = s.id;
-        self.waiting.push_front(s);
+        match self.cfg.policy {
+            SchedulingPolicy::Fcfs => self.waiting.push_front(s),
+            SchedulingPolicy::Priority => self.insert_by_priority(s),
+        }
         Some(id)
     }
 
@@ -730,10 +790,11 @@ impl Engine {
         &self,
         tokens: Vec<u32>,
         max_tokens: usize,
+        priority: i64,
     ) -> Result<(ReqId, UnboundedReceiver<Output>), String> {
         let (tx, rx) = unbounded_channel();
         let mut g = lock(&self.inner);
-        let id = g.core.submit(tokens, max_tokens)?;
+        let id = g.core.submit(tokens, max_tokens, priority)?;
         g.subs.insert(id, tx);
         drop(g);
         self.wake.notify_all();
@@ -885,7 +946,7 @@ mod tests {
             speedup: 2.0,
             ..cfg(100)
         });
-        core.submit(prompt(1, 40), 2).unwrap();
+        core.submit(prompt(1, 40), 2, 0).unwrap();
         // Step 1: prefill of 40 new tokens, nothing decoding, cache empty.
         let s1 = core.step().unwrap();
         assert_eq!(s1.prefill_tokens, 40);
@@ -919,7 +980,7 @@ mod tests {
             max_batched_tokens: 16,
             ..cfg(100)
         });
-        core.submit(prompt(1, 40), 1).unwrap();
+        core.submit(prompt(1, 40), 1, 0).unwrap();
         let steps = run_to_completion(&mut core);
         let chunks: Vec<usize> = steps.iter().map(|s| s.prefill_tokens).collect();
         assert_eq!(chunks, vec![16, 16, 8]);
@@ -933,9 +994,9 @@ mod tests {
     fn fully_cached_prompt_skips_prefill() {
         let mut core = EngineCore::new(cfg(100));
         let p = prompt(7, 32); // 8 full blocks
-        core.submit(p.clone(), 1).unwrap();
+        core.submit(p.clone(), 1, 0).unwrap();
         run_to_completion(&mut core);
-        core.submit(p.clone(), 3).unwrap();
+        core.submit(p.clone(), 3, 0).unwrap();
         let s = core.step().unwrap();
         assert_eq!(s.prefill_tokens, 0);
         assert_eq!(s.decode_seqs, 1);
@@ -954,7 +1015,7 @@ mod tests {
         // Partially cached: only the uncached tail is prefilled.
         let mut q = p[..24].to_vec();
         q.extend(prompt(8, 10));
-        core.submit(q, 1).unwrap();
+        core.submit(q, 1, 0).unwrap();
         assert_eq!(core.step().unwrap().prefill_tokens, 10);
         assert_eq!(core.counters.prefix_hit_tokens, 32 + 24);
     }
@@ -963,7 +1024,7 @@ mod tests {
     fn events_only_for_newly_cached_full_blocks() {
         let mut core = EngineCore::new(cfg(100));
         let p = prompt(1, 10); // 2 full blocks + 2 tokens
-        core.submit(p.clone(), 1).unwrap();
+        core.submit(p.clone(), 1, 0).unwrap();
         run_to_completion(&mut core);
         let ev = core.take_events();
         assert_eq!(ev.len(), 1);
@@ -982,11 +1043,11 @@ mod tests {
             other => panic!("unexpected {other:?}"),
         }
         // The same prompt again: no new full block, no event.
-        core.submit(p.clone(), 1).unwrap();
+        core.submit(p.clone(), 1, 0).unwrap();
         run_to_completion(&mut core);
         assert!(core.take_events().is_empty());
         // Decode fills blocks with generated tokens: those are stored too, chained on the prompt.
-        core.submit(prompt(2, 4), 6).unwrap();
+        core.submit(prompt(2, 4), 6, 0).unwrap();
         run_to_completion(&mut core);
         let ev = core.take_events();
         let stored: usize = ev
@@ -1014,12 +1075,12 @@ mod tests {
         let shared: Vec<u32> = (0..96u32).map(|i| 4 + (7 * i) % 500).collect();
         let mut req1 = shared.clone();
         req1.extend([7, 7, 7, 7]);
-        core.submit(req1, 1).unwrap();
+        core.submit(req1, 1, 0).unwrap();
         run_to_completion(&mut core);
         let first = core.take_events();
         let mut req2 = shared;
         req2.extend(200..240);
-        core.submit(req2, 1).unwrap();
+        core.submit(req2, 1, 0).unwrap();
         run_to_completion(&mut core);
         let second = core.take_events();
         let stored = |events: &[CacheEvent]| -> Vec<(Option<BlockHash>, Vec<BlockHash>)> {
@@ -1051,11 +1112,11 @@ mod tests {
             ..cfg(8)
         });
         let a = prompt(1, 16); // 4 blocks
-        core.submit(a.clone(), 1).unwrap();
+        core.submit(a.clone(), 1, 0).unwrap();
         run_to_completion(&mut core);
         let a_hashes = block_hashes(&a, 4);
         core.take_events();
-        core.submit(prompt(2, 24), 2).unwrap(); // 6 blocks, then 1 for the decoded token
+        core.submit(prompt(2, 24), 2, 0).unwrap(); // 6 blocks, then 1 for the decoded token
         run_to_completion(&mut core);
         let ev = core.take_events();
         let removed: Vec<BlockHash> = ev
@@ -1077,12 +1138,12 @@ mod tests {
             ..cfg(100)
         });
         for i in 0..3 {
-            core.submit(prompt(i, 8), 5).unwrap();
+            core.submit(prompt(i, 8), 5, 0).unwrap();
         }
         core.step().unwrap();
         assert_eq!((core.num_running(), core.num_waiting()), (2, 1));
-        assert!(core.submit(prompt(9, 400), 1).is_err());
-        assert!(core.submit(vec![], 1).is_err());
+        assert!(core.submit(prompt(9, 400), 1, 0).is_err());
+        assert!(core.submit(vec![], 1, 0).is_err());
         let steps = run_to_completion(&mut core);
         let finished = steps
             .iter()
@@ -1093,6 +1154,84 @@ mod tests {
         assert_eq!(core.cache().active_blocks(), 0);
     }
 
+    /// The ids in the order their first token came out.
+    fn first_token_order(steps: &[StepOutcome]) -> Vec<ReqId> {
+        steps
+            .iter()
+            .flat_map(|s| &s.outputs)
+            .filter_map(|o| match o {
+                Output::Token { id, index: 0, .. } => Some(*id),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_priority_policy_admits_the_lowest_priority_first() {
+        let run = |policy| {
+            let mut core = EngineCore::new(EngineConfig {
+                max_seqs: 1,
+                policy,
+                ..cfg(100)
+            });
+            let priorities = if policy == SchedulingPolicy::Priority {
+                [0, 10, 5, 5]
+            } else {
+                [0; 4]
+            };
+            let ids: Vec<ReqId> = (0..4)
+                .map(|i| {
+                    core.submit(prompt(i, 8), 1, priorities[i as usize])
+                        .unwrap()
+                })
+                .collect();
+            let order = first_token_order(&run_to_completion(&mut core));
+            (ids, order)
+        };
+        let (ids, order) = run(SchedulingPolicy::Priority);
+        // The first runs alone; then priority 5 in arrival order, then 10.
+        assert_eq!(order, vec![ids[0], ids[2], ids[3], ids[1]]);
+        let (ids, order) = run(SchedulingPolicy::Fcfs);
+        assert_eq!(order, ids);
+    }
+
+    #[test]
+    fn an_engine_in_arrival_order_refuses_a_priority() {
+        let mut core = EngineCore::new(cfg(100));
+        let err = core.submit(prompt(1, 8), 1, 3).unwrap_err();
+        assert!(err.contains("--scheduling-policy priority"), "{err}");
+        assert!(core.submit(prompt(1, 8), 1, 0).is_ok());
+    }
+
+    #[test]
+    fn the_priority_policy_preempts_the_lowest_priority() {
+        let mut core = EngineCore::new(EngineConfig {
+            watermark: 0.0,
+            policy: SchedulingPolicy::Priority,
+            ..cfg(5)
+        });
+        // As in the FCFS case below, but the older request has the higher priority value: it is
+        // the one preempted (and recomputed), so the newer one finishes first.
+        let low = core.submit(prompt(1, 8), 4, 9).unwrap();
+        let high = core.submit(prompt(2, 8), 4, 1).unwrap();
+        let steps = run_to_completion(&mut core);
+        let finished: Vec<ReqId> = steps
+            .iter()
+            .flat_map(|s| &s.outputs)
+            .filter_map(|o| match o {
+                Output::Finished { id, .. } => Some(*id),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            finished,
+            vec![high, low],
+            "preemptions {}",
+            core.counters.preemptions
+        );
+        assert!(core.counters.preemptions >= 1);
+    }
+
     #[test]
     fn preemption_when_decode_runs_out_of_blocks() {
         let mut core = EngineCore::new(EngineConfig {
@@ -1101,8 +1240,8 @@ mod tests {
         });
         // Two sequences of 2 blocks each that want to grow to 3 blocks each: 6 blocks total, plus
         // the sampled tokens' blocks => someone is preempted and recomputed; all finish.
-        core.submit(prompt(1, 8), 4).unwrap();
-        core.submit(prompt(2, 8), 4).unwrap();
+        core.submit(prompt(1, 8), 4, 0).unwrap();
+        core.submit(prompt(2, 8), 4, 0).unwrap();
         let steps = run_to_completion(&mut core);
         let finished = steps
             .iter()
@@ -1116,12 +1255,12 @@ mod tests {
     #[test]
     fn abort_and_reset_release_everything() {
         let mut core = EngineCore::new(cfg(100));
-        let id = core.submit(prompt(1, 8), 100).unwrap();
+        let id = core.submit(prompt(1, 8), 100, 0).unwrap();
         core.step().unwrap();
         core.abort(id);
         assert!(core.step().is_none());
         assert_eq!(core.cache().active_blocks(), 0);
-        core.submit(prompt(2, 8), 100).unwrap();
+        core.submit(prompt(2, 8), 100, 0).unwrap();
         core.step().unwrap();
         core.take_events();
         let outs = core.reset();
@@ -1139,14 +1278,14 @@ mod tests {
             ..cfg(8)
         });
         let a = prompt(1, 16);
-        core.submit(a.clone(), 1).unwrap();
+        core.submit(a.clone(), 1, 0).unwrap();
         run_to_completion(&mut core);
-        core.submit(prompt(2, 28), 1).unwrap(); // pushes a to the host
+        core.submit(prompt(2, 28), 1, 0).unwrap(); // pushes a to the host
         run_to_completion(&mut core);
         let a_hashes = block_hashes(&a, 4);
         let (dev, host) = core.cache().match_prefix(&a_hashes);
         assert!(host > 0, "dev {dev} host {host}");
-        core.submit(a.clone(), 1).unwrap();
+        core.submit(a.clone(), 1, 0).unwrap();
         let s = core.step().unwrap();
         assert_eq!(s.reload_tokens, host * 4);
         let expected = prefill_ms(((4 - dev - host) * 4) as f64 + 0.25 * (host * 4) as f64)
@@ -1196,7 +1335,7 @@ mod tests {
             },
             100,
         );
-        let (_, mut rx) = engine.submit(prompt(1, 12), 3).unwrap();
+        let (_, mut rx) = engine.submit(prompt(1, 12), 3, 0).unwrap();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .build()

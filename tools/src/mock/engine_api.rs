@@ -43,7 +43,11 @@ pub async fn completion(
     stream_interval: usize,
 ) -> Response {
     let tokens = openai::prompt_tokens(body);
-    let (id, rx) = match engine.submit(tokens, openai::max_tokens(body)) {
+    let priority = match openai::priority(body) {
+        Ok(p) => p,
+        Err(msg) => return json_response(400, &openai::error_body(400, &msg, &shape.worker_id)),
+    };
+    let (id, rx) = match engine.submit(tokens, openai::max_tokens(body), priority) {
         Ok(x) => x,
         Err(msg) => return json_response(400, &openai::error_body(400, &msg, &shape.worker_id)),
     };

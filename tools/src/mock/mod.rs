@@ -50,7 +50,7 @@ use crate::server::{self, Server};
 use crate::util::lock;
 use block_hasher::{BlockHashKind, BlockHasher};
 use echo::EchoState;
-use engine::{Engine, EngineConfig};
+use engine::{Engine, EngineConfig, SchedulingPolicy};
 use kv_zmq::{KvPublisher, ZmqConfig};
 
 /// Event buffer bound in engine mode.
@@ -132,6 +132,10 @@ pub struct Options {
     /// `--stream-interval` (fewer, larger chunks for runs with thousands of streams).
     #[arg(long, default_value_t = 1, value_parser = positive)]
     pub stream_interval: usize,
+    /// The order of admission, as vLLM's `--scheduling-policy`: `priority` serves the lowest
+    /// request `priority` first (then arrival); `fcfs` refuses a priority other than 0.
+    #[arg(long, value_enum, default_value_t = SchedulingPolicy::Fcfs)]
+    pub scheduling_policy: SchedulingPolicy,
     /// A `cpu` device is 8x slower per step.
     #[arg(long, value_enum, default_value_t = Device::Gpu)]
     pub device: Device,
@@ -215,6 +219,7 @@ impl Options {
             },
             dp_rank: self.dp_rank,
             block_hasher: BlockHasher::new(self.block_hash, &self.hash_seed),
+            policy: self.scheduling_policy,
             ..EngineConfig::default()
         }
     }

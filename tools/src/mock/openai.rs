@@ -80,6 +80,17 @@ pub fn max_tokens(body: &Value) -> usize {
         .max(1)
 }
 
+/// The request's `priority` (vLLM's extension field: an int64, lower is served first; 0 when
+/// absent or null).
+pub fn priority(body: &Value) -> Result<i64, String> {
+    match &body["priority"] {
+        Value::Null => Ok(0),
+        v => v
+            .as_i64()
+            .ok_or_else(|| format!("priority must be an integer in the int64 range, got {v}")),
+    }
+}
+
 pub fn is_stream(body: &Value) -> bool {
     body["stream"].as_bool().unwrap_or(false)
 }
