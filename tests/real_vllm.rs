@@ -12,6 +12,9 @@
 //! 4. a restarted engine (killed, started again on the same ports) is noticed by its bridge, and
 //!    the filter drops what the old instance held and credits what the new one stores.
 //!
+//! The engines schedule by priority and the filter writes one into every request
+//! (`engine_priority`): vLLM accepts the edited bodies, `content-length` included.
+//!
 //! Needs `scripts/vllm/install.sh` (`make test` runs it from scripts/setup.sh) and fails, never
 //! skips, without it. Most of its time is engine start-up (twice in parallel, then once more).
 #![allow(
@@ -59,10 +62,12 @@ fn probe(tokens: &[u32]) -> Value {
     json!({"model": "tiny", "prompt": tokens, "max_tokens": 4, "temperature": -1})
 }
 
-/// The engines' configuration: the test's small caches, the rest at serve.sh's defaults.
+/// The engines' configuration: the test's small caches, scheduling by request priority (the
+/// filter's `engine_priority` writes one into every request), the rest at serve.sh's defaults.
 fn engine_config() -> EngineConfig {
     EngineConfig {
         num_blocks: Some(NUM_BLOCKS),
+        extra_args: vec!["--scheduling-policy".into(), "priority".into()],
         ..EngineConfig::default()
     }
 }
@@ -338,7 +343,8 @@ fn start_cluster(dir: &std::path::Path) -> Cluster {
         .collect();
     // Long polls: an event counts for routing as soon as the bridge has it.
     let config = json!({"block_size": BLOCK, "response_headers": true, "workers": workers,
-        "events": {"long_poll_ms": 1000, "timeout_ms": 1000, "stale_after_ms": 5000}});
+        "events": {"long_poll_ms": 1000, "timeout_ms": 1000, "stale_after_ms": 5000},
+        "engine_priority": {}});
     let opts = EnvoyOptions::new(config, engines.iter().map(Engine::addr).collect());
     let envoy = Envoy::start(&opts).expect("start envoy");
     let cluster = Cluster {
@@ -601,6 +607,9 @@ fn two_real_vllm_engines_behind_envoy() {
     lap("engine restart");
     assert_eq!(c.stat("events.pages_rejected"), 0);
     assert_eq!(c.stat("workers.marked_stale"), 0);
+    // Every routed request carried the filter's priority, and vLLM took it (each answered 200).
+    assert!(c.stat("engine_priority.written") > 0);
+    assert_eq!(c.stat("engine_priority.unwritten"), 0);
 
     drop(c);
     let _ = std::fs::remove_dir_all(&dir);

@@ -190,6 +190,8 @@ pub struct EngineConfig {
     /// The KV events' ZMQ topic (empty: vLLM's default, the only one vllm-router's static event
     /// sources accept, and the one a bridge at its defaults must not miss).
     pub topic: String,
+    /// More vLLM arguments (`--scheduling-policy priority`).
+    pub extra_args: Vec<String>,
 }
 
 impl Default for EngineConfig {
@@ -202,6 +204,7 @@ impl Default for EngineConfig {
             num_blocks: None,
             max_num_seqs: 8,
             topic: String::new(),
+            extra_args: Vec::new(),
         }
     }
 }
@@ -264,6 +267,7 @@ impl Engine {
         let c = &self.config;
         let mut cmd = Command::new("bash");
         cmd.arg(workspace_root().join("scripts/vllm/serve.sh"))
+            .args(&c.extra_args)
             .env("MAX_NUM_SEQS", c.max_num_seqs.to_string())
             .env("VLLM_HOME", vllm_home())
             .env("HOST", "127.0.0.1")
