@@ -41,6 +41,7 @@ pub use tokenizer::TokenizerConfig;
 pub use ttft::TtftConfig;
 
 use compile::compile;
+pub use compile::{is_timing_poly, MAX_POLY_COEFFICIENTS};
 
 /// Largest accepted `block_size` in tokens.
 pub const MAX_BLOCK_SIZE: u32 = 1024;

@@ -210,8 +210,17 @@ fn check_busy(b: &BusyThresholds) -> Result<(), ConfigError> {
 }
 
 /// A timing polynomial (ms, lowest degree first): 1 to 8 finite coefficients.
+/// Most coefficients a timing polynomial may have.
+pub const MAX_POLY_COEFFICIENTS: usize = 8;
+
+/// Whether `poly` is a timing polynomial the filter accepts: 1 to 8 finite coefficients.
+pub fn is_timing_poly(poly: &[f64]) -> bool {
+    (1..=MAX_POLY_COEFFICIENTS).contains(&poly.len()) && poly.iter().all(|c| c.is_finite())
+}
+
+/// [`is_timing_poly`] as a configuration error naming the field (and the coefficient).
 pub(super) fn timing_poly(field: &str, poly: &[f64]) -> Result<(), ConfigError> {
-    if poly.is_empty() || poly.len() > 8 {
+    if poly.is_empty() || poly.len() > MAX_POLY_COEFFICIENTS {
         return Err(ConfigError::OutOfRange {
             field: field.to_string(),
             expected: "a list of 1 to 8 coefficients (lowest degree first)",

@@ -9,7 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Device, WorkerConfig};
+use crate::config::{is_timing_poly, Device, WorkerConfig};
 
 /// At most this many models, each at most [`MAX_MODEL_BYTES`] (the description lives in the
 /// shared log head, which is bounded).
@@ -134,26 +134,14 @@ pub fn vet(
         });
         out.max_num_batched_tokens = None;
     }
-    let well_formed = |p: &[f64]| (1..=8).contains(&p.len()) && p.iter().all(|c| c.is_finite());
-    if out
-        .prefill_time_ms_poly
-        .as_deref()
-        .is_some_and(|p| !well_formed(p))
-    {
-        refused.push(Refusal::Polynomial {
-            field: "prefill_time_ms_poly",
-        });
-        out.prefill_time_ms_poly = None;
-    }
-    if out
-        .decode_step_ms_poly
-        .as_deref()
-        .is_some_and(|p| !well_formed(p))
-    {
-        refused.push(Refusal::Polynomial {
-            field: "decode_step_ms_poly",
-        });
-        out.decode_step_ms_poly = None;
+    for (field, poly) in [
+        ("prefill_time_ms_poly", &mut out.prefill_time_ms_poly),
+        ("decode_step_ms_poly", &mut out.decode_step_ms_poly),
+    ] {
+        if poly.as_deref().is_some_and(|p| !is_timing_poly(p)) {
+            refused.push(Refusal::Polynomial { field });
+            *poly = None;
+        }
     }
     (out, refused)
 }
