@@ -456,7 +456,7 @@ pub(super) fn u64_in(
     })
 }
 
-fn f64_in(
+pub(super) fn f64_in(
     field: &str,
     v: f64,
     lo: f64,

@@ -30,12 +30,11 @@ impl Default for EnginePriorityConfig {
 
 /// Rules serde cannot express.
 pub(super) fn check_engine_priority(c: &EnginePriorityConfig) -> Result<(), ConfigError> {
-    if !(0.0..=MAX_ARRIVAL_WEIGHT).contains(&c.arrival_weight) {
-        return Err(ConfigError::OutOfRange {
-            field: "engine_priority.arrival_weight".to_string(),
-            expected: "within [0, 1000]",
-            got: c.arrival_weight.to_string(),
-        });
-    }
-    Ok(())
+    super::compile::f64_in(
+        "engine_priority.arrival_weight",
+        c.arrival_weight,
+        0.0,
+        MAX_ARRIVAL_WEIGHT,
+        "within [0, 1000]",
+    )
 }

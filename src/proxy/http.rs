@@ -630,7 +630,9 @@ impl RequestContext {
         let key = vm.new_request_key();
         // The request's prefill on the worker's engine, in the worker's steps, else the `ttft`
         // policy's (the same steps its score prices).
-        let prefill_ms = || {
+        // Computed once, only when the decay or the priority needs it.
+        let decays = config.load.prefill_load_model == PrefillLoadModel::Polynomial;
+        let prefill_ms = (decays || config.engine_priority.is_some()).then(|| {
             prefill_duration_ms(
                 worker.prefill_poly(&config.load.prefill_time_ms_poly),
                 decision.prefill_tokens,
@@ -638,14 +640,11 @@ impl RequestContext {
                     .max_num_batched_tokens
                     .or(config.ttft.as_ref().map(|t| t.chunk_tokens)),
             )
-        };
+        });
         // The booked prefill decays over those steps.
-        let expected_ms = match config.load.prefill_load_model {
-            PrefillLoadModel::Polynomial => Some(prefill_ms()),
-            PrefillLoadModel::None => None,
-        };
-        if let Some(engine_priority) = &config.engine_priority {
-            let priority = request_priority(engine_priority, prefill_ms(), now);
+        let expected_ms = prefill_ms.filter(|_| decays);
+        if let (Some(engine_priority), Some(ms)) = (&config.engine_priority, prefill_ms) {
+            let priority = request_priority(engine_priority, ms, now);
             if write_priority(priority) {
                 vm.metrics.add_later("engine_priority.written", 1);
             } else {

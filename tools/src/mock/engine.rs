@@ -1154,16 +1154,19 @@ mod tests {
         assert_eq!(core.cache().active_blocks(), 0);
     }
 
-    /// The ids in the order their first token came out.
-    fn first_token_order(steps: &[StepOutcome]) -> Vec<ReqId> {
+    /// The ids of the outputs `pick` keeps, in the order they came out.
+    fn ids_in_order(steps: &[StepOutcome], pick: fn(&Output) -> bool) -> Vec<ReqId> {
         steps
             .iter()
             .flat_map(|s| &s.outputs)
-            .filter_map(|o| match o {
-                Output::Token { id, index: 0, .. } => Some(*id),
-                _ => None,
-            })
+            .filter(|o| pick(o))
+            .map(Output::id)
             .collect()
+    }
+
+    /// The ids in the order their first token came out.
+    fn first_token_order(steps: &[StepOutcome]) -> Vec<ReqId> {
+        ids_in_order(steps, |o| matches!(o, Output::Token { index: 0, .. }))
     }
 
     #[test]
@@ -1215,14 +1218,7 @@ mod tests {
         let low = core.submit(prompt(1, 8), 4, 9).unwrap();
         let high = core.submit(prompt(2, 8), 4, 1).unwrap();
         let steps = run_to_completion(&mut core);
-        let finished: Vec<ReqId> = steps
-            .iter()
-            .flat_map(|s| &s.outputs)
-            .filter_map(|o| match o {
-                Output::Finished { id, .. } => Some(*id),
-                _ => None,
-            })
-            .collect();
+        let finished = ids_in_order(&steps, |o| matches!(o, Output::Finished { .. }));
         assert_eq!(
             finished,
             vec![high, low],
