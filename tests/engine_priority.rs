@@ -152,3 +152,69 @@ fn an_engine_in_arrival_order_refuses_the_priority_and_says_so() {
     let body = String::from_utf8_lossy(&resp.body);
     assert!(body.contains("--scheduling-policy priority"), "{body}");
 }
+
+#[test]
+fn the_priority_is_written_after_the_tokenizer_renders_a_text_prompt() {
+    // A text or chat prompt is held while the tokenizer callout renders it, and routed in the
+    // callout's answer: the priority goes into the held body there. An engine in arrival order
+    // answering 400 shows that it arrived; one scheduling by priority serves it.
+    for (policy, status) in [("fcfs", 400), ("priority", 200)] {
+        let worker = Worker::spawn(
+            1,
+            &[
+                "--mode",
+                "engine",
+                "--block-size",
+                "64",
+                "--scheduling-policy",
+                policy,
+            ],
+        )
+        .expect("worker");
+        let workers = [worker];
+        let tokenizer =
+            json!({"cluster": "kv_events", "address": workers[0].addr, "timeout_ms": 5000});
+        let envoy = start_envoy(
+            &workers,
+            filter_config(
+                &workers,
+                json!({"mode": "kv", "block_size": BLOCK, "tokenizer": tokenizer,
+                       "engine_priority": {}}),
+            ),
+        );
+        let text = "a prompt long enough for several blocks ".repeat(40);
+        let completion = json!({"model": "m", "max_tokens": 2, "prompt": text});
+        let chat = json!({"model": "m", "max_tokens": 2,
+                          "messages": [{"role": "user", "content": text}]});
+        for (path, body) in [
+            ("/v1/completions", &completion),
+            ("/v1/chat/completions", &chat),
+        ] {
+            let resp = envoy.post_json(path, body).expect("request");
+            assert_eq!(resp.status, status, "{policy} {path}: {}", resp.text());
+            assert_eq!(
+                resp.header("x-kv-router-reason"),
+                Some("kv-render"),
+                "{policy} {path}"
+            );
+            if status == 400 {
+                assert!(
+                    resp.text().contains("--scheduling-policy priority"),
+                    "{path}"
+                );
+            }
+        }
+        assert!(
+            envoy.wait_for(Duration::from_secs(5), |e| {
+                e.router_stat("engine_priority.written") == 2
+            }),
+            "{policy}: written {}",
+            envoy.router_stat("engine_priority.written")
+        );
+        assert_eq!(
+            envoy.router_stat("engine_priority.unwritten"),
+            0,
+            "{policy}"
+        );
+    }
+}

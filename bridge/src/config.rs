@@ -240,9 +240,11 @@ impl Args {
                 &self.worker_decode_step_ms_poly,
             ),
         ] {
-            if poly.len() > 8 || poly.iter().any(|c| !c.is_finite()) {
+            // Unset (empty) is allowed; anything else follows the filter's own rule.
+            if !poly.is_empty() && !envoy_kv_router::config::is_timing_poly(poly) {
                 return Err(format!(
-                    "{flag}: 1 to 8 finite coefficients, lowest degree first (got {poly:?})"
+                    "{flag}: 1 to {} finite coefficients, lowest degree first (got {poly:?})",
+                    envoy_kv_router::config::MAX_POLY_COEFFICIENTS
                 ));
             }
         }

@@ -209,8 +209,7 @@ fn check_busy(b: &BusyThresholds) -> Result<(), ConfigError> {
     Ok(())
 }
 
-/// A timing polynomial (ms, lowest degree first): 1 to 8 finite coefficients.
-/// Most coefficients a timing polynomial may have.
+/// Most coefficients a timing polynomial (ms, lowest degree first) may have.
 pub const MAX_POLY_COEFFICIENTS: usize = 8;
 
 /// Whether `poly` is a timing polynomial the filter accepts: 1 to 8 finite coefficients.
