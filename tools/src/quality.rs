@@ -126,6 +126,11 @@ fn parse_loads(header: &str) -> Vec<SlotSeen> {
 
 /// Prefill ms of `tokens` in 8,192-token steps of the filter's default polynomial.
 fn prefill_only_ms(tokens: f64) -> f64 {
+    prefill_in_steps_ms(tokens, 8192.0)
+}
+
+/// The mock engine's prefill of `tokens` in steps of at most `chunk` tokens (ms, speedup 1).
+fn prefill_in_steps_ms(tokens: f64, chunk: f64) -> f64 {
     let step = |t: f64| {
         if t <= 0.0 {
             0.0
@@ -133,8 +138,9 @@ fn prefill_only_ms(tokens: f64) -> f64 {
             4.21e-7 * t * t + 0.0152 * t + 16.5
         }
     };
-    let full = (tokens / 8192.0).floor();
-    full * step(8192.0) + step(tokens - full * 8192.0)
+    let chunk = chunk.max(1.0);
+    let full = (tokens / chunk).floor();
+    full * step(chunk) + step(tokens - full * chunk)
 }
 
 /// The filter's own "load" misses (chosen overlap < the longest overlap in its index), with the
@@ -312,6 +318,112 @@ pub fn credit_table(results: &[(String, RunStats)], block_size: u32) -> String {
     out
 }
 
+/// Upper bounds (exclusive) of the uncached-token classes of [`time_beyond_compute`].
+pub const UNCACHED_CLASSES: [f64; 5] = [2048.0, 8192.0, 16384.0, 32768.0, f64::INFINITY];
+
+/// Where one arm's TTFT goes: the part no router can take away (each request's uncached tokens
+/// computed alone on an idle mock engine) and the rest (the step in progress, the prefills ahead,
+/// the decode work its steps share, the router and the network), by the request's uncached
+/// tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TimeBeyondCompute {
+    pub requests: usize,
+    /// Mean over the requests of their uncached tokens' prefill alone (ms).
+    pub alone_ms: f64,
+    /// Mean TTFT minus [`Self::alone_ms`].
+    pub beyond_ms: f64,
+    /// Per class of [`UNCACHED_CLASSES`]: requests, and their mean TTFT beyond their own compute.
+    pub classes: [(usize, f64); UNCACHED_CLASSES.len()],
+}
+
+/// [`TimeBeyondCompute`] of the requests that reported their cached tokens, on mock engines of
+/// `--speedup` `speedup` computing at most `chunk` prompt tokens a step (`--max-batched-tokens`);
+/// `None` when none did.
+pub fn time_beyond_compute(
+    results: &[RequestResult],
+    speedup: f64,
+    chunk: f64,
+) -> Option<TimeBeyondCompute> {
+    let mut sums = [(0usize, 0.0f64); UNCACHED_CLASSES.len()];
+    let (mut n, mut alone_sum, mut ttft_sum) = (0usize, 0.0, 0.0);
+    for r in results.iter().filter(|r| r.ok) {
+        let (Some(ttft), Some(cached)) = (r.ttft_ms, r.cached_tokens) else {
+            continue;
+        };
+        let uncached = r.prompt_tokens.saturating_sub(cached) as f64;
+        let alone = prefill_in_steps_ms(uncached, chunk) / speedup.max(1e-9);
+        let class = UNCACHED_CLASSES
+            .iter()
+            .position(|bound| uncached < *bound)
+            .unwrap_or(UNCACHED_CLASSES.len() - 1);
+        if let Some((count, beyond)) = sums.get_mut(class) {
+            *count += 1;
+            *beyond += ttft - alone;
+        }
+        n += 1;
+        alone_sum += alone;
+        ttft_sum += ttft;
+    }
+    (n > 0).then(|| TimeBeyondCompute {
+        requests: n,
+        alone_ms: alone_sum / n as f64,
+        beyond_ms: (ttft_sum - alone_sum) / n as f64,
+        classes: sums.map(|(count, beyond)| {
+            (
+                count,
+                if count == 0 {
+                    0.0
+                } else {
+                    beyond / count as f64
+                },
+            )
+        }),
+    })
+}
+
+/// One row per arm of [`time_beyond_compute`]: each class's mean TTFT beyond its own compute
+/// and, in brackets, what that class adds to the arm's mean.
+pub fn time_beyond_compute_table(
+    results: &[(String, RunStats)],
+    speedup: f64,
+    chunk: f64,
+) -> String {
+    let mut out = String::new();
+    let rows: Vec<(&String, TimeBeyondCompute)> = results
+        .iter()
+        .filter_map(|(name, s)| Some((name, time_beyond_compute(&s.results, speedup, chunk)?)))
+        .collect();
+    if rows.is_empty() {
+        return out;
+    }
+    let _ = writeln!(
+        out,
+        "{:<26} {:>7} {:>7} | {:>12} {:>12} {:>12} {:>12} {:>12}",
+        "arm", "alone", "beyond", "<2k", "2k-8k", "8k-16k", "16k-32k", ">=32k"
+    );
+    for (name, t) in rows {
+        let _ = write!(
+            out,
+            "{:<26} {:>7.1} {:>7.1} |",
+            name, t.alone_ms, t.beyond_ms
+        );
+        for (count, beyond) in t.classes {
+            let share = beyond * count as f64 / t.requests as f64;
+            let _ = write!(out, " {:>12}", format!("{beyond:.0} ({share:.1})"));
+        }
+        let _ = writeln!(out);
+    }
+    let _ = writeln!(
+        out,
+        "(ms; alone = the mean time each request's uncached tokens take on an idle engine, in \
+         steps of --max-batched-tokens at the mock's polynomial / --speedup: no router goes under it at this \
+         hit rate; beyond = TTFT mean minus alone: the step in progress, the prefills ahead, the \
+         decode terms of the steps it shares, the router and the network; per class of uncached \
+         tokens, its requests' mean beyond and (in brackets) what that class adds to the arm's mean)"
+    );
+    out
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -391,6 +503,53 @@ mod tests {
         let table = credit_table(&[("kv+approx".to_string(), stats)], 64);
         assert!(
             table.contains("kv+approx") && table.contains("27.2%"),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn time_beyond_compute_splits_the_ttft_by_uncached_tokens() {
+        let served = |prompt: usize, cached: usize, ttft: f64| RequestResult {
+            ok: true,
+            prompt_tokens: prompt,
+            cached_tokens: Some(cached),
+            ttft_ms: Some(ttft),
+            ..RequestResult::default()
+        };
+        // 1,000 uncached tokens: 16.5 + 15.2 + 0.421 = 32.121 ms alone at speedup 1.
+        let short_alone = 16.5 + 0.0152 * 1000.0 + 4.21e-7 * 1e6;
+        // 20,000 uncached: two full 8,192-token steps and 3,616 tokens.
+        let step = |t: f64| 4.21e-7 * t * t + 0.0152 * t + 16.5;
+        let long_alone = 2.0 * step(8192.0) + step(3616.0);
+        let results = vec![
+            served(3000, 2000, short_alone / 2.0 + 10.0),
+            served(20_000, 0, long_alone / 2.0 + 50.0),
+            RequestResult {
+                ok: true,
+                prompt_tokens: 500,
+                ttft_ms: Some(5.0),
+                ..RequestResult::default()
+            }, // no cached tokens reported: left out
+        ];
+        let t = time_beyond_compute(&results, 2.0, 8192.0).unwrap();
+        assert_eq!(t.requests, 2);
+        assert!((t.beyond_ms - 30.0).abs() < 1e-9, "{t:?}");
+        assert!(
+            (t.alone_ms - (short_alone + long_alone) / 4.0).abs() < 1e-9,
+            "{t:?}"
+        );
+        assert_eq!(t.classes[0].0, 1);
+        assert!((t.classes[0].1 - 10.0).abs() < 1e-9, "{t:?}");
+        assert_eq!(t.classes[3].0, 1);
+        assert!((t.classes[3].1 - 50.0).abs() < 1e-9, "{t:?}");
+        assert_eq!(time_beyond_compute(&results[2..], 2.0, 8192.0), None);
+        let stats = RunStats {
+            results,
+            ..RunStats::default()
+        };
+        let table = time_beyond_compute_table(&[("kv".to_string(), stats)], 2.0, 8192.0);
+        assert!(
+            table.contains("10 (5.0)") && table.contains("50 (25.0)"),
             "{table}"
         );
     }

@@ -14,7 +14,9 @@ use envoy_kv_router_tools::loadgen::{
     chat, format_stats, load_mooncake, run_workload_on, synthetic, write_svg_chart, ChatSpec,
     ModelFit, RequestResult, RunOptions, RunStats, SyntheticSpec, Workload,
 };
-use envoy_kv_router_tools::quality::{affinity_table, credit_table, load_miss_table};
+use envoy_kv_router_tools::quality::{
+    affinity_table, credit_table, load_miss_table, time_beyond_compute_table,
+};
 use envoy_kv_router_tools::sys::raise_fd_limit;
 use envoy_kv_router_tools::vllm::{self, EngineConfig};
 use serde_json::Value;
@@ -435,6 +437,12 @@ fn print_routing_diagnostics(results: &[(String, RunStats)], workload: &Workload
     );
     print!("{}", load_miss_table(results, args.block_size));
     print!("{}", credit_table(results, args.block_size));
+    // Mock engines of one speed only: their polynomial prices "alone".
+    if args.vllm_engines.is_none() && args.worker_speedups.is_empty() {
+        let speedup = worker_arg::<f64>(&words, "--speedup").unwrap_or(1.0);
+        let chunk = worker_arg::<f64>(&words, "--max-batched-tokens").unwrap_or(8192.0);
+        print!("{}", time_beyond_compute_table(results, speedup, chunk));
+    }
 }
 
 /// A `--requests-jsonl` file of `--modes`: every arm's requests, arms in file order.
