@@ -23,6 +23,13 @@ use crate::config::EnginePriorityConfig;
 /// 2025-01-01T00:00:00Z in Unix milliseconds: keeps arrival-weighted priorities small.
 pub const EPOCH_MS: u64 = 1_735_689_600_000;
 
+/// The prefill (ms) a request is given when the filter routes it without pricing it (the
+/// fallback rule: a body too large to read, a field it could not parse). Without a priority the
+/// engine would serve it first (vLLM's default priority 0 is the lowest value written), and the
+/// largest bodies are the ones most likely to fall back. Ten minutes: after every prefill the
+/// filter priced, in arrival order among such requests.
+pub const UNPRICED_PREFILL_MS: f64 = 600_000.0;
+
 /// The priority of a request whose uncached tokens take `predicted_prefill_ms` on its worker,
 /// routed at `now_ms` (Unix). `0..=2^53`, lower is served first.
 pub fn request_priority(
@@ -93,6 +100,19 @@ mod tests {
         assert_eq!(
             apply("\t{\n\"a\":1}", 0).unwrap(),
             "{\"priority\":0,\n\"a\":1}"
+        );
+    }
+
+    #[test]
+    fn an_unpriced_request_comes_after_every_priced_one() {
+        let sjf = EnginePriorityConfig {
+            arrival_weight: 0.0,
+        };
+        let now = EPOCH_MS + 10_000;
+        // A 1M-token prompt at the mocker's polynomial (one pass): ~436 s.
+        let longest = 4.21e-7 * 1e12 + 0.0152 * 1e6 + 16.5;
+        assert!(
+            request_priority(&sjf, UNPRICED_PREFILL_MS, now) > request_priority(&sjf, longest, now)
         );
     }
 

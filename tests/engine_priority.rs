@@ -218,3 +218,27 @@ fn the_priority_is_written_after_the_tokenizer_renders_a_text_prompt() {
         );
     }
 }
+
+#[test]
+fn a_request_routed_by_the_fallback_rule_is_served_after_the_priced_ones() {
+    // Bodies over `max_body_bytes` (here the two long prompts) are routed unread. Without a
+    // priority the engine would admit the waiting long one first (0 is below every priority the
+    // filter writes); with the unpriced priority the short, priced prompt overtakes it.
+    let worker = priority_engine();
+    let workers = [worker];
+    let envoy = start_envoy(
+        &workers,
+        filter_config(
+            &workers,
+            json!({"mode": "kv", "ttft": {}, "max_body_bytes": 8192, "engine_priority": {}}),
+        ),
+    );
+    assert!(
+        short_overtakes_long(&envoy, &workers[0], 2_000_000),
+        "the priced short prompt goes before the unpriced long one"
+    );
+    assert!(envoy.wait_for(Duration::from_secs(5), |e| {
+        e.router_stat("fallback.body_too_large") == 2
+            && e.router_stat("engine_priority.written") == 3
+    }));
+}

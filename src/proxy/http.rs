@@ -14,7 +14,7 @@ use crate::config::{ClientHints, Config, DestinationFormat, PrefillLoadModel, Ro
 use crate::lazy_hash::PromptHasher;
 use crate::load::{output_milli_blocks, Ticket};
 use crate::load_store::{self, Release};
-use crate::priority::{request_priority, splice_priority};
+use crate::priority::{request_priority, splice_priority, UNPRICED_PREFILL_MS};
 use crate::prompt_text::{prompt_text, render_cache_key, text_prefix_hashes};
 use crate::render::{classify, parse_reply, RenderFailure};
 use crate::request::{
@@ -645,11 +645,7 @@ impl RequestContext {
         let expected_ms = prefill_ms.filter(|_| decays);
         if let (Some(engine_priority), Some(ms)) = (&config.engine_priority, prefill_ms) {
             let priority = request_priority(engine_priority, ms, now);
-            if write_priority(priority) {
-                vm.metrics.add_later("engine_priority.written", 1);
-            } else {
-                vm.metrics.add_later("engine_priority.unwritten", 1);
-            }
+            count_priority(vm, write_priority(priority));
         }
         let booked = load_store::update_slot_from(
             &HostStore,
@@ -781,6 +777,10 @@ impl RequestContext {
         }
         host::set_header(MapType::HttpRequestHeaders, REASON_HEADER, Some(&reason));
         vm.metrics.inc(&format!("fallback.{why}"));
+        if let Some(engine_priority) = &config.engine_priority {
+            let priority = request_priority(engine_priority, UNPRICED_PREFILL_MS, host::now_ms());
+            count_priority(vm, write_priority(priority));
+        }
     }
 
     /// Envoy may have retried the request on a fallback host: move the booking (and the reported
@@ -886,6 +886,15 @@ impl RequestContext {
 
 /// Raises each slot's device overlap to its predicted run: every slot for text hashes (only
 /// predictions know them), only `kv_mode` approximate slots for token hashes.
+fn count_priority(vm: &mut VmState, written: bool) {
+    let name = if written {
+        "engine_priority.written"
+    } else {
+        "engine_priority.unwritten"
+    };
+    vm.metrics.add_later(name, 1);
+}
+
 /// Bytes of the body read to place the priority: the object's `{` and the start of its first
 /// member (a body led by more whitespace than this is left alone and counted).
 const PRIORITY_HEAD_BYTES: usize = 64;
