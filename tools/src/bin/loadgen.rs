@@ -78,6 +78,10 @@ struct Args {
     /// --max-num-seqs of each real engine.
     #[arg(long, default_value_t = 8)]
     vllm_max_num_seqs: u32,
+    /// More arguments for each real engine, split on whitespace, e.g.
+    /// "--scheduling-policy priority" for the `+prio` arms.
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    vllm_args: String,
     /// Keep this many tokens of each 512-token block of a Mooncake trace (shorter prompts with
     /// the same sharing, e.g. for the tiny real model).
     #[arg(long)]
@@ -307,6 +311,9 @@ fn main() {
             }
             fleet.speedups = args.worker_speedups.clone();
         }
+        if args.vllm_engines.is_none() && !args.vllm_args.trim().is_empty() {
+            fail("--vllm-args is for --vllm-engines (mock workers take --worker-args)");
+        }
         if let Some(n) = args.vllm_engines {
             // vLLM refuses to start unless one request of the full context fits in its cache
             // beside a spare block.
@@ -323,6 +330,7 @@ fn main() {
                 max_len: args.vllm_max_len,
                 num_blocks: Some(args.vllm_blocks),
                 max_num_seqs: args.vllm_max_num_seqs,
+                extra_args: args.vllm_args.split_whitespace().map(String::from).collect(),
                 ..EngineConfig::default()
             });
         }
