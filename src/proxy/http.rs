@@ -884,17 +884,6 @@ impl RequestContext {
     }
 }
 
-/// Raises each slot's device overlap to its predicted run: every slot for text hashes (only
-/// predictions know them), only `kv_mode` approximate slots for token hashes.
-fn count_priority(vm: &mut VmState, written: bool) {
-    let name = if written {
-        "engine_priority.written"
-    } else {
-        "engine_priority.unwritten"
-    };
-    vm.metrics.add_later(name, 1);
-}
-
 /// Bytes of the body read to place the priority: the object's `{` and the start of its first
 /// member (a body led by more whitespace than this is left alone and counted).
 const PRIORITY_HEAD_BYTES: usize = 64;
@@ -928,6 +917,18 @@ fn write_priority(priority: i64) -> bool {
     true
 }
 
+/// Counts whether the priority went into the body.
+fn count_priority(vm: &mut VmState, written: bool) {
+    let name = if written {
+        "engine_priority.written"
+    } else {
+        "engine_priority.unwritten"
+    };
+    vm.metrics.add_later(name, 1);
+}
+
+/// Raises each slot's device overlap to its predicted run: every slot for text hashes (only
+/// predictions know them), only `kv_mode` approximate slots for token hashes.
 fn merge_predictions(
     vm: &VmState,
     config: &Config,

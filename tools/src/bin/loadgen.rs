@@ -330,7 +330,11 @@ fn main() {
                 max_len: args.vllm_max_len,
                 num_blocks: Some(args.vllm_blocks),
                 max_num_seqs: args.vllm_max_num_seqs,
-                extra_args: args.vllm_args.split_whitespace().map(String::from).collect(),
+                extra_args: args
+                    .vllm_args
+                    .split_whitespace()
+                    .map(String::from)
+                    .collect(),
                 ..EngineConfig::default()
             });
         }
