@@ -7,6 +7,7 @@
 use std::fmt::Write as _;
 
 use crate::loadgen::{affinity_replay, pooled_replay, RequestResult, RunStats, Workload};
+use crate::mock::engine::prefill_ms;
 
 /// One row per arm of the affinity replay, with the arm's hit rate in the cache model and the
 /// same requests' hit rate in one cache pooling the `workers` caches (the ceiling).
@@ -124,23 +125,16 @@ fn parse_loads(header: &str) -> Vec<SlotSeen> {
         .collect()
 }
 
-/// Prefill ms of `tokens` in 8,192-token steps of the filter's default polynomial.
+/// Prefill ms of `tokens` in 8,192-token steps of the mock engine (speedup 1).
 fn prefill_only_ms(tokens: f64) -> f64 {
     prefill_in_steps_ms(tokens, 8192.0)
 }
 
 /// The mock engine's prefill of `tokens` in steps of at most `chunk` tokens (ms, speedup 1).
 fn prefill_in_steps_ms(tokens: f64, chunk: f64) -> f64 {
-    let step = |t: f64| {
-        if t <= 0.0 {
-            0.0
-        } else {
-            4.21e-7 * t * t + 0.0152 * t + 16.5
-        }
-    };
     let chunk = chunk.max(1.0);
     let full = (tokens / chunk).floor();
-    full * step(chunk) + step(tokens - full * chunk)
+    full * prefill_ms(chunk) + prefill_ms(tokens - full * chunk)
 }
 
 /// The filter's own "load" misses (chosen overlap < the longest overlap in its index), with the
