@@ -3,9 +3,10 @@
 //!
 //! [`EngineCore`] is the deterministic model (no clocks, no threads): a waiting queue, continuous
 //! batching with chunked prefill (at most `max_seqs` running, at most `max_batched_tokens` tokens
-//! per step: one per decoding sequence, the rest for prefill chunks in arrival order), a paged
-//! [`KvCache`] with prefix reuse, and preemption (the newest running sequence) when decode runs
-//! out of blocks. [`EngineCore::step`] plans and applies one batch and says how long it takes:
+//! per step: one per decoding sequence, the rest for prefill chunks in arrival order, each at
+//! most `long_prefill_token_threshold` while others run or wait), a paged [`KvCache`] with prefix
+//! reuse, and preemption (the newest running sequence) when decode runs out of blocks.
+//! [`EngineCore::step`] plans and applies one batch and says how long it takes:
 //!
 //! * prefill ms = 4.21e-7 T^2 + 0.0152 T + 16.5, T = new tokens in the batch (host-tier hits count
 //!   as `host_reload_weight` of a token each); no prefill tokens => no prefill term;
@@ -53,6 +54,10 @@ pub struct EngineConfig {
     pub host_kv_blocks: usize,
     pub max_seqs: usize,
     pub max_batched_tokens: usize,
+    /// vLLM's `--long-prefill-token-threshold`: the most prompt tokens one request computes in a
+    /// step while another request runs or waits (0 = no cap), so that a long prefill leaves
+    /// budget for the rest of the batch.
+    pub long_prefill_token_threshold: usize,
     pub speedup: f64,
     /// Multiplies every step time (1 for a GPU, 8 for a CPU device).
     pub slowdown: f64,
@@ -87,6 +92,7 @@ impl Default for EngineConfig {
             host_kv_blocks: 0,
             max_seqs: 256,
             max_batched_tokens: 8192,
+            long_prefill_token_threshold: 0,
             speedup: 1.0,
             slowdown: 1.0,
             watermark: 0.01,
@@ -469,6 +475,18 @@ impl EngineCore {
         Some(id)
     }
 
+    /// The most prompt tokens one request may compute in this step: vLLM applies
+    /// `--long-prefill-token-threshold` only while another request runs or waits (a lone request
+    /// starves nobody).
+    fn prefill_chunk_cap(&self) -> usize {
+        let threshold = self.cfg.long_prefill_token_threshold;
+        if threshold > 0 && self.running.len() + self.waiting.len() > 1 {
+            threshold
+        } else {
+            usize::MAX
+        }
+    }
+
     /// Plans and applies one batch. `None` when there is nothing to do.
     pub fn step(&mut self) -> Option<StepOutcome> {
         self.reap_aborted();
@@ -477,6 +495,7 @@ impl EngineCore {
         }
         let bs = self.cfg.block_size;
         let mut budget = self.cfg.max_batched_tokens.max(1);
+        let chunk_cap = self.prefill_chunk_cap();
         let mut decodes: Vec<ReqId> = Vec::new();
         let mut prefills: Vec<(ReqId, usize)> = Vec::new();
         let mut reload_tokens = 0usize;
@@ -518,7 +537,7 @@ impl EngineCore {
                 break;
             }
             if seq.needs_prefill() {
-                let chunk = (seq.target - seq.computed).min(budget);
+                let chunk = (seq.target - seq.computed).min(budget).min(chunk_cap);
                 prefills.push((seq.id, chunk));
                 budget -= chunk;
             }
@@ -533,7 +552,7 @@ impl EngineCore {
                 break;
             }
             if seq.needs_prefill() {
-                let chunk = (seq.target - seq.computed).min(budget);
+                let chunk = (seq.target - seq.computed).min(budget).min(chunk_cap);
                 prefills.push((seq.id, chunk));
                 budget -= chunk;
             } else {
@@ -1196,6 +1215,39 @@ mod tests {
         assert_eq!(order, vec![ids[0], ids[2], ids[3], ids[1]]);
         let (ids, order) = run(SchedulingPolicy::Fcfs);
         assert_eq!(order, ids);
+    }
+
+    /// Steps until each of a long prompt (running alone for one step) and a short one (arriving
+    /// after that step) samples its first token, at a `--long-prefill-token-threshold`.
+    fn first_token_steps(threshold: usize) -> (usize, usize) {
+        let mut core = EngineCore::new(EngineConfig {
+            long_prefill_token_threshold: threshold,
+            ..cfg(400)
+        });
+        let long = core.submit(prompt(1, 512), 1, 0).unwrap();
+        let mut steps = vec![core.step().unwrap()];
+        let short = core.submit(prompt(2, 8), 1, 0).unwrap();
+        steps.extend(run_to_completion(&mut core));
+        let first_step = |id| {
+            1 + steps
+                .iter()
+                .position(|o| {
+                    o.outputs
+                        .iter()
+                        .any(|out| matches!(out, Output::Token { id: i, index: 0, .. } if *i == id))
+                })
+                .unwrap()
+        };
+        (first_step(long), first_step(short))
+    }
+
+    #[test]
+    fn a_long_prefill_threshold_lets_a_short_prompt_past_a_running_long_one() {
+        // No cap: the running 512-token prefill takes all 64 tokens of every step, 8 steps.
+        assert_eq!(first_token_steps(0), (8, 9));
+        // Capped at 16 while the short one waits: it joins the second step; the long prompt
+        // computed 64 alone, then 16 beside it, then 64 a step alone again: 1 + 1 + 432/64 steps.
+        assert_eq!(first_token_steps(16), (9, 2));
     }
 
     #[test]

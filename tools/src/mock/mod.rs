@@ -125,6 +125,11 @@ pub struct Options {
     pub max_seqs: usize,
     #[arg(long, default_value_t = 8192, value_parser = positive)]
     pub max_batched_tokens: usize,
+    /// As vLLM's `--long-prefill-token-threshold`: the most prompt tokens one request computes in
+    /// a step while others run or wait (0 = no cap), so a running long prefill does not hold the
+    /// whole step's budget while shorter requests wait (engine mode).
+    #[arg(long, default_value_t = 0)]
+    pub long_prefill_token_threshold: usize,
     /// Divides every simulated step time.
     #[arg(long, default_value_t = 1.0, value_parser = positive_f64)]
     pub speedup: f64,
@@ -211,6 +216,7 @@ impl Options {
             host_kv_blocks: self.host_kv_blocks,
             max_seqs: self.max_seqs,
             max_batched_tokens: self.max_batched_tokens,
+            long_prefill_token_threshold: self.long_prefill_token_threshold,
             speedup: self.speedup,
             slowdown: if self.device == Device::Cpu {
                 CPU_SLOWDOWN
