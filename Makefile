@@ -1,5 +1,5 @@
 # envoy-kv-router. `make test` and `make demo` do their own set-up on a fresh machine.
-.PHONY: all setup build wasm tools test soak test-native test-wasm demo container-demo bench bench-real-vllm bench-streams lint fmt clean
+.PHONY: all setup build wasm tools test soak test-native test-wasm demo container-demo bench bench-real-vllm bench-streams race lint fmt clean
 
 all: build
 
@@ -69,6 +69,13 @@ bench-real-vllm: build
 # One load generator holding 10,000 concurrent streams against 4 mock workers (STREAMS=...).
 bench-streams: tools
 	bash scripts/bench-streams.sh
+
+# The race (docs/RACE.md): six workloads x five arms (the filter at its defaults, round-robin,
+# vllm-router's cache_aware, kv_aware, power_of_two), each arm on a fresh fleet, 3 runs each;
+# medians against the targets in target/race/summary.md (~75 minutes). A quick pass:
+# `make race RACE_ARGS="--scale 0.1 --runs 1"`.
+race:
+	bash scripts/race.sh $(RACE_ARGS)
 
 lint:
 	cargo fmt --all -- --check

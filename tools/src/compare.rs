@@ -10,13 +10,14 @@
 //! with no bridge. The workload, the client measuring TTFT and the workers' `/metrics` giving
 //! the hit rate are the same for every arm.
 
-use crate::calibrate::{calibrate, CalibrateOptions};
+use crate::calibrate::{calibrate, fit_nonnegative, CalibrateOptions};
 use crate::harness::{
     require_kv_event_bridge, Bridge, BridgeOptions, Envoy, EnvoyOptions, Worker, ZMQ_PUBLISH_ARGS,
 };
 use crate::loadgen::{
     print_comparison_table, run_workload, write_svg_chart, RunOptions, RunStats, Workload,
 };
+use crate::mock::timing;
 use crate::peer::{
     require_vllm_router, vllm_router_policy, VllmRouter, VllmRouterOptions, PEER_WORKER_ARGS,
 };
@@ -54,7 +55,8 @@ pub struct Fleet {
     /// prefix caches emptied before each arm.
     pub vllm: Option<EngineConfig>,
     /// The fleet's prefill-time and decode-step polynomials for `+fit` arms, when measured
-    /// ([`crate::calibrate`] on a real engine); else the mock's divided by its `--speedup`.
+    /// ([`crate::calibrate`] on a real engine); else those fitted to the mock's step-time model,
+    /// divided by its `--speedup`.
     pub timing: Option<(Vec<f64>, Vec<f64>)>,
     /// A mixed fleet: mock worker `id` runs at `speedups[(id - 1) % len]` (`--speedup`), e.g.
     /// two GPU generations. Empty: every worker as `worker_args` say.
@@ -246,13 +248,19 @@ impl Fleet {
             .unwrap_or(1.0)
     }
 
-    /// The prefill-time and decode-step polynomials of `+fit` arms: the measured ones, else the
-    /// mock's divided by its `--speedup` (the filter's defaults are the mock's at speedup 1).
+    /// The mock workers' KV capacity in tokens (`--kv-blocks` x the block size): the cache the
+    /// decode polynomial's fill is a fraction of.
+    fn kv_capacity_tokens(&self) -> f64 {
+        self.worker_kv_blocks() as f64 * f64::from(self.block_size)
+    }
+
+    /// The prefill-time and decode-step polynomials of `+fit` arms: the measured ones, else those
+    /// fitted to the mock's step-time model divided by its `--speedup` ([`mock_timing_at`]).
     fn timing_polys(&self) -> (Vec<f64>, Vec<f64>) {
         if let Some(t) = &self.timing {
             return t.clone();
         }
-        mock_timing_at(self.worker_speedup())
+        mock_timing_at(self.worker_speedup(), self.kv_capacity_tokens())
     }
 
     /// `+fit` on a mixed fleet: each worker of `config` priced at its own speed (`+fitmean`:
@@ -267,7 +275,7 @@ impl Fleet {
         };
         for w in list {
             if let Some(speedup) = w["id"].as_u64().and_then(|id| self.speedup_of(id)) {
-                let (prefill, decode) = mock_timing_at(speedup);
+                let (prefill, decode) = mock_timing_at(speedup, self.kv_capacity_tokens());
                 w["prefill_time_ms_poly"] = json!(prefill);
                 w["decode_step_ms_poly"] = json!(decode);
             }
@@ -350,7 +358,8 @@ fn run_arm(
         // `+decay`: booked prefills decay over their predicted duration
         // (`load.prefill_load_model: polynomial`); `+compute:W`: `ttft.compute_weight` W;
         // `+fit`: the fleet's timing polynomials (measured on a real engine by `calibrate`,
-        // else the mock's divided by the workers' `--speedup`); `+cap`: the workers' `kv_capacity_blocks`
+        // else fitted to the mock's step-time model and divided by the workers' `--speedup`);
+        // `+cap`: the workers' `kv_capacity_blocks`
         // (their `--kv-blocks`: the decode term's KV fill); `+busy:F`: that and
         // `busy.decode_blocks_fraction` F; `+admit`: that and `ttft.admission_wait` (the
         // predicted wait for KV room); `+prio[:A]`: `engine_priority` (arrival weight A; the
@@ -364,7 +373,7 @@ fn run_arm(
                     ),
                 )
             };
-            let mut extra = json!({"ttft": {}});
+            let mut extra = json!({"policy": "predicted", "ttft": {}});
             for option in m.trim_start_matches("kv+ttft").split('+').skip(1) {
                 match option {
                     "approx" | "cap" => {}
@@ -691,6 +700,51 @@ pub fn compare_modes(
         .collect()
 }
 
+/// [`compare_modes`] repeated `runs` times for `loadgen race`: real engines (when the fleet has
+/// them) are started once for all runs; within run `r` (from 0) the arms go in `modes` order
+/// rotated by `r`, so no arm always runs first; every arm still gets a fresh fleet (or emptied
+/// engines) and a fresh Envoy or vllm-router. `on_arm(run, mode, result)` is called after each
+/// arm: a failed arm does not stop the others.
+pub fn compare_modes_repeated(
+    modes: &[&str],
+    fleet: &Fleet,
+    workload: &Workload,
+    opts: &RunOptions,
+    runs: usize,
+    mut on_arm: impl FnMut(usize, &str, io::Result<RunStats>),
+) -> io::Result<()> {
+    fleet.check(modes)?;
+    let engines = match &fleet.vllm {
+        Some(config) => Some(start_vllm_fleet(fleet, config)?),
+        None => None,
+    };
+    let mut fleet = fleet.clone();
+    if let (Some(engines), true) = (&engines, modes.iter().any(|m| m.contains("+fit"))) {
+        fleet.timing = Some(calibrate_engine(engines)?);
+    }
+    let n = modes.len();
+    for run in 0..runs {
+        for k in 0..n {
+            let mode = modes[(k + run) % n];
+            eprintln!(
+                "== run {}/{runs}, arm {mode} ({}/{n}): {} {}, {} requests",
+                run + 1,
+                k + 1,
+                fleet.workers,
+                if engines.is_some() {
+                    "real vLLM engines"
+                } else {
+                    "mock workers"
+                },
+                workload.requests.len()
+            );
+            let result = run_arm(mode, &fleet, engines.as_deref(), workload, opts);
+            on_arm(run, mode, result);
+        }
+    }
+    Ok(())
+}
+
 /// `mean TTFT of baseline / mean TTFT of candidate`, when both exist.
 pub fn ttft_mean_speedup(
     results: &[(String, RunStats)],
@@ -775,8 +829,9 @@ pub fn quality_table(results: &[(String, RunStats)], workers: u64) -> String {
     let _ = writeln!(
         out,
         "(TTFT in ms at the client; hit = the workers' prefix-cache hit rate during the run; \
-         prefill / busy = the mock engines' modelled time of the steps' prefill terms / of whole \
-         steps, over workers x the arrival window; step wait = the mean ms a request arriving \
+         prefill / busy = the mock engines' modelled time of the steps' prefill share (a step's \
+         time beyond its decodes alone) / of whole steps, over workers x the arrival window; \
+         step wait = the mean ms a request arriving \
          during a step waits for it to end, sum S^2 / 2 sum S over the engines' steps; path = \
          TTFT mean at the client minus the workers' own: the router and the network)"
     );
@@ -824,16 +879,37 @@ pub fn report_comparison(
     }
 }
 
-/// The mock engine's prefill-time and decode-step polynomials at speedup 1 (`mock::engine`; also
-/// the filter's defaults), lowest degree first.
-fn mock_timing_polys() -> ([f64; 3], [f64; 3]) {
-    ([16.5, 0.0152, 4.21e-7], [5.74, 54.01, -25.74])
+/// The `+fit` polynomials of mock engines at speedup 1, lowest degree first. The mock's timing
+/// ([`crate::mock::timing`], a roofline) is no polynomial: these are least-squares quadratics
+/// with non-negative coefficients (the fit `calibrate` makes of an engine's measurements) of its
+/// prefill-only step over T = 64..=8,192 new tokens from an empty context, and of its
+/// decode-only step over KV fill u = 0..=1 of a cache of `capacity_tokens`, computed from the
+/// model: the timing an operator would fit offline.
+fn mock_timing_polys(capacity_tokens: f64) -> (Vec<f64>, Vec<f64>) {
+    let prefill: Vec<(f64, f64)> = (1..=128)
+        .map(|i| {
+            let t = 64.0 * f64::from(i);
+            (t, timing::prefill_ms(t))
+        })
+        .collect();
+    let decode: Vec<(f64, f64)> = (0..=100)
+        .map(|i| {
+            let u = f64::from(i) / 100.0;
+            (u, timing::decode_fill_ms(u, capacity_tokens))
+        })
+        .collect();
+    // Finite points always fit.
+    (
+        fit_nonnegative(&prefill, 2).unwrap_or_else(|| vec![timing::prefill_ms(8192.0)]),
+        fit_nonnegative(&decode, 2).unwrap_or_else(|| vec![timing::decode_step_ms(1, 0)]),
+    )
 }
 
-/// The mock engine's polynomials at `--speedup` `speedup` (every time divided by it).
-fn mock_timing_at(speedup: f64) -> (Vec<f64>, Vec<f64>) {
+/// The mock engines' `+fit` polynomials at `--speedup` `speedup` (every time divided by it) and
+/// a KV capacity of `capacity_tokens`.
+fn mock_timing_at(speedup: f64, capacity_tokens: f64) -> (Vec<f64>, Vec<f64>) {
     let k = 1.0 / speedup;
-    let (prefill, decode) = mock_timing_polys();
+    let (prefill, decode) = mock_timing_polys(capacity_tokens);
     (
         prefill.iter().map(|c| c * k).collect(),
         decode.iter().map(|c| c * k).collect(),
@@ -888,16 +964,46 @@ mod tests {
         assert_eq!(fleet(&["--kv-blocks", "8192"]), 1.0);
         assert_eq!(fleet(&["--speedup", "0"]), 1.0);
         assert_eq!(fleet(&["--speedup"]), 1.0);
-        assert_eq!(mock_timing_polys().0, [16.5, 0.0152, 4.21e-7]);
+    }
+
+    #[test]
+    fn the_mocks_fitted_polynomials_follow_its_step_time_model() {
+        use crate::calibrate::eval_poly;
+        let capacity = 8192.0 * 64.0;
+        let (prefill, decode) = mock_timing_polys(capacity);
+        assert_eq!((prefill.len(), decode.len()), (3, 3));
+        // The roofline's compute-bound part is a quadratic: the fit is within 1.5 ms of it from
+        // 512 tokens on (the memory-bound floor under ~250 tokens bends it at the start).
+        for t in [512.0, 1024.0, 2048.0, 4096.0, 6144.0, 8192.0] {
+            let (fit, model) = (eval_poly(&prefill, t), timing::prefill_ms(t));
+            assert!(
+                (fit - model).abs() < 1.5,
+                "{t}: fit {fit:.2} model {model:.2}"
+            );
+        }
+        let (fit, model) = (eval_poly(&prefill, 64.0), timing::prefill_ms(64.0));
+        assert!(
+            (fit - model).abs() < 4.0,
+            "64: fit {fit:.2} model {model:.2}"
+        );
+        // The decode step is linear in the fill (the contexts' KV reads).
+        for u in [0.0, 0.1, 0.25, 0.5, 0.75, 1.0] {
+            let (fit, model) = (eval_poly(&decode, u), timing::decode_fill_ms(u, capacity));
+            assert!(
+                (fit - model).abs() < 0.1,
+                "{u}: fit {fit:.2} model {model:.2}"
+            );
+        }
+        assert!(prefill.iter().chain(&decode).all(|c| *c >= 0.0));
     }
 
     #[test]
     fn fit_arms_take_the_measured_timing_else_the_mocks_at_its_speedup() {
         let mut fleet = Fleet::new(2, 64, &["--speedup", "2"]);
-        assert_eq!(
-            fleet.timing_polys(),
-            (vec![8.25, 0.0076, 2.105e-7], vec![2.87, 27.005, -12.87])
-        );
+        let capacity = crate::mock::DEFAULT_KV_BLOCKS as f64 * 64.0;
+        let (prefill, decode) = mock_timing_polys(capacity);
+        let half = |p: &[f64]| p.iter().map(|c| c / 2.0).collect::<Vec<_>>();
+        assert_eq!(fleet.timing_polys(), (half(&prefill), half(&decode)));
         fleet.timing = Some((vec![30.0, 0.01], vec![9.0, 2.0]));
         assert_eq!(fleet.timing_polys(), (vec![30.0, 0.01], vec![9.0, 2.0]));
     }
@@ -921,18 +1027,12 @@ mod tests {
             c
         };
         let own = config(&fleet, "kv+ttft+decay+fit+admit");
-        assert_eq!(
-            own["workers"][1]["prefill_time_ms_poly"],
-            json!([4.125, 0.0038, 1.0525e-7])
-        );
-        assert_eq!(
-            own["workers"][1]["decode_step_ms_poly"],
-            json!([1.435, 13.5025, -6.435])
-        );
-        assert_eq!(
-            own["workers"][2]["prefill_time_ms_poly"],
-            json!([16.5, 0.0152, 4.21e-7])
-        );
+        let (prefill, decode) = mock_timing_polys(8192.0 * 64.0);
+        let quarter = |p: &[f64]| json!(p.iter().map(|c| c / 4.0).collect::<Vec<_>>());
+        assert_eq!(own["workers"][1]["prefill_time_ms_poly"], quarter(&prefill));
+        assert_eq!(own["workers"][1]["decode_step_ms_poly"], quarter(&decode));
+        assert_eq!(own["workers"][2]["prefill_time_ms_poly"], json!(prefill));
+        assert_eq!(own["workers"][2]["decode_step_ms_poly"], json!(decode));
         for mode in ["kv+ttft+decay+fitmean", "kv+ttft", "kv"] {
             assert!(
                 config(&fleet, mode)["workers"][1]

@@ -620,6 +620,35 @@ fn add_discovery(doc: &mut Value, discovery: &Discovery, dir: &Path, admin_port:
     }
 }
 
+/// Envoy's stats tag extraction for the filter's stats, `(tag_name, regex)`: the same
+/// `stats_config.stats_tags` as every shipped Envoy configuration (`envoy/*.yaml`, `deploy/`;
+/// `tests/metrics_tags.rs` checks they agree, docs/METRICS.md explains them). Each regex's first
+/// group is cut from the name, its second is the tag's value, so that
+/// `wasmcustom.kv_router.worker.1.rank.0.active_requests` is exported to Prometheus as
+/// `kv_router_worker_active_requests{worker="1",rank="0"}`; `/stats` keeps the full names.
+pub const STATS_TAGS: [(&str, &str); 5] = [
+    ("worker", r"^wasmcustom\.kv_router\.worker\.((\d+)\.)"),
+    (
+        "rank",
+        r"^wasmcustom\.kv_router\.worker\.\d+\.(rank\.(\d+)\.)",
+    ),
+    ("reason", r"^wasmcustom\.kv_router\.routed(\.([^.]+))$"),
+    (
+        "why",
+        r"^wasmcustom\.kv_router\.(?:tokenizer\.)?fallback(\.([^.]+))$",
+    ),
+    ("kind", r"^wasmcustom\.kv_router\.rejected(\.([^.]+))$"),
+];
+
+/// `stats_config` of the bootstrap: [`STATS_TAGS`] (Envoy's default tags stay on).
+pub fn stats_config() -> Value {
+    let tags: Vec<Value> = STATS_TAGS
+        .iter()
+        .map(|(tag, regex)| json!({"tag_name": tag, "regex": regex}))
+        .collect();
+    json!({"stats_tags": tags})
+}
+
 /// The Envoy bootstrap, the same shape as `envoy/envoy.yaml`, with ports chosen by the OS.
 /// With `lds_path`, the listener comes from that watched file (see [`lds_resources`]).
 pub fn bootstrap(opts: &EnvoyOptions, wasm: &Path, lds_path: Option<&Path>) -> Value {
@@ -662,6 +691,7 @@ pub fn bootstrap(opts: &EnvoyOptions, wasm: &Path, lds_path: Option<&Path>) -> V
     };
     let mut config = json!({
         "admin": {"address": socket_address("127.0.0.1:0")},
+        "stats_config": stats_config(),
         "static_resources": {
             "listeners": listeners,
             "clusters": [worker_cluster, {

@@ -7,7 +7,7 @@
 use std::fmt::Write as _;
 
 use crate::loadgen::{affinity_replay, pooled_replay, RequestResult, RunStats, Workload};
-use crate::mock::engine::prefill_ms;
+use crate::mock::timing::prefill_in_steps_ms;
 
 /// One row per arm of the affinity replay, with the arm's hit rate in the cache model and the
 /// same requests' hit rate in one cache pooling the `workers` caches (the ceiling).
@@ -125,16 +125,10 @@ fn parse_loads(header: &str) -> Vec<SlotSeen> {
         .collect()
 }
 
-/// Prefill ms of `tokens` in 8,192-token steps of the mock engine (speedup 1).
+/// Prefill ms of `tokens` in 8,192-token steps of the mock engine from an empty context (speedup
+/// 1; [`crate::mock::timing`]).
 fn prefill_only_ms(tokens: f64) -> f64 {
-    prefill_in_steps_ms(tokens, 8192.0)
-}
-
-/// The mock engine's prefill of `tokens` in steps of at most `chunk` tokens (ms, speedup 1).
-fn prefill_in_steps_ms(tokens: f64, chunk: f64) -> f64 {
-    let chunk = chunk.max(1.0);
-    let full = (tokens / chunk).floor();
-    full * prefill_ms(chunk) + prefill_ms(tokens - full * chunk)
+    prefill_in_steps_ms(0.0, tokens, 8192.0)
 }
 
 /// The filter's own "load" misses (chosen overlap < the longest overlap in its index), with the
@@ -345,7 +339,9 @@ pub fn time_beyond_compute(
             continue;
         };
         let uncached = r.prompt_tokens.saturating_sub(cached) as f64;
-        let alone = prefill_in_steps_ms(uncached, chunk) / speedup.max(1e-9);
+        // The uncached tokens after the cached prefix they attend to.
+        let alone = prefill_in_steps_ms(cached.min(r.prompt_tokens) as f64, uncached, chunk)
+            / speedup.max(1e-9);
         let class = UNCACHED_CLASSES
             .iter()
             .position(|bound| uncached < *bound)
@@ -410,9 +406,10 @@ pub fn time_beyond_compute_table(
     let _ = writeln!(
         out,
         "(ms; alone = the mean time each request's uncached tokens take on an idle engine, in \
-         steps of --max-batched-tokens at the mock's polynomial / --speedup: no router goes under it at this \
+         steps of --max-batched-tokens after their cached prefix at the mock's step-time model / \
+         --speedup: no router goes under it at this \
          hit rate; beyond = TTFT mean minus alone: the step in progress, the prefills ahead, the \
-         decode terms of the steps it shares, the router and the network; per class of uncached \
+         decode work of the steps it shares, the router and the network; per class of uncached \
          tokens, its requests' mean beyond and (in brackets) what that class adds to the arm's mean)"
     );
     out
@@ -510,11 +507,12 @@ mod tests {
             ttft_ms: Some(ttft),
             ..RequestResult::default()
         };
-        // 1,000 uncached tokens: 16.5 + 15.2 + 0.421 = 32.121 ms alone at speedup 1.
-        let short_alone = 16.5 + 0.0152 * 1000.0 + 4.21e-7 * 1e6;
-        // 20,000 uncached: two full 8,192-token steps and 3,616 tokens.
-        let step = |t: f64| 4.21e-7 * t * t + 0.0152 * t + 16.5;
-        let long_alone = 2.0 * step(8192.0) + step(3616.0);
+        // 1,000 uncached tokens after 2,000 cached: 26.7 ms alone at speedup 1.
+        let step = crate::mock::timing::prefill_step_ms;
+        let short_alone = step(2000.0, 1000.0);
+        assert!((26.7..=26.8).contains(&short_alone), "{short_alone}");
+        // 20,000 uncached: two full 8,192-token steps and 3,616 tokens, each after the last.
+        let long_alone = step(0.0, 8192.0) + step(8192.0, 8192.0) + step(16384.0, 3616.0);
         let results = vec![
             served(3000, 2000, short_alone / 2.0 + 10.0),
             served(20_000, 0, long_alone / 2.0 + 50.0),

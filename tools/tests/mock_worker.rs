@@ -203,6 +203,7 @@ fn command_line_errors_exit_with_status_2() {
         &["--block-size", "0"][..],
         &["--mode", "bogus"],
         &["--speedup", "0"],
+        &["--jitter", "nan"],
         &["--no-such-flag"],
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_mock-worker"))
@@ -500,19 +501,28 @@ fn engine_mode_client_abort_frees_the_request() {
     }
 }
 
-/// The engine really waits for its simulated step times: an idle worker must not answer a cold
-/// 6,144-token prompt faster than the prefill polynomial allows, and a fully cached repeat is
-/// much faster (only a lower bound is asserted, so a slow machine cannot fail it).
+/// The engine really waits for its simulated step times: an idle worker without jitter must not
+/// answer a cold 6,144-token prompt faster than its step-time model allows, and a fully cached
+/// repeat is much faster (only a lower bound is asserted, so a slow machine cannot fail it).
 #[test]
 fn engine_mode_takes_the_simulated_prefill_time() {
-    let w = start(&["--id", "1", "--mode", "engine", "--block-size", "64"]);
+    let w = start(&[
+        "--id",
+        "1",
+        "--mode",
+        "engine",
+        "--block-size",
+        "64",
+        "--jitter",
+        "0",
+    ]);
     std::thread::sleep(Duration::from_millis(300)); // the engine idles before the first request
     let body = json!({"model": "m", "prompt": (0..6144).collect::<Vec<u32>>(), "max_tokens": 1});
     let started = Instant::now();
     let resp = post_json(&w.addr, "/v1/completions", &body).expect("cold request");
     let cold = started.elapsed();
     assert_eq!(resp.status, 200);
-    let prefill_ms = 4.21e-7 * 6144f64.powi(2) + 0.0152 * 6144.0 + 16.5;
+    let prefill_ms = envoy_kv_router_tools::mock::timing::prefill_ms(6144.0);
     assert!(
         cold.as_secs_f64() * 1000.0 >= prefill_ms * 0.95,
         "cold answer after {cold:?}, prefill alone is {prefill_ms:.1} ms"

@@ -10,6 +10,8 @@ use clap::{ArgGroup, Parser};
 use envoy_kv_router_tools::compare::{
     compare_modes, quality_table, report_comparison, worker_arg, worker_kv_blocks, EventsVia, Fleet,
 };
+use envoy_kv_router_tools::loadgen::generate::{generate, write_trace, TraceLoad, WorkloadKind};
+use envoy_kv_router_tools::loadgen::race::{race, RaceOptions, DEFAULT_ARMS, WORKLOADS};
 use envoy_kv_router_tools::loadgen::{
     chat, format_stats, load_mooncake, run_workload_on, synthetic, write_svg_chart, ChatSpec,
     ModelFit, RequestResult, RunOptions, RunStats, SyntheticSpec, Workload,
@@ -27,6 +29,8 @@ use serde_json::Value;
     about = "Replays a Mooncake trace or a synthetic shared-prefix workload and measures it",
     group(ArgGroup::new("workload").required(true).args(["trace", "synthetic", "chat"])),
     group(ArgGroup::new("where").required(true).args(["target", "modes", "report_from"])),
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true,
     after_help = "SPEC: groups=G,prefix=P,isl=I,osl=O,requests=N,(rate=R|concurrency=C)[,seed=S]\n\
 CHAT: conversations=C,turns=T,system_prompts=S,system_chars=X,user_chars=U,reply_chars=R,osl=O,\
 (rate=Q|concurrency=N)[,seed=E]\n\
@@ -36,7 +40,8 @@ kv+render (exact ids from a render service: an extra mock worker serving \
 Policy arms: kv+affinity[:R] (load-gated affinity), kv+ttft[+approx][+decay][+compute:W][+affinity[:T]][+fit|+fitmean] \
 (the predicted-TTFT policy; +approx: predictions bridging the event lag; +decay: booked prefills \
 decay; +compute:W: ttft.compute_weight W; +affinity[:T]: the load-gated affinity in front of it, \
-max_extra_prefill_tokens T; +fit: the fleet's timing polynomials: the mock's divided by the workers' --speedup, \
+max_extra_prefill_tokens T; +fit: the fleet's timing polynomials: quadratics fitted to the mock's \
+step-time model (a roofline, no polynomial) divided by the workers' --speedup, \
 or on real engines (--vllm-engines) measured on the first by `calibrate` before the arms; on a \
 mixed fleet (--worker-speedups) each worker's own; +fitmean: one polynomial at the fleet's mean speedup; \
 +prio[:A]: the filter writes each request's predicted prefill as its engine priority, arrival weight A; \
@@ -49,9 +54,14 @@ Peer arms: vllm-router:<policy> (cache_aware, power_of_two, round_robin, kv_awar
 vllm-router (.venv, `make setup`) in front of the fresh fleet instead of Envoy; kv_aware reads \
 the workers' ZMQ KV events.\n\
 Mooncake traces (JSON lines: timestamp, input_length, output_length, hash_ids): see \
-github.com/kvcache-ai/Mooncake, FAST25-release/traces/."
+github.com/kvcache-ai/Mooncake, FAST25-release/traces/.\n\
+Subcommands: `loadgen gen-workload agent|conversation --seed S --out FILE [key=value ...]` writes a \
+generated multi-turn workload as a Mooncake trace; `loadgen race` runs every workload through \
+every arm R times and writes results.json, summary.md and TTFT charts (docs/RACE.md)."
 )]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
     /// Where to send requests: IP:PORT, or several separated by commas (spread round-robin,
     /// e.g. a fleet of mock workers addressed directly).
     #[arg(long, value_delimiter = ',')]
@@ -175,6 +185,142 @@ struct Args {
     quiet: bool,
 }
 
+#[derive(Debug, clap::Subcommand)]
+enum Command {
+    /// Writes a generated multi-turn workload (deterministic from --seed) as Mooncake-format
+    /// JSON lines for --trace, and prints its pace and offered load.
+    GenWorkload(GenWorkloadArgs),
+    /// Every workload x arm, each arm on a fresh fleet, --runs times: medians against the
+    /// targets in OUT/results.json, OUT/summary.md and OUT/ttft-<workload>.svg (docs/RACE.md).
+    Race(RaceArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct GenWorkloadArgs {
+    /// agent: tool-agent sessions; conversation: multi-turn chat.
+    #[arg(value_enum)]
+    kind: WorkloadKind,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The trace to write (JSON lines).
+    #[arg(long)]
+    out: PathBuf,
+    /// Overrides of the kind's defaults, key=value (separate or comma-separated; docs/RACE.md
+    /// lists the keys), e.g. sessions=100 session_rate=2.
+    params: Vec<String>,
+    /// The fleet the printed offered load is for: workers ...
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// ... at this --speedup ...
+    #[arg(long, default_value_t = 2.0)]
+    speedup: f64,
+    /// ... replaying at this --time-scale.
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+}
+
+#[derive(Debug, clap::Args)]
+struct RaceArgs {
+    /// Runs of every arm on every workload (the summary takes the medians).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Workloads to run, in this order (default: all).
+    #[arg(long, value_delimiter = ',')]
+    workloads: Vec<String>,
+    /// Arms (default: kv, round-robin and vllm-router's cache_aware, kv_aware, power_of_two).
+    #[arg(long, value_delimiter = ',')]
+    arms: Vec<String>,
+    /// More arms after --arms, e.g. kv+ttft+approx+compute:4+decay+fit.
+    #[arg(long, value_delimiter = ',')]
+    extra_arms: Vec<String>,
+    /// The arm the targets judge.
+    #[arg(long, default_value = "kv")]
+    candidate: String,
+    /// Fraction of every workload's sessions (or requests), at the same pace: 0.2 for a quick pass.
+    #[arg(long, default_value_t = 1.0)]
+    scale: f64,
+    /// Output directory.
+    #[arg(long, default_value = "target/race")]
+    out: PathBuf,
+    /// The Mooncake synthetic trace (the `synthetic` workload is skipped without it).
+    #[arg(long, default_value = "bench-data/mooncake_synthetic_trace.jsonl")]
+    synthetic_trace: PathBuf,
+    /// Prepare and describe the workloads (sizes, pace, offered load), run nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Fewer progress lines.
+    #[arg(long)]
+    quiet: bool,
+}
+
+fn gen_workload(a: &GenWorkloadArgs) {
+    let (trace, described) = generate(a.kind, a.seed, &a.params).unwrap_or_else(|e| fail(&e));
+    if let Err(e) = write_trace(&a.out, &trace) {
+        fail(&e.to_string());
+    }
+    eprintln!(
+        "loadgen: wrote {} ({} {described})",
+        a.out.display(),
+        a.kind.name()
+    );
+    let load = TraceLoad::of(&trace, a.workers, a.speedup, a.time_scale);
+    eprint!("{}", load.report(a.workers, a.speedup));
+}
+
+fn run_race(a: &RaceArgs) {
+    if a.runs == 0 {
+        fail("race: --runs must be at least 1");
+    }
+    if !(a.scale.is_finite() && a.scale > 0.0) {
+        fail("race: --scale must be > 0");
+    }
+    let workloads: Vec<String> = if a.workloads.is_empty() {
+        WORKLOADS.iter().map(|s| s.to_string()).collect()
+    } else {
+        a.workloads
+            .iter()
+            .filter(|w| !w.is_empty())
+            .cloned()
+            .collect()
+    };
+    if let Some(w) = workloads.iter().find(|w| !WORKLOADS.contains(&w.as_str())) {
+        fail(&format!(
+            "race: unknown workload {w:?} (known: {})",
+            WORKLOADS.join(",")
+        ));
+    }
+    let mut arms: Vec<String> = if a.arms.is_empty() {
+        DEFAULT_ARMS.iter().map(|s| s.to_string()).collect()
+    } else {
+        a.arms.iter().filter(|m| !m.is_empty()).cloned().collect()
+    };
+    for extra in a.extra_arms.iter().filter(|m| !m.is_empty()) {
+        if !arms.contains(extra) {
+            arms.push(extra.clone());
+        }
+    }
+    if !arms.contains(&a.candidate) {
+        fail(&format!(
+            "race: the candidate {:?} is not among the arms",
+            a.candidate
+        ));
+    }
+    let opts = RaceOptions {
+        runs: a.runs,
+        workloads,
+        arms,
+        candidate: a.candidate.clone(),
+        scale: a.scale,
+        out: a.out.clone(),
+        synthetic_trace: a.synthetic_trace.clone(),
+        dry_run: a.dry_run,
+        quiet: a.quiet,
+    };
+    if let Err(e) = race(&opts) {
+        fail(&format!("race: {e}"));
+    }
+}
+
 fn fail(msg: &str) -> ! {
     eprintln!("loadgen: {msg}");
     std::process::exit(2);
@@ -239,6 +385,16 @@ const MOCK_MODEL: &str = "mock-model";
 
 fn main() {
     let args = Args::parse();
+    match &args.command {
+        Some(Command::GenWorkload(a)) => return gen_workload(a),
+        Some(Command::Race(a)) => {
+            if let Err(e) = raise_fd_limit() {
+                eprintln!("loadgen: cannot raise the open-file limit: {e}");
+            }
+            return run_race(a);
+        }
+        None => {}
+    }
     match raise_fd_limit() {
         Ok(limit) => {
             let want = args.concurrency.unwrap_or(args.max_in_flight) as u64 + 64;
@@ -449,7 +605,7 @@ fn print_routing_diagnostics(results: &[(String, RunStats)], workload: &Workload
     );
     print!("{}", load_miss_table(results, args.block_size));
     print!("{}", credit_table(results, args.block_size));
-    // Mock engines of one speed only: their polynomial prices "alone".
+    // Mock engines of one speed only: their step-time model prices "alone".
     if args.vllm_engines.is_none() && args.worker_speedups.is_empty() {
         let speedup = worker_arg::<f64>(&words, "--speedup").unwrap_or(1.0);
         let chunk = worker_arg::<f64>(&words, "--max-batched-tokens").unwrap_or(8192.0);

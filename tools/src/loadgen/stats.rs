@@ -44,7 +44,8 @@ pub struct WorkerCounters {
     pub first_tokens: f64,
     /// CPU time of the worker processes.
     pub cpu_s: f64,
-    /// Modelled engine time of the steps' prefill terms, and of whole steps (mock engines).
+    /// Modelled engine time of the steps' prefill share (beyond their decodes alone), and of
+    /// whole steps (mock engines).
     pub prefill_busy_s: f64,
     pub busy_s: f64,
     /// Sum of the steps' modelled times squared (mock engines), s^2.

@@ -1,18 +1,25 @@
 //! Engine mode: a vLLM-like simulator after the "mocker" of NVIDIA Dynamo
-//! (github.com/ai-dynamo/dynamo, `lib/llm/src/mocker`), with its timing model and defaults.
+//! (github.com/ai-dynamo/dynamo, `lib/llm/src/mocker`), with its scheduler defaults.
 //!
 //! [`EngineCore`] is the deterministic model (no clocks, no threads): a waiting queue, continuous
 //! batching with chunked prefill (at most `max_seqs` running, at most `max_batched_tokens` tokens
 //! per step: one per decoding sequence, the rest for prefill chunks in arrival order, each at
 //! most `long_prefill_token_threshold` while others run or wait), a paged [`KvCache`] with prefix
 //! reuse, and preemption (the newest running sequence) when decode runs out of blocks.
-//! [`EngineCore::step`] plans and applies one batch and says how long it takes:
+//! [`EngineCore::step`] plans and applies one batch and says how long it takes, by the roofline
+//! of [`super::timing`] (Llama-3.1-8B in bf16 on one H100 SXM), not by the filter's predictor
+//! polynomials:
 //!
-//! * prefill ms = 4.21e-7 T^2 + 0.0152 T + 16.5, T = new tokens in the batch (host-tier hits count
-//!   as `host_reload_weight` of a token each); no prefill tokens => no prefill term;
-//! * decode ms = max(1, -25.74 u^2 + 54.01 u + 5.74), u = active KV fraction during the step,
-//!   added when any sequence decodes (samples a token without prefill work);
-//! * the sum is divided by `speedup` and multiplied by `slowdown` (8 for a CPU device).
+//! * the step's work is its prefill chunks (each: its new tokens after the tokens of its sequence
+//!   already in the cache, a cached prefix included) and its decoding sequences (one token after
+//!   their context);
+//! * step ms = 3 ms of overhead + max(linear-layer and attention FLOPs / effective FLOP/s,
+//!   weights + the chunks' KV bytes / effective bandwidth), plus `host_reload_weight` of a new
+//!   token's linear-layer time for each host-tier hit reloaded: an 8,192-token prefill step
+//!   from an empty context ~208 ms, a decode-only step of a few sequences ~9 ms;
+//! * divided by `speedup`, multiplied by `slowdown` (8 for a CPU device) and by a lognormal
+//!   factor of mean 1 and log-sd `jitter` (the worker's `--jitter`, 0 = none) from a
+//!   deterministic per-engine generator seeded by `seed` (the worker's id).
 //!
 //! A sequence's first token is sampled by the step that finishes its prefill (a fully cached
 //! prompt has no prefill: its first token comes from a decode-only step). [`Engine`] runs the core
@@ -31,21 +38,9 @@ use super::event_log::{EventLog, PageLimits};
 use super::kv_cache::{BlockHash, CacheEvent, KvCache};
 use super::kv_zmq::KvPublisher;
 use super::openai::VOCAB;
+use super::timing::{Chunk, Jitter, StepWork};
 use crate::util::lock;
 use crate::util::splitmix64;
-
-/// Prefill time in ms for `new_tokens` uncached tokens in one batch (0 for none).
-pub fn prefill_ms(new_tokens: f64) -> f64 {
-    if new_tokens <= 0.0 {
-        return 0.0;
-    }
-    4.21e-7 * new_tokens * new_tokens + 0.0152 * new_tokens + 16.5
-}
-
-/// Decode step time in ms at KV fill fraction `u`.
-pub fn decode_ms(u: f64) -> f64 {
-    (-25.74 * u * u + 54.01 * u + 5.74).max(1.0)
-}
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -58,12 +53,19 @@ pub struct EngineConfig {
     /// step while another request runs or waits (0 = no cap), so that a long prefill leaves
     /// budget for the rest of the batch.
     pub long_prefill_token_threshold: usize,
+    /// Divides every step time.
     pub speedup: f64,
     /// Multiplies every step time (1 for a GPU, 8 for a CPU device).
     pub slowdown: f64,
+    /// Log-sd of the lognormal factor of mean 1 multiplying every step time (0 = none: the
+    /// deterministic model; the worker's `--jitter` defaults to 0.1).
+    pub jitter: f64,
+    /// Seed of the jitter's generator (the worker's: from its id).
+    pub seed: u64,
     /// Fraction of the KV cache kept free when admitting while others run.
     pub watermark: f64,
-    /// Prefill cost of a host-tier hit token relative to a new token.
+    /// Time of reloading a host-tier hit token, as a fraction of a new token's linear-layer
+    /// time ([`super::timing`]).
     pub host_reload_weight: f64,
     pub dp_rank: u32,
     /// How blocks are named (the mock's own hash by default).
@@ -95,6 +97,8 @@ impl Default for EngineConfig {
             long_prefill_token_threshold: 0,
             speedup: 1.0,
             slowdown: 1.0,
+            jitter: 0.0,
+            seed: 0,
             watermark: 0.01,
             host_reload_weight: 0.25,
             dp_rank: 0,
@@ -174,9 +178,11 @@ pub struct Counters {
     pub generated_tokens: u64,
     pub preemptions: u64,
     pub steps: u64,
-    /// Modelled time of the steps' prefill terms (after speedup/slowdown), microseconds.
+    /// Modelled time of the steps' prefill share (after speedup, slowdown and jitter),
+    /// microseconds: a step's time minus what its decoding sequences alone would take (the
+    /// whole step without them).
     pub prefill_busy_us: u64,
-    /// Modelled time of all steps (prefill and decode terms), microseconds.
+    /// Modelled time of all steps (after speedup, slowdown and jitter), microseconds.
     pub busy_us: u64,
     /// Sum of each step's modelled time squared, ms^2: with `busy_us`, the mean wait of a request
     /// that arrives during a step for that step to end (`sum S^2 / (2 sum S)`).
@@ -220,6 +226,7 @@ pub struct EngineCore {
     running: Vec<Seq>,
     aborted: HashSet<ReqId>,
     next_id: ReqId,
+    jitter: Jitter,
     pub counters: Counters,
 }
 
@@ -259,7 +266,9 @@ fn blocks_for(tokens: usize, block_size: usize) -> usize {
 impl EngineCore {
     pub fn new(cfg: EngineConfig) -> Self {
         let cache = KvCache::new(cfg.block_size, cfg.kv_blocks, cfg.host_kv_blocks);
+        let jitter = Jitter::new(cfg.jitter, cfg.seed);
         EngineCore {
+            jitter,
             cfg,
             cache,
             waiting: VecDeque::new(),
@@ -565,21 +574,18 @@ impl EngineCore {
         // KV fill during this step (after this step's allocations).
         let kv_usage = self.kv_usage();
         let prefill_tokens: usize = prefills.iter().map(|(_, c)| c).sum();
-        let effective = prefill_tokens as f64 + self.cfg.host_reload_weight * reload_tokens as f64;
-        let mut ms = prefill_ms(effective);
-        if !decodes.is_empty() {
-            ms += decode_ms(kv_usage);
-        }
-        let scale = self.cfg.slowdown.max(1e-9) / self.cfg.speedup.max(1e-9);
-        let duration_ms = ms * scale;
-        self.counters.prefill_busy_us += (prefill_ms(effective) * scale * 1000.0).round() as u64;
+        let chunks: HashMap<ReqId, usize> = prefills.iter().copied().collect();
+        let decoding: HashSet<ReqId> = decodes.iter().copied().collect();
+        let (base_ms, decode_only_ms) = self.step_ms(&chunks, &decoding, reload_tokens);
+        let scale = self.cfg.slowdown.max(1e-9) / self.cfg.speedup.max(1e-9) * self.jitter.factor();
+        let duration_ms = base_ms * scale;
+        self.counters.prefill_busy_us +=
+            ((base_ms - decode_only_ms).max(0.0) * scale * 1000.0).round() as u64;
         self.counters.busy_us += (duration_ms * 1000.0).round() as u64;
         self.counters.busy_squared_ms2 += duration_ms * duration_ms;
 
         // Apply.
         let mut outputs = Vec::new();
-        let chunks: HashMap<ReqId, usize> = prefills.iter().copied().collect();
-        let decoding: HashSet<ReqId> = decodes.iter().copied().collect();
         let mut finished: Vec<ReqId> = Vec::new();
         for seq in &mut self.running {
             let sample = if let Some(&c) = chunks.get(&seq.id) {
@@ -641,6 +647,39 @@ impl EngineCore {
             kv_usage,
             outputs,
         })
+    }
+
+    /// The planned step's time at speedup 1 ([`super::timing`]), and that of its decoding
+    /// sequences alone (0 without any): each prefill chunk after the tokens its sequence has in
+    /// the cache (a cached prefix included), each decoding sequence one token after its context,
+    /// each host-tier token reloaded at `host_reload_weight` of a new token's linear-layer time.
+    fn step_ms(
+        &self,
+        chunks: &HashMap<ReqId, usize>,
+        decoding: &HashSet<ReqId>,
+        reload_tokens: usize,
+    ) -> (f64, f64) {
+        let mut work = StepWork {
+            chunks: Vec::with_capacity(chunks.len() + decoding.len()),
+            reload_tokens: self.cfg.host_reload_weight.max(0.0) * reload_tokens as f64,
+        };
+        let mut decode_work = StepWork::default();
+        for seq in &self.running {
+            if let Some(&tokens) = chunks.get(&seq.id) {
+                work.chunks.push(Chunk {
+                    context: seq.computed,
+                    tokens,
+                });
+            } else if decoding.contains(&seq.id) {
+                let chunk = Chunk {
+                    context: seq.tokens.len().saturating_sub(1),
+                    tokens: 1,
+                };
+                work.chunks.push(chunk);
+                decode_work.chunks.push(chunk);
+            }
+        }
+        (work.ms(), decode_work.ms())
     }
 
     /// Takes the cache events recorded since the last call.
@@ -916,6 +955,7 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::super::kv_cache::{block_hashes, Tier};
+    use super::super::timing;
     use super::*;
 
     fn cfg(kv_blocks: usize) -> EngineConfig {
@@ -945,18 +985,51 @@ mod tests {
         (a - b).abs() < 1e-9 * b.abs().max(1.0)
     }
 
+    /// An engine of 64-token blocks taking whole 8,192-token prompts (or more) in one step.
+    fn big(kv_blocks: usize, max_batched_tokens: usize) -> EngineConfig {
+        EngineConfig {
+            block_size: 64,
+            kv_blocks,
+            max_seqs: 256,
+            max_batched_tokens,
+            ..EngineConfig::default()
+        }
+    }
+
     #[test]
-    fn timing_polynomials() {
-        assert!(close(prefill_ms(0.0), 0.0));
-        assert!(close(prefill_ms(1000.0), 4.21e-7 * 1e6 + 15.2 + 16.5));
-        assert!(close(
-            prefill_ms(8192.0),
-            4.21e-7 * 8192.0 * 8192.0 + 0.0152 * 8192.0 + 16.5
-        ));
-        assert!(close(decode_ms(0.0), 5.74));
-        assert!(close(decode_ms(0.5), -25.74 * 0.25 + 27.005 + 5.74));
-        assert!(close(decode_ms(1.0), -25.74 + 54.01 + 5.74));
-        assert!(close(decode_ms(3.0), 1.0)); // clamped
+    fn step_times_at_the_calibration_points() {
+        // A full 8,192-token prefill step from an empty context.
+        let mut core = EngineCore::new(big(4096, 8192));
+        core.submit(prompt(1, 8192), 1, 0).unwrap();
+        let s = core.step().unwrap();
+        assert_eq!((s.prefill_tokens, s.decode_seqs), (8192, 0));
+        assert!(
+            (208.0..=208.4).contains(&s.duration_ms),
+            "{}",
+            s.duration_ms
+        );
+        assert!(close(s.duration_ms, timing::prefill_ms(8192.0)));
+        // Decode-only steps of 1 / 16 / 64 sequences of 1,024-token prompts, all prefilled in
+        // one step: at the next, each decodes one token after 1,024.
+        for (seqs, lo, hi) in [(1, 8.64, 8.66), (16, 9.39, 9.41), (64, 11.78, 11.82)] {
+            let mut core = EngineCore::new(big(4096, 65_536));
+            for i in 0..seqs {
+                core.submit(prompt(i, 1024), 3, 0).unwrap();
+            }
+            let first = core.step().unwrap();
+            assert_eq!(first.prefill_tokens, 1024 * seqs as usize);
+            let s = core.step().unwrap();
+            assert_eq!((s.prefill_tokens, s.decode_seqs), (0, seqs as usize));
+            assert!(close(
+                s.duration_ms,
+                timing::decode_step_ms(seqs as usize, 1024)
+            ));
+            assert!(
+                (lo..=hi).contains(&s.duration_ms),
+                "{seqs}: {}",
+                s.duration_ms
+            );
+        }
     }
 
     #[test]
@@ -966,31 +1039,106 @@ mod tests {
             ..cfg(100)
         });
         core.submit(prompt(1, 40), 2, 0).unwrap();
-        // Step 1: prefill of 40 new tokens, nothing decoding, cache empty.
+        // Step 1: prefill of 40 new tokens, nothing decoding, cache empty: memory-bound (the
+        // weights' read), 8.6 ms at speedup 1.
         let s1 = core.step().unwrap();
         assert_eq!(s1.prefill_tokens, 40);
         assert_eq!(s1.decode_seqs, 0);
-        assert!(close(s1.duration_ms, prefill_ms(40.0) / 2.0));
+        assert!(close(s1.duration_ms, timing::prefill_ms(40.0) / 2.0));
+        assert!((4.3..=4.35).contains(&s1.duration_ms), "{}", s1.duration_ms);
         assert!(matches!(s1.outputs[0], Output::Token { index: 0, .. }));
-        // Step 2: decode at u = 11 blocks (40 prompt + 1 sampled token => 11 blocks) / 100.
+        // Step 2: one sequence decodes its 41st token after 40; KV fill 11 blocks / 100.
         let s2 = core.step().unwrap();
         assert_eq!(s2.prefill_tokens, 0);
         assert_eq!(s2.decode_seqs, 1);
         assert!(close(s2.kv_usage, 11.0 / 100.0), "{}", s2.kv_usage);
+        assert!(close(s2.duration_ms, timing::decode_step_ms(1, 40) / 2.0));
         // The busy counters: step 1 all prefill, step 2 all decode.
         let us = |ms: f64| (ms * 1000.0).round() as u64;
-        assert_eq!(core.counters.prefill_busy_us, us(prefill_ms(40.0) / 2.0));
+        assert_eq!(core.counters.prefill_busy_us, us(s1.duration_ms));
         assert_eq!(
             core.counters.busy_us,
-            us(prefill_ms(40.0) / 2.0) + us(s2.duration_ms)
+            us(s1.duration_ms) + us(s2.duration_ms)
         );
-        assert!(close(s2.duration_ms, decode_ms(0.11) / 2.0));
         assert!(close(
             core.counters.busy_squared_ms2,
             s1.duration_ms.powi(2) + s2.duration_ms.powi(2)
         ));
         assert!(matches!(s2.outputs[1], Output::Finished { .. }));
         assert!(core.step().is_none());
+    }
+
+    #[test]
+    fn a_chunk_after_a_long_cached_prefix_costs_its_attention() {
+        // 512 new tokens after a cached 16,384-token prefix, against the same 512 alone: the
+        // chunk attends to the prefix (4.4e12 FLOPs more, 6.9 ms at speedup 1).
+        let mut warm = EngineCore::new(big(1000, 8192));
+        let prefix = prompt(1, 16_384);
+        warm.submit(prefix.clone(), 1, 0).unwrap();
+        run_to_completion(&mut warm);
+        let mut long = prefix;
+        long.extend(prompt(2, 512));
+        warm.submit(long, 1, 0).unwrap();
+        let w = warm.step().unwrap();
+        assert_eq!(w.prefill_tokens, 512);
+        assert_eq!(warm.counters.prefix_hit_tokens, 16_384);
+        let mut cold = EngineCore::new(big(1000, 8192));
+        cold.submit(prompt(2, 512), 1, 0).unwrap();
+        let c = cold.step().unwrap();
+        assert_eq!(c.prefill_tokens, 512);
+        assert!(close(
+            w.duration_ms,
+            timing::prefill_step_ms(16_384.0, 512.0)
+        ));
+        assert!(close(c.duration_ms, timing::prefill_ms(512.0)));
+        let extra = w.duration_ms - c.duration_ms;
+        assert!(
+            (6.8..=7.0).contains(&extra),
+            "{} vs {}",
+            w.duration_ms,
+            c.duration_ms
+        );
+    }
+
+    /// Step times of `cfg` on a fixed workload: a few prompts, one decoding 3,000 tokens.
+    fn workload_steps(cfg: EngineConfig) -> Vec<f64> {
+        let mut core = EngineCore::new(cfg);
+        core.submit(prompt(1, 3000), 3000, 0).unwrap();
+        for i in 2..6 {
+            core.submit(prompt(i, 500 * i as usize), 20, 0).unwrap();
+        }
+        run_to_completion(&mut core)
+            .iter()
+            .map(|s| s.duration_ms)
+            .collect()
+    }
+
+    #[test]
+    fn jitter_has_mean_one_and_zero_is_deterministic() {
+        let jittered = |jitter, seed| {
+            workload_steps(EngineConfig {
+                jitter,
+                seed,
+                ..big(1000, 8192)
+            })
+        };
+        let model = jittered(0.0, 1);
+        assert!(model.len() >= 3000, "{}", model.len());
+        // --jitter 0: the model's times whatever the seed, run after run.
+        assert_eq!(jittered(0.0, 2), model);
+        assert_eq!(jittered(0.0, 1), model);
+        // --jitter 0.1: the same schedule, each step times a factor of mean 1 and log-sd 0.1.
+        let noisy = jittered(0.1, timing::jitter_seed("1"));
+        assert_eq!(noisy.len(), model.len());
+        let factors: Vec<f64> = noisy.iter().zip(&model).map(|(n, m)| n / m).collect();
+        let n = factors.len() as f64;
+        let mean = factors.iter().sum::<f64>() / n;
+        assert!((mean - 1.0).abs() < 0.01, "{mean}");
+        let sd = (factors.iter().map(|f| f.ln().powi(2)).sum::<f64>() / n).sqrt();
+        assert!((0.09..=0.11).contains(&sd), "{sd}");
+        // Deterministic per seed (the worker id); another worker's steps differ.
+        assert_eq!(jittered(0.1, timing::jitter_seed("1")), noisy);
+        assert_ne!(jittered(0.1, timing::jitter_seed("2")), noisy);
     }
 
     #[test]
@@ -1019,7 +1167,8 @@ mod tests {
         let s = core.step().unwrap();
         assert_eq!(s.prefill_tokens, 0);
         assert_eq!(s.decode_seqs, 1);
-        assert!(close(s.duration_ms, decode_ms(s.kv_usage)));
+        // Its first token: one decoded after the 31 prompt tokens before the last.
+        assert!(close(s.duration_ms, timing::decode_step_ms(1, 31)));
         let steps = run_to_completion(&mut core);
         let usage = steps
             .iter()
@@ -1336,13 +1485,28 @@ mod tests {
         core.submit(a.clone(), 1, 0).unwrap();
         let s = core.step().unwrap();
         assert_eq!(s.reload_tokens, host * 4);
-        let expected = prefill_ms(((4 - dev - host) * 4) as f64 + 0.25 * (host * 4) as f64)
-            + if s.decode_seqs > 0 {
-                decode_ms(s.kv_usage)
-            } else {
-                0.0
-            };
-        assert!(close(s.duration_ms, expected));
+        // The uncached tail attends to the reloaded (and device) blocks; each reloaded token
+        // costs a quarter of a new token's linear-layer work.
+        let cached = (dev + host) * 4;
+        let chunk = if cached < 16 {
+            Chunk {
+                context: cached,
+                tokens: 16 - cached,
+            }
+        } else {
+            Chunk {
+                context: 15,
+                tokens: 1,
+            }
+        };
+        let work = |reload_tokens| StepWork {
+            chunks: vec![chunk],
+            reload_tokens,
+        };
+        let reloaded = (host * 4) as f64;
+        assert!(close(s.duration_ms, work(0.25 * reloaded).ms()));
+        assert!(s.duration_ms > work(0.0).ms());
+        assert!(s.duration_ms < work(reloaded).ms());
         assert!(core.counters.prefix_host_hit_tokens > 0);
     }
 

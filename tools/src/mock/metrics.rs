@@ -106,13 +106,13 @@ pub(super) fn render(w: &MockWorker) -> String {
     line(
         "mock_worker_prefill_busy_seconds_total",
         "counter",
-        "Modelled time of the engine steps' prefill terms.",
+        "Modelled time of the engine steps' prefill share (beyond their decodes alone).",
         c.prefill_busy_us as f64 / 1e6,
     );
     line(
         "mock_worker_busy_seconds_total",
         "counter",
-        "Modelled time of the engine steps (prefill and decode terms).",
+        "Modelled time of the engine steps.",
         c.busy_us as f64 / 1e6,
     );
     line(

@@ -34,6 +34,7 @@ mod metrics;
 pub mod openai;
 pub mod render;
 pub mod routes;
+pub mod timing;
 pub mod vllm_hash;
 pub mod vllm_wire;
 
@@ -90,6 +91,14 @@ fn positive_f64(s: &str) -> Result<f64, String> {
     }
 }
 
+fn non_negative_f64(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
+        Ok(_) => Err("must be a number >= 0".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// `--kv-blocks` when not given (Dynamo's mocker default).
 pub const DEFAULT_KV_BLOCKS: usize = 16384;
 
@@ -100,7 +109,13 @@ pub const DEFAULT_KV_BLOCKS: usize = 16384;
     about = "A mock LLM worker (echo or vLLM-like engine) serving the KV event endpoint",
     after_help = "--port 0 picks a free port; the first stdout line is `listening <ip:port>`. \
 With --kv-events-endpoint the next lines are `zmq <endpoint>` and, with \
---kv-events-replay-endpoint, `replay <endpoint>`, the bound addresses (port 0 resolved)."
+--kv-events-replay-endpoint, `replay <endpoint>`, the bound addresses (port 0 resolved). \
+Engine mode times each step by a roofline of Llama-3.1-8B in bf16 on one H100 SXM, not by the \
+router's predictor polynomials: 3 ms + max(linear and attention FLOPs / 643 TFLOP/s, weights + \
+the batch's KV bytes / 2.68 TB/s); a prefill chunk's attention covers its sequence's cached \
+prefix too; a reloaded host-tier token adds a quarter of a new token's linear-layer time. \
+That time is divided by --speedup, multiplied by 8 on --device cpu and by a \
+lognormal factor of mean 1 (--jitter, seeded by --id)."
 )]
 pub struct Options {
     #[arg(long, default_value = "127.0.0.1")]
@@ -130,9 +145,17 @@ pub struct Options {
     /// whole step's budget while shorter requests wait (engine mode).
     #[arg(long, default_value_t = 0)]
     pub long_prefill_token_threshold: usize,
-    /// Divides every simulated step time.
+    /// Divides every simulated step time (engine mode). At 1 the steps are those of
+    /// Llama-3.1-8B in bf16 on one H100 SXM (a roofline: 3 ms + max(FLOPs / 643 TFLOP/s,
+    /// bytes / 2.68 TB/s), see `mock::timing`): an 8,192-token prefill step ~208 ms, a decode
+    /// step of a few sequences ~9 ms.
     #[arg(long, default_value_t = 1.0, value_parser = positive_f64)]
     pub speedup: f64,
+    /// Engine mode: every step time is multiplied by a lognormal factor of mean 1 and this
+    /// log-standard-deviation, drawn from a generator seeded by `--id` (0 = none: the model's
+    /// times exactly).
+    #[arg(long, default_value_t = 0.1, value_parser = non_negative_f64)]
+    pub jitter: f64,
     /// Engine mode, streamed answers: tokens per chunk after the first, as vLLM's
     /// `--stream-interval` (fewer, larger chunks for runs with thousands of streams).
     #[arg(long, default_value_t = 1, value_parser = positive)]
@@ -141,7 +164,7 @@ pub struct Options {
     /// request `priority` first (then arrival); `fcfs` refuses a priority other than 0.
     #[arg(long, value_enum, default_value_t = SchedulingPolicy::Fcfs)]
     pub scheduling_policy: SchedulingPolicy,
-    /// A `cpu` device is 8x slower per step.
+    /// A `cpu` device is 8x slower per step (engine mode).
     #[arg(long, value_enum, default_value_t = Device::Gpu)]
     pub device: Device,
     /// DP rank reported in vLLM-shaped events.
@@ -223,6 +246,8 @@ impl Options {
             } else {
                 1.0
             },
+            jitter: self.jitter,
+            seed: timing::jitter_seed(&self.id),
             dp_rank: self.dp_rank,
             block_hasher: BlockHasher::new(self.block_hash, &self.hash_seed),
             policy: self.scheduling_policy,
