@@ -38,7 +38,7 @@ pub use approximate::{ApproximateConfig, WorkerKvMode};
 pub use engine_priority::EnginePriorityConfig;
 pub use membership::{MembershipConfig, MAX_POOL_WORKERS};
 pub use tokenizer::TokenizerConfig;
-pub use ttft::TtftConfig;
+pub use ttft::{TtftConfig, MAX_COMPUTE_WEIGHT};
 
 use compile::compile;
 pub use compile::{is_timing_poly, MAX_POLY_COEFFICIENTS};
@@ -63,6 +63,23 @@ pub enum RoutingMode {
     LeastLoaded,
     PowerOfTwo,
     DeviceAwareWeighted,
+}
+
+/// How `kv` mode scores a slot.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum KvPolicy {
+    /// The Dynamo cost (below), each worker's scaled by how slow it is relative to the fleet,
+    /// as learned online from its responses ([`crate::learn`]), behind the balance guard
+    /// (`ttft.max_load_ratio`).
+    #[default]
+    Adaptive,
+    /// The predicted time to first token ([`crate::ttft`], options in `ttft`), scaled by each
+    /// worker's learned timing, behind the balance guard.
+    Predicted,
+    /// NVIDIA Dynamo's KV cost exactly as in the original design (overlap credit + active
+    /// load, weights in `cost`): no learning, no guard.
+    Dynamo,
 }
 
 impl RoutingMode {
@@ -191,7 +208,7 @@ impl Default for LoadConfig {
     fn default() -> Self {
         LoadConfig {
             track_output_blocks: false,
-            prefill_load_model: PrefillLoadModel::None,
+            prefill_load_model: PrefillLoadModel::Polynomial,
             prefill_time_ms_poly: vec![16.5, 0.0152, 4.21e-7],
             request_timeout_ms: 900_000,
             reported_load: true,
@@ -367,7 +384,10 @@ pub struct Config {
     pub approximate: Option<ApproximateConfig>,
     /// Load-gated prefix affinity in `kv` mode, when set.
     pub affinity: Option<AffinityConfig>,
-    /// The predicted-TTFT policy in `kv` mode (instead of the Dynamo cost), when set.
+    /// How `kv` mode scores a slot.
+    pub policy: KvPolicy,
+    /// The time-to-first-token model (`adaptive` learns each worker's timing against it,
+    /// `predicted` scores by it); `None` with `policy: dynamo`.
     pub ttft: Option<TtftConfig>,
     /// Write each routed request's scheduling priority into its body, when set.
     pub engine_priority: Option<EnginePriorityConfig>,

@@ -375,6 +375,8 @@ mod tests {
                         load: &load,
                         stale_slots: &[],
                         kv_usage: &[],
+                        learned: None,
+                        arrivals_per_ms: 0.0,
                     };
                     // Same selector seed on both sides: ties resolve identically.
                     decide(&config, &input, &mut SelectorState::new(round))

@@ -12,6 +12,7 @@ pub mod filters;
 pub mod hashing;
 pub mod index;
 pub mod lazy_hash;
+pub mod learn;
 pub mod load;
 pub mod load_store;
 pub mod membership;

@@ -24,9 +24,12 @@
 //! `prompt` ids); `nvext.backend_instance_id` / `nvext.dp_rank` (pin); `nvext.allowed_worker_ids`;
 //! `nvext.required_taints`; `nvext.preferred_taints` (`{taint: weight}`); `nvext.agent_hints.osl`;
 //! `nvext.lora_name`. A top-level `lora_name` and `base:adapter` model names are not interpreted.
-//! `null` means absent everywhere.
+//! `null` means absent everywhere, except in `priority` (vLLM's scheduling priority, a routing
+//! hint): every top-level `priority` member is recorded, whatever its value, by where its value
+//! is in the body ([`LlmRequest::client_priority`]), so that the filter can remove it.
 
 use std::fmt;
+use std::ops::Range;
 
 use serde::de::IgnoredAny;
 
@@ -229,6 +232,11 @@ pub struct LlmRequest {
     /// The body carried at least one routing hint (a non-null pin, allow-list or taint field),
     /// whether or not it was read.
     pub routing_hints: bool,
+    /// The client's own top-level `priority` members (vLLM's scheduling priority; a routing
+    /// hint, see `crate::priority`): the byte ranges of their values in the body, in body order
+    /// (duplicates and escaped spellings of the key included, `null` too). Empty without one
+    /// (nothing allocated).
+    pub client_priority: Vec<Range<usize>>,
     /// Set by the adapter, not the parser: `token_ids` came from the tokenizer service.
     pub rendered: bool,
     /// Set by the adapter: the overlaps passed with this text request come from text prefix
@@ -932,6 +940,63 @@ mod tests {
         assert_eq!(r.token_ids, Some(vec![3]));
     }
 
+    /// The client's `priority` (a routing hint the filter may remove): every top-level member,
+    /// by its value's place in the body, on the fast path (ranges mapped back past the cut
+    /// arrays, ids read or left in the body) as on the serde path.
+    #[test]
+    fn the_clients_priority_is_recorded_where_it_is() {
+        let lazy = ParseOptions {
+            lazy_token_ids: true,
+            ..ParseOptions::default()
+        };
+        for (body, expected) in [
+            (r#"{"priority": 5, "prompt": [1, 2, 3]}"#, &["5"][..]),
+            (r#"{"prompt": [1, 2, 3], "priority": -5}"#, &["-5"]),
+            (
+                r#"{"prompt": [1, 2, 3], "nvext": {"token_data": [4, 5]}, "priority" : "x" }"#,
+                &["\"x\""],
+            ),
+            (
+                r#"{"prompt": [1,2,3], "priority": 1, "x": [[]], "pr\u0069ority": null}"#,
+                &["1", "null"],
+            ),
+            (
+                r#"{"prompt": "text", "priority": {"a": [1]}, "priority": 2}"#,
+                &["{\"a\": [1]}", "2"],
+            ),
+            (r#"{"messages": [], "priority": 3.5}"#, &["3.5"]),
+        ] {
+            let parsed = same_as_serde(body).unwrap();
+            let values: Vec<&str> = parsed
+                .client_priority
+                .iter()
+                .map(|r| &body[r.clone()])
+                .collect();
+            assert_eq!(values, expected, "{body}");
+            if body.contains("\"prompt\": [") && !body.contains("\\u") {
+                let fast = parse_fast(body.as_bytes(), Endpoint::Completions, &lazy);
+                assert_eq!(fast.unwrap().client_priority, parsed.client_priority);
+                fast_ids(body);
+            }
+        }
+        // Nested ones are not the request's; `null` is recorded (the engine would read it).
+        for body in [
+            r#"{"prompt": [1], "nvext": {"priority": 1}}"#,
+            r#"{"prompt": "a", "x": {"priority": 1}, "y": ["priority", 2]}"#,
+        ] {
+            assert!(
+                same_as_serde(body).unwrap().client_priority.is_empty(),
+                "{body}"
+            );
+        }
+        assert_eq!(
+            completions(r#"{"priority":null}"#).unwrap().client_priority,
+            vec![12..16]
+        );
+        // A priority that is not UTF-8 cannot be located: the body is not read.
+        assert!(parse_request(b"{\"priority\": \"\xff\"}", Endpoint::Completions).is_err());
+    }
+
     #[test]
     fn large_token_prompt_matches_serde() {
         let ids: Vec<u32> = (0..200_000u32)
@@ -1061,7 +1126,7 @@ mod tests {
         }
 
         fn field(&mut self) -> String {
-            match self.pick(9) {
+            match self.pick(10) {
                 0..=2 => format!("\"prompt\":{}{}", self.ws(), self.token_array()),
                 3 => {
                     let extra = [", \"dp_rank\": 1", ", \"x\": [[]]", ""][self.pick(3)];
@@ -1085,6 +1150,12 @@ mod tests {
                     self.token_array()
                 ),
                 7 => format!("\"pro\\u006dpt\": {}", self.token_array()),
+                8 => format!(
+                    "{}:{}{}",
+                    ["\"priority\"", "\"pr\\u0069ority\"", "\"priority \""][self.pick(3)],
+                    self.ws(),
+                    Self::ATOMS[self.pick(Self::ATOMS.len())]
+                ),
                 _ => format!(
                     "\"messages\": [{{\"content\": \"ab\"}}], \"n\": {}",
                     self.token_array()
@@ -1320,7 +1391,21 @@ mod tests {
         let rounds = 20_000;
         for round in 0..rounds {
             let body = g.body(round);
-            let _ = same_as_serde(&body);
+            if let Ok(r) = same_as_serde(&body) {
+                // The structural search of the fallback rule finds what the parse records.
+                let found = crate::priority::find_client_priority(body.as_bytes());
+                assert_eq!(found.as_ref(), Some(&r.client_priority), "{body}");
+                let edit = crate::priority::replace_client_priority(
+                    body.as_bytes(),
+                    &r.client_priority,
+                    Some(1),
+                )
+                .expect(&body);
+                let mut out = edit.insert;
+                out.extend_from_slice(&body.as_bytes()[edit.drain..]);
+                let v: serde_json::Value = serde_json::from_slice(&out).expect(&body);
+                assert_eq!(v["priority"], 1, "{body}");
+            }
             if parse_fast(
                 body.as_bytes(),
                 Endpoint::Completions,

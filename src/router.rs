@@ -24,9 +24,10 @@
 //!   choice and from each other, best first (by cost in `kv` mode, else fewest in-flight).
 
 use crate::affinity::{affine_slot, AffinityCandidate};
-use crate::config::{Config, RoutingMode, TtftConfig};
+use crate::config::{Config, KvPolicy, RoutingMode, TtftConfig};
 use crate::cost;
 use crate::filters;
+use crate::learn::LearnedTimings;
 use crate::load::SlotLoad;
 use crate::request::{LlmRequest, Pin};
 use crate::rng::Rng;
@@ -51,8 +52,13 @@ pub struct RouteInput<'a> {
     /// Per slot; may be empty.
     pub stale_slots: &'a [bool],
     /// Per slot, the KV usage its worker last reported (a fraction of its capacity); may be
-    /// empty. Read by `ttft.admission_wait` only.
+    /// empty. Read by the predicted policy (decode step time, `ttft.admission_wait`).
     pub kv_usage: &'a [Option<f64>],
+    /// Per worker entry, the timing learned from its responses (`ttft.learn`); `None` = 1.
+    pub learned: Option<&'a LearnedTimings>,
+    /// Requests expected to arrive per ms at each slot (the adaptive `ttft.compute_weight`);
+    /// 0 when unknown.
+    pub arrivals_per_ms: f64,
 }
 
 /// Per-VM selection state: the random source and the round-robin counter.
@@ -128,6 +134,9 @@ pub struct Decision {
     pub prompt_blocks: u32,
     pub isl_tokens: u32,
     pub reason: Reason,
+    /// The chosen slot's time to first token as the timing polynomials predict it, before the
+    /// learned factor (`kv` mode with the predicted policy): what the response is compared with.
+    pub predicted_base_ms: Option<f64>,
 }
 
 /// Input tokens of a request: its token ids, else `ceil(text_chars / 4)`; saturates at u32::MAX.
@@ -155,7 +164,21 @@ pub fn decide(
     if config.mode == RoutingMode::Direct && pin.worker_id.is_none() {
         return Err(RouteError::PinRequired);
     }
-    let candidates = filters::eligible_slots(config, request, pin, input.load)?;
+    let mut candidates = filters::eligible_slots(config, request, pin, input.load)?;
+    // The balance guard is the predicted policy's: the Dynamo cost's decode term balances alone.
+    let predicted = config.policy == KvPolicy::Predicted;
+    if let (RoutingMode::Kv, Some(t), None, true) =
+        (config.mode, &config.ttft, pin.worker_id, predicted)
+    {
+        let learned = input.learned.filter(|_| t.learn);
+        keep_balanced(
+            config,
+            &mut candidates,
+            input.load,
+            learned,
+            t.max_load_ratio,
+        );
+    }
 
     let has_tokens = request.has_token_ids();
     let has_prefix = has_tokens || request.text_prefix;
@@ -186,15 +209,29 @@ pub fn decide(
             // The scores' costs alone, contiguous for the pick.
             let mut costs: Vec<f64> = Vec::with_capacity(candidates.len());
             let mut min_cost = None;
-            if no_taints && config.ttft.is_none() {
+            // The worker's learned slowness relative to the fleet scales its cost (`adaptive`).
+            let speed = match (&config.ttft, input.learned) {
+                (Some(t), Some(l)) if t.learn && config.policy == KvPolicy::Adaptive => Some(l),
+                _ => None,
+            };
+            let plain = no_taints && config.policy != KvPolicy::Predicted;
+            if plain {
                 // The usual case in a loop of its own: nothing per slot but its inputs and cost
                 // (the same values and the same cost as the general loop below).
                 let overlaps = if has_prefix { input.overlaps } else { &[] };
-                min_cost = Some(score_plain(&kv, &candidates, overlaps, input, &mut costs)?);
+                let mut min = score_plain(&kv, &candidates, overlaps, input, &mut costs)?;
+                if let Some(learned) = speed {
+                    min = f64::INFINITY;
+                    for (cost, &slot) in costs.iter_mut().zip(&candidates) {
+                        *cost *= relative_slowness(config, learned, slot);
+                        min = min.min(*cost);
+                    }
+                }
+                min_cost = Some(min);
                 scores.extend(candidates.iter().copied().zip(costs.iter().copied()));
             }
             // Otherwise (preferred taints, TTFT scores): the general loop.
-            let general = !(no_taints && config.ttft.is_none());
+            let general = !plain;
             for &slot in candidates.iter().filter(|_| general) {
                 // The slot's worker is looked up only when a preference needs it.
                 let multiplier = if no_taints {
@@ -204,8 +241,8 @@ pub fn decide(
                         cost::preferred_taint_multiplier(&w.taints, &request.preferred_taints)
                     })
                 };
-                let score = match &config.ttft {
-                    Some(t) => {
+                let score = match (&config.ttft, config.policy) {
+                    (Some(t), KvPolicy::Predicted) => {
                         ttft_score(config, t, input, slot, isl, overlap_of(slot), load_of(slot))
                             .map_err(|e| e.cost)
                             .and_then(|p| {
@@ -217,10 +254,11 @@ pub fn decide(
                                 }
                             })
                     }
-                    None => match input.load.get(usize::from(slot)) {
-                        Some(load) => kv.cost(&overlap_of(slot), load, multiplier),
-                        None => kv.cost(&overlap_of(slot), &SlotLoad::default(), multiplier),
-                    },
+                    _ => {
+                        let speed = speed.map_or(1.0, |l| relative_slowness(config, l, slot));
+                        let load = input.load.get(usize::from(slot));
+                        kv.cost(&overlap_of(slot), load.unwrap_or(&IDLE), multiplier * speed)
+                    }
                 };
                 let score = score.map_err(|cost| RouteError::NonFiniteCost { slot, cost })?;
                 costs.push(score);
@@ -284,6 +322,14 @@ pub fn decide(
     };
 
     let overlap = overlap_of(slot);
+    let predicted_base_ms = match &config.ttft {
+        Some(t) if config.mode == RoutingMode::Kv => {
+            ttft_score(config, t, input, slot, isl, overlap, load_of(slot))
+                .ok()
+                .map(|p| p.base_ms)
+        }
+        _ => None,
+    };
     let cached_tokens = u64::from(overlap.device_blocks) * u64::from(config.block_size);
     let prefill_tokens = u64::from(isl).saturating_sub(cached_tokens) as u32;
     Ok(Decision {
@@ -296,7 +342,50 @@ pub fn decide(
         prompt_blocks: cost::new_decode_blocks(input.prompt_blocks, &overlap),
         isl_tokens: isl,
         reason,
+        predicted_base_ms,
     })
+}
+
+/// An idle slot's load, for slots the load view does not cover.
+const IDLE: SlotLoad = SlotLoad {
+    prefill_tokens: 0.0,
+    decode_blocks: 0.0,
+    active_requests: 0,
+};
+
+/// How much slower `slot`'s worker is than the fleet, as learned: its timing factor over the
+/// fleet's (1 when nothing is known).
+fn relative_slowness(config: &Config, learned: &LearnedTimings, slot: SlotIdx) -> f64 {
+    match config.slots.get(usize::from(slot)) {
+        Some(s) if learned.fleet > 0.0 => learned.factor(usize::from(s.worker)) / learned.fleet,
+        _ => 1.0,
+    }
+}
+
+/// The balance guard (`ttft.max_load_ratio`): drops the candidates with more requests in flight
+/// than `ratio` times the candidates' mean plus one, each worker's count weighed by its speed
+/// (its learned timing factor over the fleet's: a worker twice as fast may hold twice the
+/// requests). The least loaded is at or below the mean, so at least one candidate stays.
+/// `ratio` 0: no guard.
+fn keep_balanced(
+    config: &Config,
+    candidates: &mut Vec<SlotIdx>,
+    load: &[SlotLoad],
+    learned: Option<&LearnedTimings>,
+    ratio: f64,
+) {
+    if ratio <= 0.0 || candidates.len() < 2 {
+        return;
+    }
+    let weighed = |s: &SlotIdx| {
+        let active = load.get(usize::from(*s)).map_or(0, |l| l.active_requests);
+        f64::from(active) * learned.map_or(1.0, |l| relative_slowness(config, l, *s))
+    };
+    let total: f64 = candidates.iter().map(weighed).sum();
+    let cap = ratio * total / candidates.len() as f64 + 1.0;
+    if candidates.iter().any(|s| weighed(s) > cap) {
+        candidates.retain(|s| weighed(s) <= cap);
+    }
 }
 
 /// The usual KV scoring (no preferred taints, no TTFT): each candidate's cost, in candidate
@@ -377,6 +466,12 @@ fn ttft_score(
     load: SlotLoad,
 ) -> Result<PredictedTtft, cost::NonFiniteCost> {
     let worker = config.worker_of_slot(slot);
+    let learned = input.learned.filter(|_| ttft.learn);
+    let (timing_factor, fleet_factor) = match (learned, config.slots.get(usize::from(slot))) {
+        (Some(l), Some(s)) => (l.factor(usize::from(s.worker)), l.fleet),
+        (Some(l), None) => (l.fleet, l.fleet),
+        (None, _) => (1.0, 1.0),
+    };
     let inputs = TtftInputs {
         isl_tokens,
         overlap,
@@ -392,6 +487,9 @@ fn ttft_score(
             .or(input.request.max_tokens)
             .unwrap_or(ttft.default_output_tokens),
         preferred_multiplier: 1.0,
+        timing_factor,
+        fleet_factor,
+        arrivals_per_ms: input.arrivals_per_ms,
     };
     let fleet_prefill = &config.load.prefill_time_ms_poly;
     let fleet_decode = &ttft.decode_step_ms_poly;
@@ -491,9 +589,18 @@ mod tests {
     use super::*;
     use crate::config::{Config, CostWeights};
 
+    /// A configuration with `extra` fields: the seed's Dynamo cost, unless `extra` names a
+    /// policy or configures the `ttft` model (then the predicted policy).
     fn config(extra: &str, workers: &str) -> Config {
+        let policy = if extra.contains("\"policy\"") {
+            ""
+        } else if extra.contains("\"ttft\"") {
+            "\"policy\": \"predicted\","
+        } else {
+            "\"policy\": \"dynamo\","
+        };
         let sep = if extra.is_empty() { "" } else { "," };
-        let json = format!("{{{extra}{sep} \"workers\": [{workers}]}}");
+        let json = format!("{{{policy}{extra}{sep} \"workers\": [{workers}]}}");
         Config::from_json(json.as_bytes()).unwrap()
     }
 
@@ -550,11 +657,104 @@ mod tests {
             load,
             stale_slots: &[],
             kv_usage: &[],
+            learned: None,
+            arrivals_per_ms: 0.0,
         };
         decide(c, &input, &mut SelectorState::new(seed))
     }
 
-    /// Dynamo docs worked example: block size 16, 160-token prompt (raw prefill 10
+    #[test]
+    fn the_balance_guard_skips_a_hot_spot_but_never_every_slot() {
+        // Slot 0 holds the whole prompt but has 10 requests in flight; the mean is 4, so the
+        // cap is 1.3 * 4 + 1 = 6.2: the holder is skipped for the least predicted of the rest.
+        let c = config(r#""block_size": 16, "ttft": {}"#, THREE);
+        let req = tokens(160);
+        let overlaps = [dev(10), dev(0), dev(0)];
+        let d = route(&c, &req, &overlaps, &active_load(&[10, 1, 1]), 1).unwrap();
+        assert_ne!(d.slot, 0, "{d:?}");
+        // Within the cap the holder wins.
+        let d = route(&c, &req, &overlaps, &active_load(&[6, 3, 3]), 1).unwrap();
+        assert_eq!(d.slot, 0, "{d:?}");
+        // Off: the holder wins despite its queue of requests (no prefill booked).
+        let off = config(r#""block_size": 16, "ttft": {"max_load_ratio": 0}"#, THREE);
+        let d = route(&off, &req, &overlaps, &active_load(&[10, 1, 1]), 1).unwrap();
+        assert_eq!(d.slot, 0, "{d:?}");
+        // Everyone equally loaded: nobody is skipped.
+        let mut candidates = vec![0, 1, 2];
+        keep_balanced(&c, &mut candidates, &active_load(&[9, 9, 9]), None, 1.3);
+        assert_eq!(candidates, [0, 1, 2]);
+        keep_balanced(&c, &mut candidates, &active_load(&[0, 0, 50]), None, 1.0);
+        assert_eq!(candidates, [0, 1]);
+        // A worker learned 3x as fast (factor 1/3 of the others') may hold 3x the requests.
+        let mut learned = LearnedTimings::default();
+        learned.resize(3);
+        learned.factors = vec![1.0 / 3.0, 1.0, 1.0];
+        learned.fleet = 1.0;
+        let mut candidates = vec![0, 1, 2];
+        keep_balanced(
+            &c,
+            &mut candidates,
+            &active_load(&[9, 3, 3]),
+            Some(&learned),
+            1.3,
+        );
+        assert_eq!(candidates, [0, 1, 2]);
+        keep_balanced(&c, &mut candidates, &active_load(&[9, 3, 3]), None, 1.3);
+        assert_eq!(candidates, [1, 2]);
+    }
+
+    #[test]
+    fn the_adaptive_policy_is_the_default_and_dynamo_one_line_away() {
+        let default =
+            Config::from_json(br#"{"workers": [{"id": 1, "address": "10.0.0.1:80"}]}"#).unwrap();
+        assert_eq!(default.policy, KvPolicy::Adaptive);
+        let ttft = default
+            .ttft
+            .as_ref()
+            .expect("the timing model learns by default");
+        assert!(ttft.learn && ttft.compute_weight.is_none());
+        let dynamo = config("", THREE);
+        assert_eq!(dynamo.policy, KvPolicy::Dynamo);
+        assert!(dynamo.ttft.is_none());
+        let both = br#"{"policy": "dynamo", "ttft": {}, "workers": [{"id": 1, "address": "10.0.0.1:80"}]}"#;
+        let err = Config::from_json(both).unwrap_err().to_string();
+        assert!(err.contains("ttft") && err.contains("dynamo"), "{err}");
+    }
+
+    #[test]
+    fn adaptive_scales_each_workers_cost_by_its_learned_slowness() {
+        // The worked example's costs 18 / 10 / 11, with worker 2 learned 2x slower than the
+        // fleet (factors 1, 2, 1: fleet 1): 18 / 20 / 11, and worker 3 wins.
+        let c = config(r#""block_size": 16, "policy": "adaptive""#, THREE);
+        let mut learned = LearnedTimings::default();
+        learned.resize(3);
+        learned.factors = vec![1.0, 2.0, 1.0];
+        learned.fleet = 1.0;
+        let req = tokens(160);
+        let overlaps = [dev(2), dev(5), dev(8)];
+        let load = decode_load(&[2.0, 0.0, 7.0]);
+        let input = |learned| RouteInput {
+            request: &req,
+            header_pin: Pin::default(),
+            prompt_blocks: prompt_blocks(&c, &req),
+            overlaps: &overlaps,
+            load: &load,
+            stale_slots: &[],
+            kv_usage: &[],
+            learned,
+            arrivals_per_ms: 0.0,
+        };
+        let d = decide(&c, &input(Some(&learned)), &mut SelectorState::new(1)).unwrap();
+        assert_eq!(d.scores, vec![(0, 18.0), (1, 20.0), (2, 11.0)]);
+        assert_eq!(d.slot, 2);
+        // Nothing learned: the seed's costs.
+        let d = decide(&c, &input(None), &mut SelectorState::new(1)).unwrap();
+        assert_eq!(d.scores, vec![(0, 18.0), (1, 10.0), (2, 11.0)]);
+        // The time-to-first-token model still predicts the choice, for the learning.
+        assert!(d.predicted_base_ms.is_some_and(|ms| ms > 0.0));
+    }
+
+    /// Dynamo docs worked example (`"policy": "dynamo"`): block size 16, 160-token prompt (raw prefill 10
     /// blocks everywhere), device overlaps 2/5/8, decode 10/5/9 including this request. The
     /// request adds its blocks not already on the device (8/5/2), so the slots' existing decode
     /// loads are 2/0/7. Costs 8+10 = 18, 5+5 = 10, 2+9 = 11: worker 2 wins.
@@ -671,6 +871,8 @@ mod tests {
                 load: &load,
                 stale_slots: &[],
                 kv_usage: &[],
+                learned: None,
+                arrivals_per_ms: 0.0,
             };
             counts[usize::from(decide(&c, &input, &mut state).unwrap().slot)] += 1;
         }
@@ -723,6 +925,8 @@ mod tests {
             load: &decode_load(&[5.0, 1.0, 2.0]),
             stale_slots: &[true, false, false],
             kv_usage: &[],
+            learned: None,
+            arrivals_per_ms: 0.0,
         };
         // Slot 0 would cost 0 + 5 + 0 = 5 with its overlap; stale, it costs 10 + 5 + 10 = 25.
         let d = decide(&c, &input, &mut SelectorState::new(1)).unwrap();
@@ -904,6 +1108,8 @@ mod tests {
             load: &[],
             stale_slots: &[],
             kv_usage: &[],
+            learned: None,
+            arrivals_per_ms: 0.0,
         };
         let d = decide(&c, &input, &mut SelectorState::new(1)).unwrap();
         assert_eq!(d.slot, 2);
@@ -1020,6 +1226,8 @@ mod tests {
                 load,
                 stale_slots: &[],
                 kv_usage: &[],
+                learned: None,
+                arrivals_per_ms: 0.0,
             };
             let d = decide(c, &input, &mut state).unwrap();
             assert!(d.scores.is_empty() && d.cost.is_none());
@@ -1054,6 +1262,8 @@ mod tests {
                     load: &[],
                     stale_slots: &[],
                     kv_usage: &[],
+                    learned: None,
+                    arrivals_per_ms: 0.0,
                 };
                 decide(&c, &input, &mut state).unwrap().slot
             })
@@ -1230,6 +1440,8 @@ mod tests {
                 load: &load,
                 stale_slots: &stale,
                 kv_usage: &[],
+                learned: None,
+                arrivals_per_ms: 0.0,
             };
             let mut costs = Vec::new();
             let got = score_plain(&kv, &candidates, &overlaps, &input, &mut costs);

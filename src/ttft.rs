@@ -6,11 +6,13 @@
 //! work     = active_prefill_tokens(worker) + uncached          (prefill runs in arrival order)
 //! prefill  = floor(work / chunk) * poly(chunk) + poly(work mod chunk)      (poly(0) = 0)
 //! steps    = max(ceil(work / chunk), 1)
-//! decode   = steps * decode_poly(decode_blocks / kv_capacity_blocks)   if requests in flight, else 0
+//! decode   = steps * decode_poly(fill)   if requests in flight, else 0
+//!            (fill = decode_blocks / kv_capacity_blocks, else the worker's reported KV usage)
 //! admit    = short * lifetime / used    (ttft.admission_wait; 0 when short <= 0, see below)
-//! ttft_ms  = (prefill + decode + admit) * preferred_taint_multiplier
+//! ttft_ms  = (prefill + decode + admit) * factor * preferred_taint_multiplier
 //! own      = floor(uncached / chunk) * fleet_poly(chunk) + fleet_poly(uncached mod chunk)
-//! score_ms = ttft_ms + compute_weight * own * preferred_taint_multiplier
+//! weight   = compute_weight, or (unset) min(arrivals_per_ms * ttft_ms, 100)
+//! score_ms = ttft_ms + weight * own * fleet_factor * preferred_taint_multiplier
 //! ```
 //!
 //! * `poly` is the worker's own `prefill_time_ms_poly`, else `load.prefill_time_ms_poly` (the
@@ -20,7 +22,15 @@
 //!   most `chunk` tokens, each step paying the polynomial of its own tokens.
 //! * Cached blocks count through the Dynamo cost's own credits, so the tiers weigh the same in
 //!   both policies (a host-tier block is reloaded, not free).
-//! * `compute_weight` (0 by default) charges the request's own prefill compute again: every
+//! * `factor` is the worker's timing learned from its responses ([`crate::learn`]: observed over
+//!   predicted TTFT), `fleet_factor` the fleet's; both 1 with `ttft.learn` off. So the
+//!   polynomials only give the shape; each worker's own speed, and the queueing the router
+//!   cannot see, come from what its clients experienced.
+//! * Unset, `compute_weight` is the number of requests expected to arrive at the slot while this
+//!   one waits there (`arrivals_per_ms`: the fleet's requests in flight over their observed
+//!   lifetime, by Little's law, per slot): each of them waits for this request's own compute.
+//!   An idle fleet thus spreads freely (weight ~0) and a saturated one keeps prefixes where they
+//!   are cached. A fixed `compute_weight` charges the request's own prefill compute again: every
 //!   request that queues behind it on the slot waits for it too. The TTFT alone gives a
 //!   conversation's history up as soon as the holder's queue costs more than recomputing the
 //!   history elsewhere; the recomputation then delays the next requests there. With weight `w`
@@ -63,6 +73,14 @@ pub struct TtftInputs {
     /// The request's expected output tokens, `>= 1` (for the admission term).
     pub output_tokens: u32,
     pub preferred_multiplier: f64,
+    /// The worker's learned timing factor ([`crate::learn`]): observed over predicted time to
+    /// first token. Multiplies the prediction; 1 when nothing is learned.
+    pub timing_factor: f64,
+    /// The fleet's learned factor: multiplies the compute term (equal on every slot).
+    pub fleet_factor: f64,
+    /// Requests expected to arrive at this slot per ms (the fleet's rate over its slots), for
+    /// the adaptive compute weight; 0 when unknown.
+    pub arrivals_per_ms: f64,
 }
 
 /// The terms of one slot's prediction, for logs and tests.
@@ -77,6 +95,9 @@ pub struct PredictedTtft {
     /// The predicted wait for KV room (0 unless `ttft.admission_wait`).
     pub admission_ms: f64,
     pub ttft_ms: f64,
+    /// `prefill + decode + admission` before the learned factor and any preference: what the
+    /// timing polynomials alone predict, which [`crate::learn`] compares with the observed TTFT.
+    pub base_ms: f64,
     /// `compute_weight` times the request's own prefill time (tier-weighted uncached tokens).
     pub compute_ms: f64,
     /// What the router minimises: `ttft_ms + compute_ms`.
@@ -162,8 +183,10 @@ pub fn predicted_ttft(
     let chunk = f64::from(inputs.chunk_tokens.max(1));
     let prefill_ms = chunked_prefill_ms(prefill_poly, work_tokens, chunk);
     let decode_ms = if load.active_requests > 0 {
-        let fill = match inputs.kv_capacity_blocks {
-            Some(cap) if cap > 0 => (load.decode_blocks / f64::from(cap)).clamp(0.0, 1.0),
+        // The booked blocks over the configured capacity, else the worker's own report.
+        let fill = match (inputs.kv_capacity_blocks, inputs.kv_usage) {
+            (Some(cap), _) if cap > 0 => (load.decode_blocks / f64::from(cap)).clamp(0.0, 1.0),
+            (_, Some(u)) if u.is_finite() => u.clamp(0.0, 1.0),
             _ => 0.0,
         };
         let steps = (work_tokens / chunk).ceil().max(1.0);
@@ -176,10 +199,17 @@ pub fn predicted_ttft(
     } else {
         0.0
     };
-    let ttft_ms = (prefill_ms + decode_ms + admission_ms) * inputs.preferred_multiplier;
-    let compute_ms = if config.compute_weight > 0.0 {
-        config.compute_weight
+    let factor = finite_positive(inputs.timing_factor);
+    let ttft_ms = (prefill_ms + decode_ms + admission_ms) * factor * inputs.preferred_multiplier;
+    // Configured, or the requests expected to queue behind this one while it waits here.
+    let weight = match config.compute_weight {
+        Some(w) => w,
+        None => (inputs.arrivals_per_ms.max(0.0) * ttft_ms).min(crate::config::MAX_COMPUTE_WEIGHT),
+    };
+    let compute_ms = if weight > 0.0 {
+        weight
             * chunked_prefill_ms(timing.fleet_prefill_ms_poly, uncached_tokens, chunk)
+            * finite_positive(inputs.fleet_factor)
             * inputs.preferred_multiplier
     } else {
         0.0
@@ -195,9 +225,19 @@ pub fn predicted_ttft(
         decode_ms,
         admission_ms,
         ttft_ms,
+        base_ms: prefill_ms + decode_ms + admission_ms,
         compute_ms,
         score_ms,
     })
+}
+
+/// `f` when finite and positive, else 1 (a factor that cannot be trusted changes nothing).
+fn finite_positive(f: f64) -> f64 {
+    if f.is_finite() && f > 0.0 {
+        f
+    } else {
+        1.0
+    }
 }
 
 /// The admission term (module docs): how long the prompt waits for free KV blocks. 0 without a
@@ -262,6 +302,9 @@ mod tests {
             kv_usage: None,
             output_tokens: 500,
             preferred_multiplier: 1.0,
+            timing_factor: 1.0,
+            fleet_factor: 1.0,
+            arrivals_per_ms: 0.0,
         }
     }
 
@@ -343,7 +386,7 @@ mod tests {
     #[test]
     fn compute_weight_charges_the_own_prefill_again() {
         let weighted = TtftConfig {
-            compute_weight: 1.5,
+            compute_weight: Some(1.5),
             ..TtftConfig::default()
         };
         let p = |i: &TtftInputs| {
@@ -434,9 +477,15 @@ mod tests {
     use crate::request::{LlmRequest, Pin};
     use crate::router::{decide, prompt_blocks, RouteInput, SelectorState};
 
+    /// The predicted policy, unless `extra` names one.
     fn config(extra: &str) -> Config {
+        let policy = if extra.contains("\"policy\"") {
+            ""
+        } else {
+            r#", "policy": "predicted""#
+        };
         let json = format!(
-            r#"{{"block_size": 64{extra}, "workers": [
+            r#"{{"block_size": 64{policy}{extra}, "workers": [
                 {{"id": 1, "address": "10.0.0.1:8000"}},
                 {{"id": 2, "address": "10.0.0.2:8000"}},
                 {{"id": 3, "address": "10.0.0.3:8000"}}]}}"#
@@ -473,6 +522,8 @@ mod tests {
             load: loads,
             stale_slots: &[],
             kv_usage: &[],
+            learned: None,
+            arrivals_per_ms: 0.0,
         };
         decide(c, &input, &mut SelectorState::new(seed))
             .unwrap()
@@ -484,7 +535,7 @@ mod tests {
         // Slot 2's engine is three times faster, its decode steps twice; slots 0 and 1 use the
         // fleet's polynomials.
         let mixed = || {
-            let json = r#"{"block_size": 64, "ttft": {}, "workers": [
+            let json = r#"{"block_size": 64, "policy": "predicted", "ttft": {}, "workers": [
                 {"id": 1, "address": "10.0.0.1:8000"},
                 {"id": 2, "address": "10.0.0.2:8000"},
                 {"id": 3, "address": "10.0.0.3:8000",
@@ -534,7 +585,7 @@ mod tests {
         // The compute term is priced at the fleet's polynomial everywhere: a speed lead is
         // counted once (in the TTFT), not again times the weight.
         let weighted = TtftConfig {
-            compute_weight: 4.0,
+            compute_weight: Some(4.0),
             ..TtftConfig::default()
         };
         let w = |t: &EngineTiming| {
@@ -552,6 +603,7 @@ mod tests {
 
     #[test]
     fn a_long_history_on_a_busy_worker_beats_an_idle_worker() {
+        // The predictions alone decide here: the balance guard is off.
         // Slot 1 holds 176 of the 192 blocks (a conversation's history) and is moderately busy:
         // 4,096 prefill tokens queued, 6 requests decoding 1,500 blocks. Slots 0 and 2 are idle.
         let overlaps = [0, 176, 0];
@@ -561,13 +613,13 @@ mod tests {
             load(0.0, 0.0, 0),
         ];
         // Predicted: slot 1 computes 4,096 + 1,024 tokens (~111 ms), an idle slot 12,288 (~255 ms).
-        let ttft = config(r#", "ttft": {}"#);
+        let ttft = config(r#", "ttft": {"max_load_ratio": 0}"#);
         for seed in 0..20 {
             assert_eq!(pick(&ttft, &overlaps, &loads, seed), 1);
         }
         // The Dynamo cost counts the busy slot's 1,516 decode blocks and sends the turn away
         // from its history: 80 + 1,516 against 192 + 192 on an idle slot.
-        let dynamo = config("");
+        let dynamo = config(r#", "policy": "dynamo""#);
         for seed in 0..20 {
             assert_ne!(pick(&dynamo, &overlaps, &loads, seed), 1);
         }
@@ -575,6 +627,7 @@ mod tests {
 
     #[test]
     fn an_overloaded_holder_loses() {
+        // The predictions alone decide here: the balance guard is off.
         // The same history behind a 40,000-token prefill queue: 41,024 tokens (~870 ms) to wait
         // for there against 12,288 (~255 ms) on slot 2; slot 0 has a short queue of its own.
         let overlaps = [0, 176, 0];
@@ -583,7 +636,7 @@ mod tests {
             load(40_000.0, 0.0, 8),
             load(0.0, 0.0, 0),
         ];
-        let c = config(r#", "ttft": {}"#);
+        let c = config(r#", "ttft": {"max_load_ratio": 0}"#);
         for seed in 0..20 {
             assert_eq!(pick(&c, &overlaps, &loads, seed), 2);
         }
@@ -648,7 +701,8 @@ mod tests {
     fn configuration_checks_name_the_field() {
         let c = config(r#", "ttft": {}"#);
         assert_eq!(c.ttft, Some(TtftConfig::default()));
-        assert_eq!(config("").ttft, None);
+        assert_eq!(config("").ttft, Some(TtftConfig::default()));
+        assert_eq!(config(r#", "policy": "dynamo""#).ttft, None);
         let bad = |extra: &str| {
             let json = format!(
                 r#"{{"ttft": {extra}, "workers": [{{"id": 1, "address": "10.0.0.1:8000"}}]}}"#

@@ -15,7 +15,16 @@ const BLOCK: u32 = 16;
 /// 68-block follow-up (history + 4 new blocks), its overlap and the costs reported.
 fn follow_up(extra: Value) -> Vec<(u64, u32, u32, std::collections::BTreeMap<u64, f64>)> {
     let workers = echo_workers(2, BLOCK);
-    let mut config = filter_config(&workers, json!({"block_size": BLOCK, "mode": "kv"}));
+    // The seed's Dynamo cost, or the predicted-TTFT policy when `extra` configures `ttft`: each
+    // test's subject.
+    let policy = if extra.get("ttft").is_some() {
+        json!({"block_size": BLOCK, "mode": "kv", "policy": "predicted"})
+    } else {
+        json!({"block_size": BLOCK, "mode": "kv", "policy": "dynamo"})
+    };
+    // Events only: worker 1 alone holds the history (the probes' and the follow-ups' own
+    // predicted blocks would put it on worker 2 too).
+    let mut config = events_only(filter_config(&workers, policy));
     if let (Some(c), Some(e)) = (config.as_object_mut(), extra.as_object()) {
         for (k, v) in e {
             c.insert(k.clone(), v.clone());
@@ -84,8 +93,11 @@ fn predicted_ttft_keeps_the_conversation_on_its_history() {
     // `ttft`: worker 1 computes the 4 new blocks (64 tokens: 16.5 + 0.0152 * 64 + 4.21e-7 * 64^2
     // = 17.475 ms) plus one decode step of its streaming request (5.74 ms) = 23.215 ms; idle
     // worker 2 computes all 1,088 tokens: 33.536 ms. The history wins, and the headers report
-    // the predictions in ms.
-    for (w, overlap, max_overlap, c) in follow_up(json!({"ttft": {}})) {
+    // the predictions in ms (the polynomials' own: `learn` off, else the held request's first
+    // token would scale worker 1's; `compute_weight` 0, else the adaptive weight, from the held
+    // request over the probes' ~1 ms lifetimes, would add a compute term to each).
+    let ttft = json!({"learn": false, "compute_weight": 0.0});
+    for (w, overlap, max_overlap, c) in follow_up(json!({ "ttft": ttft })) {
         assert_eq!((w, overlap, max_overlap), (1, 64, 64), "predictions {c:?}");
         assert_eq!(c.get(&1), Some(&23.215));
         assert_eq!(c.get(&2), Some(&33.536));

@@ -65,7 +65,12 @@ fn bridge_metric(worker: &Worker, name: &str) -> u64 {
 #[test]
 fn a_shared_prefix_is_routed_to_the_worker_holding_it_via_the_bridge() {
     let workers = bridged_workers(2, &[]);
-    let config = filter_config(&workers, json!({"mode": "kv", "block_size": BLOCK}));
+    // Events only: the wait below must prove the bridge's events arrived, not the probes' own
+    // predicted blocks.
+    let config = events_only(filter_config(
+        &workers,
+        json!({"mode": "kv", "block_size": BLOCK}),
+    ));
     for (entry, w) in config["workers"].as_array().unwrap().iter().zip(&workers) {
         assert_eq!(entry["events_address"], w.bridge.as_ref().unwrap().addr);
         assert_ne!(entry["events_address"], entry["address"]);

@@ -261,3 +261,206 @@ fn response_headers_reveal_only_the_reason_by_default() {
         assert!(fields.iter().all(|f| f.parse::<f64>().is_ok()), "{loads}");
     }
 }
+
+/// The client's own `priority` (vLLM's scheduling priority) is a routing hint too. The witness
+/// is an engine in arrival order: it answers 400 to any priority other than 0, quoting a value
+/// that is not an integer, so the client's `"from-client"` shows that it arrived, and a bare
+/// "priority != 0" that the filter's (an integer) did.
+fn fcfs_engine() -> Worker {
+    Worker::spawn(
+        1,
+        &[
+            "--mode",
+            "engine",
+            "--block-size",
+            "16",
+            "--scheduling-policy",
+            "fcfs",
+        ],
+    )
+    .expect("start the engine-mode worker")
+}
+
+/// Bodies with the client's priority: first, in the middle, last, in odd whitespace, twice,
+/// under an escaped key, with a text prompt (the parser's other path); and last, one the filter
+/// routes by the fallback rule (a field it cannot read, which the engine ignores).
+fn client_priority_bodies() -> Vec<String> {
+    let ids = serde_json::to_string(&tokens(1, 40)).unwrap();
+    let client = r#""priority": "from-client""#;
+    vec![
+        format!(r#"{{{client}, "model": "mock", "prompt": {ids}, "max_tokens": 2}}"#),
+        format!(r#"{{"model": "mock", {client}, "prompt": {ids}, "max_tokens": 2}}"#),
+        format!(r#"{{"model": "mock", "prompt": {ids}, "max_tokens": 2, {client}}}"#),
+        format!(
+            "{{ \"model\" : \"mock\" ,\n  \"priority\" :\t\"from-client\"  ,\n \"prompt\" : {ids} , \"max_tokens\": 2 }}\n"
+        ),
+        format!(
+            r#"{{{client}, "model": "mock", "prompt": {ids}, "max_tokens": 2, "priority": "again"}}"#
+        ),
+        format!(
+            r#"{{"model": "mock", "pr\u0069ority": "from-client", "prompt": {ids}, "max_tokens": 2}}"#
+        ),
+        format!(r#"{{"model": "mock", {client}, "prompt": "a few words of text", "max_tokens": 2}}"#),
+        format!(
+            r#"{{{client}, "model": "mock", "prompt": {ids}, "max_tokens": 2, "nvext": {{"agent_hints": {{"osl": -1}}}}}}"#
+        ),
+    ]
+}
+
+fn post_raw(envoy: &Envoy, body: &str) -> http::Response {
+    http::request(
+        &envoy.listener,
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        body.as_bytes(),
+        Duration::from_secs(30),
+    )
+    .expect("request")
+}
+
+/// What reached the engine: `None` (no priority), `Some("filter")` (an integer other than 0),
+/// or the client's value, as its answer says.
+fn priority_seen(resp: &http::Response) -> Option<String> {
+    let text = resp.text();
+    if resp.status == 200 {
+        return None;
+    }
+    assert_eq!(resp.status, 400, "{text}");
+    if text.contains("priority != 0") {
+        return Some("filter".into());
+    }
+    let value = ["from-client", "again"]
+        .into_iter()
+        .find(|v| text.contains(v));
+    assert!(
+        value.is_some(),
+        "an engine answer naming no priority: {text}"
+    );
+    value.map(String::from)
+}
+
+#[test]
+fn a_clients_priority_is_replaced_or_dropped_by_default() {
+    let workers = [fcfs_engine()];
+    let bodies = client_priority_bodies();
+    let all = bodies.len() as u64;
+    let plain = completion(&tokens(1, 40)).to_string();
+    // More whitespace ahead of the object than the filter reads at first.
+    let padded = format!("{}{plain}", " ".repeat(100));
+    for engine_priority in [true, false] {
+        let mut extra = json!({"mode": "kv"});
+        if engine_priority {
+            extra["engine_priority"] = json!({});
+        }
+        let envoy = start_envoy(&workers, default_trust(&workers, extra));
+        for body in &bodies {
+            let resp = post_raw(&envoy, body);
+            // The filter's priority with engine_priority, none without: never the client's.
+            let want = engine_priority.then(|| "filter".to_string());
+            assert_eq!(priority_seen(&resp), want, "{engine_priority}: {body}");
+        }
+        for body in [&plain, &padded] {
+            let want = engine_priority.then(|| "filter".to_string());
+            assert_eq!(priority_seen(&post_raw(&envoy, body)), want, "{body}");
+        }
+        let (counter, other) = if engine_priority {
+            ("priority.client_replaced", "priority.client_dropped")
+        } else {
+            ("priority.client_dropped", "priority.client_replaced")
+        };
+        assert!(
+            envoy.wait_for(Duration::from_secs(5), |e| e.router_stat(counter) == all
+                && e.router_stat("fallback.invalid_field") == 1),
+            "{counter}: {}",
+            envoy.router_stat(counter)
+        );
+        let written = if engine_priority { all + 2 } else { 0 };
+        assert!(envoy.wait_for(Duration::from_secs(5), |e| e
+            .router_stat("engine_priority.written")
+            == written));
+        for none in [
+            other,
+            "priority.client_honored",
+            "priority.client_unremoved",
+            "priority.unchecked",
+            "engine_priority.unwritten",
+        ] {
+            assert_eq!(envoy.router_stat(none), 0, "{none}");
+        }
+    }
+}
+
+#[test]
+fn an_honoured_client_keeps_its_priority() {
+    let workers = [fcfs_engine()];
+    let bodies = client_priority_bodies();
+    let parsed = bodies.len() as u64 - 1;
+    for engine_priority in [true, false] {
+        let mut extra = json!({"mode": "kv", "client_routing_hints": "honor"});
+        if engine_priority {
+            extra["engine_priority"] = json!({});
+        }
+        let envoy = start_envoy(&workers, default_trust(&workers, extra));
+        for body in &bodies {
+            let resp = post_raw(&envoy, body);
+            // The last of the client's members (a JSON object's last duplicate wins).
+            let want = if body.contains("again") {
+                "again"
+            } else {
+                "from-client"
+            };
+            assert_eq!(
+                priority_seen(&resp).as_deref(),
+                Some(want),
+                "{engine_priority}: {body}"
+            );
+        }
+        assert!(
+            envoy.wait_for(Duration::from_secs(5), |e| e
+                .router_stat("priority.client_honored")
+                == parsed),
+            "{}",
+            envoy.router_stat("priority.client_honored")
+        );
+        // Not written over a parsed one; the fallback's goes first and the client's still wins.
+        let written = u64::from(engine_priority);
+        assert!(envoy.wait_for(Duration::from_secs(5), |e| e
+            .router_stat("engine_priority.written")
+            == written));
+        for none in [
+            "priority.client_replaced",
+            "priority.client_dropped",
+            "priority.client_unremoved",
+            "priority.unchecked",
+        ] {
+            assert_eq!(envoy.router_stat(none), 0, "{none}");
+        }
+    }
+}
+
+#[test]
+fn a_clients_priority_is_replaced_in_a_body_held_for_the_tokenizer() {
+    // A text prompt waits for the tokenizer callout's ids; its body is edited in the answer.
+    let workers = [fcfs_engine()];
+    let tokenizer = json!({"cluster": "kv_events", "address": workers[0].addr, "timeout_ms": 5000});
+    let envoy = start_envoy(
+        &workers,
+        default_trust(
+            &workers,
+            json!({"mode": "kv", "tokenizer": tokenizer, "engine_priority": {}}),
+        ),
+    );
+    let text = "a prompt long enough for several blocks ".repeat(20);
+    let chat = json!({"model": "mock", "max_tokens": 2, "priority": "from-client",
+                      "messages": [{"role": "user", "content": text}]});
+    let resp = envoy
+        .post_json("/v1/chat/completions", &chat)
+        .expect("request");
+    assert_eq!(resp.header("x-kv-router-reason"), Some("kv-render"));
+    assert_eq!(priority_seen(&resp).as_deref(), Some("filter"));
+    assert!(envoy.wait_for(Duration::from_secs(5), |e| {
+        e.router_stat("priority.client_replaced") == 1
+            && e.router_stat("engine_priority.written") == 1
+    }));
+}

@@ -16,10 +16,11 @@ fn admin(worker: &Worker, path: &str, body: &Value) {
 }
 
 fn envoy(workers: &[Worker]) -> Envoy {
-    let config = filter_config(
+    // Events only: an overlap must come from the workers' events, not the probes' predictions.
+    let config = events_only(filter_config(
         workers,
         json!({"block_size": BLOCK, "events": {"poll_interval_ms": 100, "stale_after_ms": 60000}}),
-    );
+    ));
     start_envoy(workers, config)
 }
 

@@ -121,7 +121,7 @@ fn assert_index_matches(envoy: &Envoy, workers: &[&Worker]) {
     );
 }
 
-fn echo_envoy(workers: &[Worker], extra: Value) -> Envoy {
+fn echo_config(workers: &[Worker], extra: Value) -> Value {
     let mut config = json!({"block_size": BLOCK, "events": {"poll_interval_ms": 100,
                                                              "stale_after_ms": 1500}});
     if let (Some(c), Some(e)) = (config.as_object_mut(), extra.as_object()) {
@@ -129,7 +129,18 @@ fn echo_envoy(workers: &[Worker], extra: Value) -> Envoy {
             c.insert(k.clone(), v.clone());
         }
     }
-    start_envoy(workers, filter_config(workers, config))
+    filter_config(workers, config)
+}
+
+fn echo_envoy(workers: &[Worker], extra: Value) -> Envoy {
+    start_envoy(workers, echo_config(workers, extra))
+}
+
+/// As [`echo_envoy`], with every worker on `"kv_mode": "events"` ([`events_only`]): the overlaps
+/// are the events' (and [`cache_on`] waits for the event, not for a probe's own predicted
+/// blocks).
+fn echo_envoy_on_events(workers: &[Worker], extra: Value) -> Envoy {
+    start_envoy(workers, events_only(echo_config(workers, extra)))
 }
 
 /// Publishes `prompt` as stored on `worker` and waits until the router credits it there.
@@ -149,7 +160,8 @@ fn cache_on(envoy: &Envoy, worker: &Worker, prompt: &[u32], first_hash: u64) {
 #[test]
 fn a_worker_killed_mid_stream_truncates_that_stream_only() {
     let mut workers = echo_workers(3, BLOCK);
-    let envoy = echo_envoy(&workers, json!({}));
+    // Events only: worker 1 alone holds `on_1` (a probe predicted on worker 3 would tie it).
+    let envoy = echo_envoy_on_events(&workers, json!({}));
     let on_1 = tokens(1000, 4 * BLOCK);
     let on_2 = tokens(2000, 4 * BLOCK);
     cache_on(&envoy, &workers[0], &on_1, 1);
@@ -204,7 +216,9 @@ fn a_worker_killed_mid_stream_truncates_that_stream_only() {
 #[test]
 fn a_worker_restarted_with_an_empty_cache_and_reset_ids_is_resynced() {
     let mut workers = echo_workers(2, BLOCK);
-    let envoy = echo_envoy(&workers, json!({}));
+    // Events only: the traffic's predicted blocks would keep crediting the blocks the restart
+    // lost.
+    let envoy = echo_envoy_on_events(&workers, json!({}));
     let before = tokens(3000, 5 * BLOCK);
     // Five events: the filter's cursor on worker 1 reaches 5.
     for b in 0..5 {
@@ -263,7 +277,9 @@ fn a_slow_or_silent_event_source_costs_no_request() {
                                                "timeout_ms": 500}}),
     );
     config["workers"][2]["events_address"] = json!(closed_addr);
-    let envoy = start_envoy(&workers, config);
+    // Events only: the traffic's predicted blocks on worker 2 would be credited while worker 1
+    // is stale, and the re-sync "seen" without its dump.
+    let envoy = start_envoy(&workers, events_only(config));
     let prompt = tokens(5000, 4 * BLOCK);
     cache_on(&envoy, &workers[0], &prompt, 1);
     let traffic = Traffic::start(&envoy, vec![prompt.clone(), tokens(9200, 2 * BLOCK)]);
@@ -377,6 +393,9 @@ fn a_vm_crash_is_reloaded_and_the_state_rebuilt_under_traffic() {
         json!({"block_size": BLOCK, "events": {"poll_interval_ms": 100},
                "load": {"request_timeout_ms": 2000}}),
     );
+    // Events only: the index the reloaded VM rebuilt is the subject (a probe's own predicted
+    // blocks would give the overlap without it).
+    let config = events_only(config);
     let envoy = start_envoy_with(&workers, config, |o| {
         o.wasm = Some(crash_trigger_wasm());
         o.concurrency = 1;
@@ -444,7 +463,9 @@ fn a_vm_crash_is_reloaded_and_the_state_rebuilt_under_traffic() {
 #[test]
 fn a_filter_configuration_update_under_traffic_loses_nothing() {
     let workers = echo_workers(3, BLOCK);
-    let config = fault_config(&workers);
+    // Events only: the index surviving the swaps is the subject (a probe's own predicted blocks
+    // would give the overlap without it).
+    let config = events_only(fault_config(&workers));
     let envoy_workers = &workers;
     let mut envoy = start_envoy_with(envoy_workers, config.clone(), |o| {
         o.dynamic_listener = true;
@@ -516,6 +537,9 @@ fn a_vm_reloaded_beyond_the_log_ring_loads_the_index_snapshot() {
         &workers,
         json!({"block_size": BLOCK, "events": {"poll_interval_ms": 50}}),
     );
+    // Events only: the oldest prompt must be credited from the snapshot, not from the probes'
+    // own predicted blocks.
+    let config = events_only(config);
     let envoy = start_envoy_with(&workers, config, |o| {
         o.wasm = Some(crash_trigger_wasm());
         o.concurrency = 1;

@@ -8,14 +8,24 @@ use std::time::{Duration, Instant};
 
 const BLOCK: u32 = 16;
 
-fn kv_envoy(workers: &[Worker], extra: Value) -> Envoy {
+fn kv_config(workers: &[Worker], extra: Value) -> Value {
     let mut config = filter_config(workers, json!({"mode": "kv", "block_size": BLOCK}));
     if let (Some(c), Some(e)) = (config.as_object_mut(), extra.as_object()) {
         for (k, v) in e {
             c.insert(k.clone(), v.clone());
         }
     }
-    start_envoy(workers, config)
+    config
+}
+
+fn kv_envoy(workers: &[Worker], extra: Value) -> Envoy {
+    start_envoy(workers, kv_config(workers, extra))
+}
+
+/// As [`kv_envoy`], with every worker on `"kv_mode": "events"` ([`events_only`]): the index
+/// holds only what the events say, not the router's own routing decisions.
+fn kv_envoy_on_events(workers: &[Worker], extra: Value) -> Envoy {
+    start_envoy(workers, events_only(kv_config(workers, extra)))
 }
 
 /// A streamed request pinned to `worker` that emits its first token at once and then stays in
@@ -47,7 +57,9 @@ fn hold_decode(
 #[test]
 fn seed_worked_example() {
     let workers = echo_workers(3, BLOCK);
-    let envoy = kv_envoy(&workers, json!({}));
+    // The seed's Dynamo cost is this test's subject, on the overlaps the events give (the probes'
+    // own predicted blocks would add to them).
+    let envoy = kv_envoy_on_events(&workers, json!({"policy": "dynamo"}));
     let prompt = tokens(1000, 10 * BLOCK);
     // Device overlaps 2, 5 and 8 blocks of the 10-block prompt.
     for (worker, blocks) in workers.iter().zip([2u32, 5, 8]) {
@@ -89,7 +101,8 @@ fn seed_worked_example() {
 #[test]
 fn stored_attracts_and_removed_or_cleared_takes_the_credit_away() {
     let workers = echo_workers(3, BLOCK);
-    let envoy = kv_envoy(&workers, json!({}));
+    // Events only: the routed requests' predicted blocks would keep the credit the events take.
+    let envoy = kv_envoy_on_events(&workers, json!({}));
     let prompt = tokens(7, 8 * BLOCK);
     let body = completion(&prompt);
     publish(
@@ -214,7 +227,8 @@ fn the_linear_memory_gauge_counts_every_replica() {
 #[test]
 fn dynamo_shaped_events_route_too() {
     let workers = echo_workers(2, BLOCK);
-    let envoy = kv_envoy(&workers, json!({}));
+    // Events only: a probe routed to worker 2 before the event lands would be predicted there.
+    let envoy = kv_envoy_on_events(&workers, json!({}));
     let prompt = tokens(300, 6 * BLOCK);
     let locals = envoy_kv_router::hashing::local_block_hashes(
         &prompt,
@@ -244,7 +258,9 @@ fn dynamo_shaped_events_route_too() {
 fn host_and_disk_tiers_earn_partial_credit() {
     for (medium, weight) in [("CPU", 0.75), ("DISK", 0.25)] {
         let workers = echo_workers(2, BLOCK);
-        let envoy = kv_envoy(&workers, json!({}));
+        // The Dynamo cost's tier credits are this test's subject, on the events' tiers alone (a
+        // probe's predicted blocks would be device blocks).
+        let envoy = kv_envoy_on_events(&workers, json!({"policy": "dynamo"}));
         let prompt = tokens(40, 10 * BLOCK);
         let device = &prompt[..(2 * BLOCK) as usize];
         let slower = &prompt[(2 * BLOCK) as usize..(6 * BLOCK) as usize];
@@ -303,7 +319,12 @@ fn ties_at_temperature_zero_are_broken_at_random() {
 #[test]
 fn temperature_spreads_selection_by_softmax() {
     let workers = echo_workers(2, BLOCK);
-    let envoy = kv_envoy(&workers, json!({"router_temperature": 1.0}));
+    // The softmax over the Dynamo cost is this test's subject, with worker 1 alone holding the
+    // prefix (the requests' predicted blocks would give worker 2 the same overlap).
+    let envoy = kv_envoy_on_events(
+        &workers,
+        json!({"policy": "dynamo", "router_temperature": 1.0}),
+    );
     let prompt = tokens(77, 8 * BLOCK);
     publish(
         &workers[0],
@@ -321,8 +342,9 @@ fn temperature_spreads_selection_by_softmax() {
 #[test]
 fn two_envoys_fed_by_the_same_workers_agree() {
     let workers = echo_workers(3, BLOCK);
-    let a = kv_envoy(&workers, json!({}));
-    let b = kv_envoy(&workers, json!({}));
+    // Events only: what the workers report is shared, each Envoy's own predictions are not.
+    let a = kv_envoy_on_events(&workers, json!({}));
+    let b = kv_envoy_on_events(&workers, json!({}));
     let prompts: Vec<Vec<u32>> = (0..9)
         .map(|i| tokens(10_000 * (i + 1), 6 * BLOCK))
         .collect();
@@ -367,7 +389,9 @@ fn two_envoys_fed_by_the_same_workers_agree() {
 #[test]
 fn stored_event_counts_for_routing_quickly() {
     let workers = echo_workers(2, BLOCK);
-    let envoy = kv_envoy(&workers, json!({}));
+    // Events only: the second probe would otherwise overlap its predecessor's predicted blocks,
+    // timing the prediction instead of the event.
+    let envoy = kv_envoy_on_events(&workers, json!({}));
     let mut delays = Vec::new();
     for round in 0..5u32 {
         let prompt = tokens(900_000 + round * 10_000, 4 * BLOCK);
@@ -398,7 +422,8 @@ fn stored_event_counts_for_routing_quickly() {
 #[test]
 fn bad_event_pages_are_rejected_and_change_nothing() {
     let workers = echo_workers(2, BLOCK);
-    let envoy = kv_envoy(&workers, json!({}));
+    // Events only: the probes' predicted blocks would outlive the removal that must land.
+    let envoy = kv_envoy_on_events(&workers, json!({}));
     let prompt = tokens(5, 6 * BLOCK);
     let body = completion(&prompt);
     publish(
@@ -448,7 +473,8 @@ fn bad_event_pages_are_rejected_and_change_nothing() {
 #[test]
 fn a_gap_in_event_ids_triggers_a_resync_from_the_dump() {
     let workers = echo_workers(1, BLOCK);
-    let envoy = kv_envoy(&workers, json!({}));
+    // Events only: the probes' predicted blocks would keep the 5 blocks the dump drops.
+    let envoy = kv_envoy_on_events(&workers, json!({}));
     let prompt = tokens(11, 5 * BLOCK);
     let body = completion(&prompt);
     publish(
@@ -483,7 +509,9 @@ fn a_gap_in_event_ids_triggers_a_resync_from_the_dump() {
 #[test]
 fn a_worker_whose_events_fail_goes_stale_and_loses_its_blocks() {
     let workers = echo_workers(2, BLOCK);
-    let envoy = kv_envoy(&workers, json!({"events": {"stale_after_ms": 600}}));
+    // Events only: a probe predicted on worker 2 would give overlap while worker 1 is stale, and
+    // the re-sync would be "seen" without the dump.
+    let envoy = kv_envoy_on_events(&workers, json!({"events": {"stale_after_ms": 600}}));
     let prompt = tokens(21, 4 * BLOCK);
     let body = completion(&prompt);
     publish(
@@ -519,7 +547,8 @@ fn a_worker_whose_events_fail_goes_stale_and_loses_its_blocks() {
 #[test]
 fn text_only_requests_route_on_load_and_say_so() {
     let workers = echo_workers(2, BLOCK);
-    let envoy = kv_envoy(&workers, json!({}));
+    // Events only (no approximate mode): the text-only path, without a tokenizer, is the subject.
+    let envoy = kv_envoy_on_events(&workers, json!({}));
     let body = json!({"model": "mock", "prompt": "Hello there, a text prompt without token ids"});
     let (_, overlap, resp) = route(&envoy, &body);
     assert_eq!(overlap, 0);
@@ -528,6 +557,15 @@ fn text_only_requests_route_on_load_and_say_so() {
     assert!(envoy.wait_for(Duration::from_secs(5), |e| e
         .router_stat("routed.kv-text-only")
         >= 1));
+    // At the defaults (`events+approximate`) the same request is hashed as text instead.
+    let envoy = kv_envoy(&workers, json!({}));
+    let (_, overlap, resp) = route(&envoy, &body);
+    assert_eq!(overlap, 0);
+    assert_eq!(resp.header("x-kv-router-reason"), Some("kv-text"));
+    assert!(
+        envoy.wait_for(Duration::from_secs(5), |e| e.router_stat("routed.kv-text")
+            >= 1)
+    );
 }
 
 /// The chosen worker is down: Envoy retries on the next address of the destination list, and the
@@ -535,7 +573,8 @@ fn text_only_requests_route_on_load_and_say_so() {
 #[test]
 fn a_retry_on_a_fallback_worker_moves_the_booking() {
     let mut workers = echo_workers(2, BLOCK);
-    let envoy = kv_envoy(&workers, json!({}));
+    // Events only: a probe predicted on worker 2 would give it the prefix, and no retry happen.
+    let envoy = kv_envoy_on_events(&workers, json!({}));
     let prompt = tokens(31, 8 * BLOCK);
     let body = completion(&prompt);
     publish(
@@ -559,7 +598,9 @@ fn a_retry_on_a_fallback_worker_moves_the_booking() {
 #[test]
 fn an_inconsistent_event_is_rejected_and_changes_nothing() {
     let workers = echo_workers(2, BLOCK);
-    let envoy = kv_envoy(&workers, json!({}));
+    // Events only: the probes' predicted blocks would keep the overlap whether the removal
+    // applied or not.
+    let envoy = kv_envoy_on_events(&workers, json!({}));
     let prompt = tokens(61, 4 * BLOCK);
     let body = completion(&prompt);
     publish(
@@ -591,7 +632,8 @@ fn an_inconsistent_event_is_rejected_and_changes_nothing() {
 #[test]
 fn lora_adapters_salt_the_hashes() {
     let workers = echo_workers(2, BLOCK);
-    let envoy = kv_envoy(&workers, json!({}));
+    // Events only: a probe routed to worker 1 before the event lands would be predicted there.
+    let envoy = kv_envoy_on_events(&workers, json!({}));
     let prompt = tokens(71, 5 * BLOCK);
     let mut event = vllm_stored(&prompt, BLOCK, None, 1, "GPU");
     event["lora_name"] = json!("sql-adapter");

@@ -212,9 +212,12 @@ fn pin_errors_are_distinct() {
 #[test]
 fn all_workers_overloaded_is_a_503_with_retry_after() {
     let workers = echo_workers(1, BLOCK);
+    // The long prompt's prefill must count in full until its first token (3 s), not decay over
+    // its predicted ~22 ms.
     let envoy = envoy_with(
         &workers,
-        json!({"mode": "kv", "busy": {"prefill_tokens": 100}}),
+        json!({"mode": "kv", "busy": {"prefill_tokens": 100},
+               "load": {"prefill_load_model": "none"}}),
     );
     let body = json!({"model": "m", "prompt": tokens(1, 20 * BLOCK), "stream": true, "max_tokens": 2,
         "mock": {"first_token_delay_ms": 3000}});
@@ -317,8 +320,10 @@ fn worker_reported_load_steers_away_from_a_worker_busy_with_other_traffic() {
 #[test]
 fn a_prompt_that_would_wait_for_kv_room_goes_where_it_fits() {
     let workers = echo_workers(2, BLOCK);
-    let list = json!([{"id": 1, "address": workers[0].addr, "kv_capacity_blocks": 1000},
-                      {"id": 2, "address": workers[1].addr, "kv_capacity_blocks": 1000}]);
+    // Events only: worker 1 alone holds the prefix (the probes' predicted blocks would put it on
+    // worker 2 too).
+    let list = json!([{"id": 1, "address": workers[0].addr, "kv_capacity_blocks": 1000, "kv_mode": "events"},
+                      {"id": 2, "address": workers[1].addr, "kv_capacity_blocks": 1000, "kv_mode": "events"}]);
     let prefix = tokens(1, 64 * BLOCK);
     publish(
         &workers[0],
@@ -336,9 +341,14 @@ fn a_prompt_that_would_wait_for_kv_room_goes_where_it_fits() {
         json!({"num_running": 30, "num_waiting": 0, "kv_usage": 0.5}),
     ];
     for admission in [false, true] {
+        // The predicted-TTFT policy's admission term is the subject: `compute_weight` 0, since the
+        // adaptive weight (Little's law: the 60 reported running requests over the ~1 ms
+        // lifetime of the mock's own answers) would reach its cap of 100 and keep every prompt
+        // on the holder of its prefix.
+        let ttft = json!({"admission_wait": admission, "compute_weight": 0.0});
         let envoy = envoy_with(
             &workers,
-            json!({"mode": "kv", "workers": list, "ttft": {"admission_wait": admission}}),
+            json!({"mode": "kv", "policy": "predicted", "workers": list, "ttft": ttft}),
         );
         assert!(
             wait_for_overlap(&envoy, &with_new(1, 0), 64, Duration::from_secs(5)),
@@ -399,10 +409,17 @@ fn a_mixed_fleet_is_priced_at_each_workers_own_speed() {
     };
     let prompt = |i: u32| completion(&tokens(30_000 * (i + 1), 125 * BLOCK));
 
+    // The predicted-TTFT policy is the subject, with exact predictions: the polynomials' own
+    // (`learn` off).
+    let ttft = json!({"learn": false});
+    // The booked prefill below must stay in full until its first token (no decay over its
+    // predicted ~92 ms): the held-back first token is the fast worker's queue.
+    let load = json!({"prefill_load_model": "none"});
     // One polynomial for the fleet: two idle workers tie and split the prompts.
     let same = envoy_with(
         &workers,
-        json!({"mode": "kv", "ttft": {}, "workers": list(false)}),
+        json!({"mode": "kv", "policy": "predicted", "ttft": ttft, "load": load,
+               "workers": list(false)}),
     );
     let split = distribution(&same, 30, prompt);
     assert!(split.len() == 2, "a tie splits: {split:?}");
@@ -412,7 +429,8 @@ fn a_mixed_fleet_is_priced_at_each_workers_own_speed() {
     // tokens: 48.6 against 12.1 ms) and takes every prompt while both are idle.
     let envoy = envoy_with(
         &workers,
-        json!({"mode": "kv", "ttft": {}, "workers": list(true)}),
+        json!({"mode": "kv", "policy": "predicted", "ttft": ttft, "load": load,
+               "workers": list(true)}),
     );
     let (w, _, resp) = route(&envoy, &prompt(100));
     let c = costs(&resp);

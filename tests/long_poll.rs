@@ -165,9 +165,11 @@ fn drain_body(reader: &mut BufReader<TcpStream>, length: usize, chunked: bool) {
 }
 
 fn envoy_for(workers: &[Arc<LongPollWorker>], events: Value) -> Envoy {
+    // Events only: a prompt becomes routable when its event arrives, not when a probe's own
+    // routing decision is predicted on some worker.
     let list: Vec<Value> = workers
         .iter()
-        .map(|w| json!({"id": w.id, "address": w.addr}))
+        .map(|w| json!({"id": w.id, "address": w.addr, "kv_mode": "events"}))
         .collect();
     let config = json!({"workers": list, "response_headers": true, "block_size": BLOCK,
                         "mode": "kv", "events": events});

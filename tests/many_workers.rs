@@ -16,8 +16,9 @@ const BLOCK: u32 = 16;
 const ENTRIES: usize = 400;
 
 /// 4 mock workers behind `ENTRIES` worker entries (entry `k` is mock `k % 4 + 1`), in `kv`
-/// mode with response headers, `extra` merged into the configuration.
-fn four_hundred_entries(extra: Value) -> (Vec<Worker>, Envoy) {
+/// mode with response headers, `extra` merged into the configuration; `on_events`: every entry
+/// on `"kv_mode": "events"` ([`events_only`]).
+fn four_hundred_entries(extra: Value, on_events: bool) -> (Vec<Worker>, Envoy) {
     let mocks = echo_workers(4, BLOCK);
     let entries: Vec<Value> = (0..ENTRIES)
         .map(|k| json!({"id": k + 1, "address": mocks[k % 4].addr}))
@@ -27,13 +28,18 @@ fn four_hundred_entries(extra: Value) -> (Vec<Worker>, Envoy) {
     if let (Some(c), Some(e)) = (config.as_object_mut(), extra.as_object()) {
         c.extend(e.clone());
     }
+    if on_events {
+        config = events_only(config);
+    }
     let envoy = start_envoy(&mocks, config);
     (mocks, envoy)
 }
 
 #[test]
 fn four_hundred_workers_keep_every_replica_in_step() {
-    let (mocks, envoy) = four_hundred_entries(json!({}));
+    // Events only: the prefix is where the events put it (a probe routed elsewhere before the
+    // event lands would be predicted there).
+    let (mocks, envoy) = four_hundred_entries(json!({}), true);
     // At least 10 polls of every entry, all appended to the log.
     assert!(
         envoy.wait_for(Duration::from_secs(30), |e| e
@@ -70,7 +76,11 @@ fn four_hundred_workers_keep_every_replica_in_step() {
 /// third shard is booked there (its gauge, no other), and its release leaves no load anywhere.
 #[test]
 fn a_request_past_the_first_load_shard_is_booked_and_released_there() {
-    let (_mocks, envoy) = four_hundred_entries(json!({"client_routing_hints": "honor"}));
+    // Exact booked prefill tokens: the load model `none` (nothing decays before the first token).
+    let (_mocks, envoy) = four_hundred_entries(
+        json!({"client_routing_hints": "honor", "load": {"prefill_load_model": "none"}}),
+        false,
+    );
     let pinned = 301;
     let body = json!({"model": "m", "prompt": tokens(1, 50 * BLOCK), "stream": true,
         "max_tokens": 2, "nvext": {"backend_instance_id": pinned},
@@ -86,7 +96,7 @@ fn a_request_past_the_first_load_shard_is_booked_and_released_there() {
         "the booking shows on entry {pinned}"
     );
     // No prefix cached anywhere: 800 prefill tokens, 50 decode blocks, 1 request (the load
-    // model is `none`: nothing decays before the first token).
+    // model is `none`, see above).
     assert_eq!(envoy.router_stat(&gauge), 50 * u64::from(BLOCK));
     assert_eq!(
         total_load(&envoy),

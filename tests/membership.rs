@@ -59,7 +59,11 @@ fn addrs(ws: &[&Worker]) -> Vec<String> {
 fn eds_workers_join_and_leave_without_a_reload() {
     let workers = echo_workers(3, BLOCK);
     let (w1, w2, w3) = (&workers[0], &workers[1], &workers[2]);
-    let envoy = start(&[w1, w2], &[], eds(), json!({}));
+    // Discovered workers on events only: worker 3's blocks come from its events and leave with
+    // it (the probes' predicted blocks would stay on workers 1 and 2).
+    let mut pool = membership(4);
+    pool["worker"] = json!({"kv_mode": "events"});
+    let envoy = start(&[w1, w2], &[], eds(), json!({"membership": pool}));
     assert!(
         envoy.wait_for(Duration::from_secs(10), |e| e
             .router_stat("membership.workers")
@@ -279,12 +283,19 @@ fn load_returns_to_zero_with_workers_joining_and_leaving_during_a_thousand_mixed
     assert!(envoy.wait_for(Duration::from_secs(10), |e| e
         .router_stat("membership.workers")
         == 4));
-    let gauges = envoy
-        .stats()
+    let stats = envoy.stats();
+    let gauges: Vec<&String> = stats
         .keys()
         .filter(|k| k.starts_with("wasmcustom.kv_router.worker."))
-        .count();
-    assert_eq!(gauges, 4 * 3, "per-slot gauges stay one set per pool entry");
+        .collect();
+    // 3 load gauges per slot and, with the default `ttft.learn`, 2 learned-timing gauges
+    // (`timing_factor_milli`, `timing_samples`) per worker entry.
+    let timing = gauges.iter().filter(|k| k.contains(".timing_")).count();
+    assert_eq!(
+        (gauges.len() - timing, timing),
+        (4 * 3, 4 * 2),
+        "per-slot gauges stay one set per pool entry: {gauges:?}"
+    );
 }
 
 /// A discovered worker describes itself on its event page: its models (and capacity) replace the
@@ -349,10 +360,13 @@ fn a_static_entry_wins_over_the_hosts_description() {
     let (w1, w2) = (&workers[0], &workers[1]);
     let described = json!({"models": ["only-on-2"], "kv_capacity_blocks": 10});
     assert_eq!(w2.admin("/admin/describe", &described).unwrap().status, 200);
+    // Events only: the overlap waited for below is worker 2's event (proof its page was read),
+    // not a probe's own predicted blocks.
     let mut m = membership(4);
-    m["worker"] = json!({"models": ["mock"]});
+    m["worker"] = json!({"models": ["mock"], "kv_mode": "events"});
     let mut fixed = w2.filter_entry();
     fixed["models"] = json!(["mock"]);
+    fixed["kv_mode"] = json!("events");
     let list = vec![fixed];
     let mut config = json!({"block_size": BLOCK, "response_headers": true,
         "client_routing_hints": "honor", "workers": list, "membership": m,
@@ -401,7 +415,14 @@ fn a_discovered_worker_is_priced_at_its_described_speed() {
     let fast = json!({"prefill_time_ms_poly": [4.125, 0.0038, 1.0525e-7],
                       "decode_step_ms_poly": [1.435, 13.5025, -6.435]});
     assert_eq!(w2.admin("/admin/describe", &fast).unwrap().status, 200);
-    let envoy = start(&[w1, w2], &[], eds(), json!({"ttft": {}}));
+    // The predicted-TTFT policy is the subject, with exact predictions: the polynomials' own
+    // (`learn` off).
+    let envoy = start(
+        &[w1, w2],
+        &[],
+        eds(),
+        json!({"policy": "predicted", "ttft": {"learn": false}}),
+    );
     assert!(
         envoy.wait_for(Duration::from_secs(10), |e| e
             .router_stat("membership.described")

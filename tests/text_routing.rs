@@ -59,9 +59,11 @@ fn send_chat(envoy: &Envoy, body: &Value) -> (u64, u32, String) {
 fn chat_is_routed_with_exact_ids_from_render() {
     let workers = echo_workers(3, BLOCK);
     let tokenizer = json!({"cluster": "kv_events", "address": workers[0].addr, "timeout_ms": 5000});
+    // Events only: the overlap is worker 2's events' (a probe predicted on another worker would
+    // give that worker the same prefix).
     let envoy = start_envoy(
         &workers,
-        config_with(&workers, json!({"tokenizer": tokenizer}), None),
+        config_with(&workers, json!({"tokenizer": tokenizer}), Some("events")),
     );
     let body = chat(&long_text(1, 900), "what is the answer?", json!({}));
     // The exact prompt ids, as the engine's render endpoint gives them.
@@ -131,11 +133,12 @@ fn render_timeout_and_errors_fall_back_to_text_with_the_reason() {
         envoy.wait_for(Duration::from_secs(5), |e| e.router_stat("routed.kv-text")
             == 2)
     );
-    // A tokenizer nobody listens on: routed by text too.
+    // A tokenizer nobody listens on: routed by text too; without approximate mode (workers on
+    // `events`), on load alone.
     let dead = json!({"cluster": "kv_events", "address": "127.0.0.1:1", "timeout_ms": 300});
     let envoy = start_envoy(
         &workers,
-        config_with(&workers, json!({"tokenizer": dead}), None),
+        config_with(&workers, json!({"tokenizer": dead}), Some("events")),
     );
     let (_, _, reason) = send_chat(&envoy, &chat("sys", "hi", json!({})));
     assert_eq!(reason, "kv-text-only:render_error");

@@ -674,8 +674,9 @@ fn router_worked_example_end_to_end() {
     // Dynamo's documented example: block size 16, a 160-token prompt (10 blocks), device
     // overlaps 2/5/8, existing decode loads 2/0/7 (10/5/9 with this request's new blocks).
     // Costs 8+10 = 18, 5+5 = 10, 2+9 = 11: worker 2 wins, then 3, then 1.
+    // The seed's Dynamo cost is this test's subject.
     let config = Config::from_json(
-        br#"{"block_size": 16, "workers": [
+        br#"{"policy": "dynamo", "block_size": 16, "workers": [
               {"id": 1, "address": "10.0.0.1:8000"},
               {"id": 4294967298, "address": "10.0.0.2:8000"},
               {"id": 3, "address": "10.0.0.3:8000"}]}"#,
@@ -723,6 +724,8 @@ fn router_worked_example_end_to_end() {
         load: &load,
         stale_slots: &[],
         kv_usage: &[],
+        learned: None,
+        arrivals_per_ms: 0.0,
     };
     assert_eq!(input.prompt_blocks, 10);
     let d = decide(&config, &input, &mut SelectorState::new(1)).unwrap();
@@ -753,6 +756,8 @@ fn router_random_ties_are_the_same_sequence_on_every_target() {
         load: &[],
         stale_slots: &[],
         kv_usage: &[],
+        learned: None,
+        arrivals_per_ms: 0.0,
     };
     let mut state = SelectorState::new(0x5eed);
     let picks: Vec<u16> = (0..24)

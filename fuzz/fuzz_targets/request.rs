@@ -1,6 +1,8 @@
 //! Request bodies: never panics, and the fast token-id scan agrees with the serde reference
-//! parser (the same request, or both errors).
+//! parser (the same request, or both errors); the client's `priority` members the parse records
+//! are the ones the structural search finds, and removing them leaves valid JSON.
 #![no_main]
+use envoy_kv_router::priority::{find_client_priority, replace_client_priority};
 use envoy_kv_router::request::{
     parse_request, parse_request_serde, parse_request_with, Endpoint, ParseOptions,
 };
@@ -22,6 +24,25 @@ fuzz_target!(|data: &[u8]| {
         (Ok(a), Ok(b)) => assert_eq!(a, b, "fast path and serde disagree"),
         (Err(_), Err(_)) => {}
         _ => panic!("fast path {fast:?} vs serde {reference:?}"),
+    }
+    if let Ok(request) = &fast {
+        // The fallback rule's structural search finds the `priority` members the parse records,
+        // and removing them (the filter's put first) leaves valid JSON with only the filter's.
+        assert_eq!(
+            find_client_priority(body).as_ref(),
+            Some(&request.client_priority),
+            "structural search and parse disagree"
+        );
+        let splice = replace_client_priority(body, &request.client_priority, Some(7))
+            .expect("the parsed members are removable");
+        let mut edited = splice.insert;
+        edited.extend_from_slice(body.get(splice.drain..).unwrap_or_default());
+        // (Bodies serde's `Value` reads: the parse skips some strings without checking them.)
+        if serde_json::from_slice::<serde_json::Value>(body).is_ok() {
+            let value: serde_json::Value =
+                serde_json::from_slice(&edited).expect("the edited body is JSON");
+            assert_eq!(value["priority"], 7, "the filter's priority is the body's");
+        }
     }
     let opts = ParseOptions {
         read_hints: sel & 2 == 0,

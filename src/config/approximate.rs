@@ -111,9 +111,12 @@ mod tests {
     }
 
     #[test]
-    fn off_by_default_and_implied_by_a_worker_mode() {
+    fn on_by_default_through_the_workers_mode_and_off_with_events_only() {
         let c = parse("", "").unwrap();
-        assert!(c.approximate.is_none() && c.tokenizer.is_none());
+        assert!(c.approximate.is_some() && c.tokenizer.is_none());
+        assert_eq!(c.workers[0].kv_mode, WorkerKvMode::EventsAndApproximate);
+        let c = parse("", r#", "kv_mode": "events""#).unwrap();
+        assert!(c.approximate.is_none());
         assert_eq!(c.workers[0].kv_mode, WorkerKvMode::Events);
         let c = parse("", r#", "kv_mode": "events+approximate""#).unwrap();
         let a = c.approximate.unwrap();

@@ -128,7 +128,19 @@ pub(super) fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     if let Some(a) = &raw.affinity {
         super::affinity::check_affinity(a)?;
     }
-    if let Some(t) = &raw.ttft {
+    let ttft = match (raw.policy, raw.ttft) {
+        (super::KvPolicy::Dynamo, Some(_)) => {
+            return Err(ConfigError::Invalid {
+                field: "ttft".to_string(),
+                detail:
+                    "configures the time-to-first-token model, which `policy: dynamo` does not use"
+                        .to_string(),
+            })
+        }
+        (super::KvPolicy::Dynamo, None) => None,
+        (super::KvPolicy::Adaptive | super::KvPolicy::Predicted, t) => Some(t.unwrap_or_default()),
+    };
+    if let Some(t) = &ttft {
         super::ttft::check_ttft(t)?;
     }
     if let Some(p) = &raw.engine_priority {
@@ -170,7 +182,8 @@ pub(super) fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         tokenizer: raw.tokenizer,
         approximate,
         affinity: raw.affinity,
-        ttft: raw.ttft,
+        policy: raw.policy,
+        ttft,
         engine_priority: raw.engine_priority,
         workers,
         slots,

@@ -104,7 +104,7 @@ impl Default for PoolTemplate {
             kv_capacity_blocks: None,
             max_num_batched_tokens: None,
             models: Vec::new(),
-            kv_mode: WorkerKvMode::Events,
+            kv_mode: super::raw::events_and_predictions(),
             prefill_time_ms_poly: None,
             decode_step_ms_poly: None,
         }

@@ -19,6 +19,7 @@ use crate::types::{DpRank, WorkerId};
 )]
 pub(super) struct RawConfig {
     pub mode: RoutingMode,
+    pub policy: super::KvPolicy,
     pub block_size: u32,
     pub destination_header: String,
     pub destination_format: DestinationFormat,
@@ -52,6 +53,7 @@ impl Default for RawConfig {
     fn default() -> Self {
         RawConfig {
             mode: RoutingMode::Kv,
+            policy: super::KvPolicy::default(),
             block_size: 64,
             destination_header: "x-gateway-destination-endpoint".to_string(),
             destination_format: DestinationFormat::OverrideHost,
@@ -104,7 +106,7 @@ pub(super) struct RawWorker {
     pub max_num_batched_tokens: Option<u32>,
     #[serde(default)]
     pub models: Vec<String>,
-    #[serde(default = "events_only")]
+    #[serde(default = "events_and_predictions")]
     pub kv_mode: WorkerKvMode,
     /// This worker's own `load.prefill_time_ms_poly` (a different GPU, model shard or engine).
     pub prefill_time_ms_poly: Option<Vec<f64>>,
@@ -120,6 +122,8 @@ fn gpu() -> Device {
     Device::Gpu
 }
 
-fn events_only() -> WorkerKvMode {
-    WorkerKvMode::Events
+/// Events, with the router's own decisions bridging their lag (a burst sharing a new prefix
+/// reaches one worker before its first event arrives).
+pub(super) fn events_and_predictions() -> WorkerKvMode {
+    WorkerKvMode::EventsAndApproximate
 }

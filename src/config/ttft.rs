@@ -29,9 +29,19 @@ pub struct TtftConfig {
     /// Weight of the request's own prefill compute on the slot (its uncached tokens alone, in
     /// `chunk` steps of `load.prefill_time_ms_poly`), added to the prediction: the requests that
     /// queue behind it there wait for that compute too, so recomputing a prefix another worker
-    /// holds costs the fleet more than the request's own wait. 0 (the default) scores the
-    /// request's TTFT alone. `0..=100`.
-    pub compute_weight: f64,
+    /// holds costs the fleet more than the request's own wait. Unset (the default): the number
+    /// of requests expected to arrive at the slot while this one waits there (Little's law on
+    /// the fleet's requests in flight and their observed lifetime; see [`crate::ttft`]), so
+    /// an idle fleet spreads freely and a busy one keeps prefixes where they are. `0..=100`.
+    pub compute_weight: Option<f64>,
+    /// Balance guard: a slot with more requests in flight than this times the candidates' mean,
+    /// plus one, is not chosen (the least loaded always qualifies). A popular prefix is thus
+    /// copied to more workers before its holder becomes a hot spot, whatever the predictions
+    /// say. 0 turns the guard off; else `1..=100`.
+    pub max_load_ratio: f64,
+    /// Learn each worker's timing from the responses (observed against predicted time to first
+    /// token, [`crate::learn`]) and scale its predictions by it. On by default.
+    pub learn: bool,
     /// Adds the predicted wait for KV room to the score ([`crate::ttft`]'s admission term): an
     /// engine admits a prompt only when its cache has free blocks for it, so on a worker whose
     /// cache is full of running requests a prompt waits until they finish and free theirs. Needs
@@ -50,7 +60,9 @@ impl Default for TtftConfig {
             chunk_tokens: 8192,
             // Dynamo's mocker: -25.74 u^2 + 54.01 u + 5.74 ms per decode step.
             decode_step_ms_poly: vec![5.74, 54.01, -25.74],
-            compute_weight: 0.0,
+            compute_weight: None,
+            max_load_ratio: 1.3,
+            learn: true,
             admission_wait: false,
             default_output_tokens: 256,
         }
@@ -74,12 +86,21 @@ pub(super) fn check_ttft(c: &TtftConfig) -> Result<(), ConfigError> {
             got: c.default_output_tokens.to_string(),
         });
     }
-    if !(0.0..=MAX_COMPUTE_WEIGHT).contains(&c.compute_weight) {
+    if c.max_load_ratio != 0.0 && !(1.0..=100.0).contains(&c.max_load_ratio) {
         return Err(ConfigError::OutOfRange {
-            field: "ttft.compute_weight".to_string(),
-            expected: "within [0, 100]",
-            got: c.compute_weight.to_string(),
+            field: "ttft.max_load_ratio".to_string(),
+            expected: "0 (off) or within [1, 100]",
+            got: c.max_load_ratio.to_string(),
         });
+    }
+    if let Some(w) = c.compute_weight {
+        if !(0.0..=MAX_COMPUTE_WEIGHT).contains(&w) {
+            return Err(ConfigError::OutOfRange {
+                field: "ttft.compute_weight".to_string(),
+                expected: "within [0, 100]",
+                got: w.to_string(),
+            });
+        }
     }
     Ok(())
 }

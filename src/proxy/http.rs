@@ -8,13 +8,16 @@
 //! Envoy calls for every stream however it ended, releases whatever is still booked.
 
 use super::host::{self, HostStore};
+use super::learning::Sample;
 use super::vm::{worker_id, VmState};
 use crate::approx::Record;
 use crate::config::{ClientHints, Config, DestinationFormat, PrefillLoadModel, RoutingMode};
 use crate::lazy_hash::PromptHasher;
 use crate::load::{output_milli_blocks, Ticket};
 use crate::load_store::{self, Release};
-use crate::priority::{request_priority, splice_priority, UNPRICED_PREFILL_MS};
+use crate::priority::{
+    find_client_priority, replace_client_priority, request_priority, UNPRICED_PREFILL_MS,
+};
 use crate::prompt_text::{prompt_text, render_cache_key, text_prefix_hashes};
 use crate::render::{classify, parse_reply, RenderFailure};
 use crate::request::{
@@ -28,6 +31,7 @@ use crate::types::SequenceHash;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 use std::cell::RefCell;
+use std::ops::Range;
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -69,6 +73,11 @@ struct Booking {
     osl_hint: Option<u32>,
     generated_tokens: u32,
     output_milli_blocks: u64,
+    /// What the first token teaches about the worker's timing.
+    sample: Sample,
+    /// When the first token arrived (0 before), and the streamed body chunks since.
+    first_token_ms: u64,
+    chunks: u32,
 }
 
 pub struct RequestContext {
@@ -527,13 +536,19 @@ impl RequestContext {
         if config.load.reported_load {
             vm.slot_reports.merge_into(config, &mut load);
         }
-        let admission_wait = config.ttft.as_ref().is_some_and(|t| t.admission_wait);
-        let kv_usage: &[Option<f64>] = if config.load.reported_load && admission_wait {
+        let kv_usage: &[Option<f64>] = if config.load.reported_load && config.ttft.is_some() {
             &vm.slot_reports.kv_usage
         } else {
             &[]
         };
         let prompt_blocks = prompt_blocks(config, &request);
+        let learning = config.ttft.as_ref().is_some_and(|t| t.learn);
+        let arrivals_per_ms = if config.ttft.is_some() {
+            let active: u64 = load.iter().map(|l| u64::from(l.active_requests)).sum();
+            vm.arrivals_per_ms(active, load.len())
+        } else {
+            0.0
+        };
         let input = RouteInput {
             request: &request,
             header_pin: self.header_pin,
@@ -542,6 +557,8 @@ impl RequestContext {
             load: &load,
             stale_slots: &vm.slot_reports.stale,
             kv_usage,
+            learned: learning.then_some(&vm.learned),
+            arrivals_per_ms,
         };
         let decided = decide(config, &input, &mut vm.selector);
         vm.overlaps = overlaps;
@@ -641,12 +658,19 @@ impl RequestContext {
                     .or(config.ttft.as_ref().map(|t| t.chunk_tokens)),
             )
         });
-        // The booked prefill decays over those steps.
-        let expected_ms = prefill_ms.filter(|_| decays);
-        if let (Some(engine_priority), Some(ms)) = (&config.engine_priority, prefill_ms) {
-            let priority = request_priority(engine_priority, ms, now);
-            count_priority(vm, write_priority(priority));
-        }
+        // The booked prefill decays over those steps, at the worker's learned speed.
+        let factor = match &config.ttft {
+            Some(t) if t.learn => vm.learned.factor(usize::from(slot.worker)),
+            _ => 1.0,
+        };
+        let expected_ms = prefill_ms.filter(|_| decays).map(|ms| ms * factor);
+        let priority = config
+            .engine_priority
+            .as_ref()
+            .zip(prefill_ms)
+            .map(|(e, ms)| request_priority(e, ms, now));
+        let client = ClientPriority::Parsed(&request.client_priority);
+        settle_priority(vm, config, priority, client);
         let booked = load_store::update_slot_from(
             &HostStore,
             config.slots.len(),
@@ -676,6 +700,13 @@ impl RequestContext {
                 osl_hint: request.osl_hint_tokens,
                 generated_tokens: 0,
                 output_milli_blocks: 0,
+                sample: Sample {
+                    worker_index: usize::from(slot.worker),
+                    routed_ms: now,
+                    predicted_ms: decision.predicted_base_ms,
+                },
+                first_token_ms: 0,
+                chunks: 0,
             });
         } else {
             vm.metrics.inc("load.update_failed");
@@ -777,10 +808,16 @@ impl RequestContext {
         }
         host::set_header(MapType::HttpRequestHeaders, REASON_HEADER, Some(&reason));
         vm.metrics.inc(&format!("fallback.{why}"));
-        if let Some(engine_priority) = &config.engine_priority {
-            let priority = request_priority(engine_priority, UNPRICED_PREFILL_MS, host::now_ms());
-            count_priority(vm, write_priority(priority));
-        }
+        let priority = config
+            .engine_priority
+            .as_ref()
+            .map(|e| request_priority(e, UNPRICED_PREFILL_MS, host::now_ms()));
+        // The client's priority is looked for in the body, unless it is not all here.
+        let client = match why {
+            "body_too_large" | "body_unreadable" => ClientPriority::Unreadable,
+            _ => ClientPriority::Unparsed,
+        };
+        settle_priority(vm, config, priority, client);
     }
 
     /// Envoy may have retried the request on a fallback host: move the booking (and the reported
@@ -817,6 +854,9 @@ impl RequestContext {
         {
             booking.ticket = moved;
             booking.address = upstream;
+            // The prediction was for the first host: nothing to learn from this response.
+            booking.sample.worker_index = index;
+            booking.sample.predicted_ms = None;
             if let Some(detail) = self.outcome.as_mut().and_then(|o| o.detail.as_mut()) {
                 detail.worker = worker.id.to_string();
             }
@@ -845,6 +885,13 @@ impl RequestContext {
             if let Some(booking) = self.booking.as_mut() {
                 booking.ticket = done;
             }
+        }
+        if let Some(booking) = self.booking.as_mut() {
+            booking.first_token_ms = now;
+        }
+        let sample = self.booking.as_ref().map(|b| b.sample);
+        if let (Some(sample), Ok(mut vm)) = (sample, self.vm.try_borrow_mut()) {
+            vm.learn_first_token(&sample, now);
         }
     }
 
@@ -885,17 +932,103 @@ impl RequestContext {
 }
 
 /// Bytes of the body read to place the priority: the object's `{` and the start of its first
-/// member (a body led by more whitespace than this is left alone and counted).
+/// member (past a client's own `priority`: that much after its value). Read whole when that is
+/// not enough (more whitespace than this).
 const PRIORITY_HEAD_BYTES: usize = 64;
 
-/// Makes `"priority": P` the buffered request body's first member and corrects its
-/// `content-length`. `false` (body unchanged) when the body is not a JSON object or Envoy
-/// refuses the edit.
-fn write_priority(priority: i64) -> bool {
-    let Some(head) = host::buffer(BufferType::HttpRequestBody, PRIORITY_HEAD_BYTES) else {
+/// What the filter knows of the client's own `priority` members.
+enum ClientPriority<'a> {
+    /// The parse's record (`LlmRequest::client_priority`; empty: none).
+    Parsed(&'a [Range<usize>]),
+    /// The body was not parsed: they are looked for in it.
+    Unparsed,
+    /// The body is not all here (over `max_body_bytes`) or could not be read.
+    Unreadable,
+}
+
+/// Writes the filter's priority (`engine_priority`) and settles the client's own, a routing
+/// hint: with `client_routing_hints: honor` it stays (and, where the parse saw one, the filter
+/// writes none over it); otherwise the client's members go, replaced by the filter's or dropped
+/// (without `engine_priority`), in the one body edit. Free for a request without either.
+fn settle_priority(
+    vm: &mut VmState,
+    config: &Config,
+    priority: Option<i64>,
+    client: ClientPriority,
+) {
+    let max_bytes = config.max_body_bytes;
+    if config.client_routing_hints == ClientHints::Honor {
+        if matches!(client, ClientPriority::Parsed(values) if !values.is_empty()) {
+            vm.metrics.add_later("priority.client_honored", 1);
+        } else if let Some(priority) = priority {
+            // None parsed (in a body the parse did not read, the client's would come later
+            // and win).
+            count_priority(vm, write_priority(Some(priority), &[], max_bytes));
+        }
+        return;
+    }
+    let found;
+    let values: &[Range<usize>] = match client {
+        ClientPriority::Parsed(values) => values,
+        ClientPriority::Unparsed => {
+            let body = host::buffer(BufferType::HttpRequestBody, max_bytes).unwrap_or_default();
+            found = if body.is_empty() {
+                Some(Vec::new())
+            } else {
+                find_client_priority(&body)
+            };
+            found.as_deref().unwrap_or_else(|| {
+                vm.metrics.add_later("priority.unchecked", 1);
+                &[]
+            })
+        }
+        ClientPriority::Unreadable => {
+            vm.metrics.add_later("priority.unchecked", 1);
+            &[]
+        }
+    };
+    if values.is_empty() {
+        if let Some(priority) = priority {
+            count_priority(vm, write_priority(Some(priority), &[], max_bytes));
+        }
+        return;
+    }
+    if !write_priority(priority, values, max_bytes) {
+        // Sent as it is: the client's priority reaches the engine (after the filter's, if any).
+        vm.metrics.add_later("priority.client_unremoved", 1);
+        if let Some(priority) = priority {
+            count_priority(vm, write_priority(Some(priority), &[], max_bytes));
+        }
+    } else if priority.is_some() {
+        vm.metrics.add_later("priority.client_replaced", 1);
+        count_priority(vm, true);
+    } else {
+        vm.metrics.add_later("priority.client_dropped", 1);
+    }
+}
+
+/// Makes `"priority": P` (when given) the buffered request body's first member and removes the
+/// client's own `priority` members (their values at `client`), in one edit from the body's
+/// start, and corrects the `content-length`. `false` (body unchanged) when the body is not a
+/// JSON object they are members of, or Envoy refuses the edit.
+fn write_priority(priority: Option<i64>, client: &[Range<usize>], max_bytes: usize) -> bool {
+    let reach = client
+        .last()
+        .map_or(0, |value| value.end)
+        .saturating_add(PRIORITY_HEAD_BYTES);
+    let Some(mut head) = host::buffer(BufferType::HttpRequestBody, reach) else {
         return false;
     };
-    let Some(splice) = splice_priority(&head, priority) else {
+    let mut splice = replace_client_priority(&head, client, priority);
+    if splice.is_none() && head.len() >= reach && reach < max_bytes {
+        // More whitespace than was read: the whole body.
+        let Some(body) = host::buffer(BufferType::HttpRequestBody, max_bytes) else {
+            return false;
+        };
+        head = body;
+        splice = replace_client_priority(&head, client, priority);
+    }
+    let Some(splice) = splice else {
         return false;
     };
     if !host::replace_buffer_start(BufferType::HttpRequestBody, splice.drain, &splice.insert) {
@@ -905,13 +1038,13 @@ fn write_priority(priority: i64) -> bool {
     if let Some(length) = host::header(MapType::HttpRequestHeaders, "content-length")
         .and_then(|v| v.trim().parse::<usize>().ok())
     {
-        let grown = length
+        let length = length
             .saturating_add(splice.insert.len())
             .saturating_sub(splice.drain);
         host::set_header(
             MapType::HttpRequestHeaders,
             "content-length",
-            Some(&grown.to_string()),
+            Some(&length.to_string()),
         );
     }
     true
@@ -1147,6 +1280,9 @@ impl RequestContext {
         if body_size == 0 || self.booking.as_ref().is_some_and(|b| !b.stream) {
             return Action::Continue;
         }
+        if let Some(booking) = self.booking.as_mut() {
+            booking.chunks = booking.chunks.saturating_add(1);
+        }
         self.first_token();
         let track = self.config().is_some_and(|c| c.load.track_output_blocks);
         if track && self.booking.as_ref().is_some_and(|b| b.stream) {
@@ -1182,6 +1318,15 @@ impl RequestContext {
             }
             return;
         };
+        vm.learn_lifetime(booking.sample.routed_ms, now);
+        if booking.stream {
+            vm.record_itl(
+                booking.sample.worker_index,
+                booking.first_token_ms,
+                booking.chunks,
+                now,
+            );
+        }
         let slots = vm.config.slots.len();
         match vm.releases.release(&HostStore, slots, booking.ticket, now) {
             Release::Released => {}

@@ -123,6 +123,19 @@ impl Metrics {
         }
     }
 
+    /// A histogram's id, for a caller that records it often under a name it would otherwise
+    /// have to format each time (see [`Metrics::record`]).
+    pub fn histogram_id(&mut self, name: &str) -> Option<u32> {
+        self.id(MetricType::Histogram, name)
+    }
+
+    /// Records `value` into the histogram `id` ([`Metrics::histogram_id`]).
+    pub fn record(&mut self, id: Option<u32>, value: u64) {
+        if let Some(id) = id {
+            host::record_metric(id, value);
+        }
+    }
+
     pub fn histogram(&mut self, name: &str, value: u64) {
         if let Some(id) = self.id(MetricType::Histogram, name) {
             host::record_metric(id, value);

@@ -3,6 +3,7 @@
 //! * `root`: the root context: configuration, the tick (log sync, event polling, load reaping).
 //! * `vm`: the per-VM state the root context owns and request contexts share.
 //! * `http`: one context per request: buffer the body, decide, steer, book and release load.
+//! * `learning`: the closed loop's samples, shared records and refresh ([`crate::learn`]).
 //! * `members`: follows the routed cluster's hosts and health (admin `/clusters`).
 //! * `poller`: sends worker event calls through the event cluster (one poller per process).
 //! * `metrics`, `host`: Envoy stats, thin non-panicking host-call wrappers, and the shared-data
@@ -12,6 +13,7 @@
 pub mod crash_trigger;
 pub mod host;
 pub mod http;
+pub mod learning;
 pub mod members;
 pub mod metrics;
 pub mod poller;

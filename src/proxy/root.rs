@@ -347,6 +347,7 @@ impl VmState {
         self.poller.queued.new_tick();
         self.sync_replica();
         self.sync_predictions(now);
+        self.refresh_learned(&config, now);
         // Every VM adds its own share; the other gauges are the leader's alone.
         self.publish_linear_memory();
         if !leader {
@@ -500,6 +501,36 @@ impl VmState {
         }
         self.metrics
             .gauge("load.deferred_releases", self.releases.len() as u64);
+        self.timing_gauges(&config);
+    }
+
+    /// `worker.<id>.timing_factor_milli` (observed over predicted TTFT, x1000) and
+    /// `worker.<id>.timing_samples`, recorded when they change.
+    fn timing_gauges(&mut self, config: &Config) {
+        if !config.ttft.as_ref().is_some_and(|t| t.learn) {
+            return;
+        }
+        self.timing_published.resize(config.workers.len(), None);
+        for (i, published) in self.timing_published.iter_mut().enumerate() {
+            let Some(worker) = config.workers.get(i) else {
+                continue;
+            };
+            let milli = (self.learned.factor(i) * 1000.0).round() as u64;
+            let samples = self
+                .learned
+                .records
+                .get(i)
+                .map_or(0, |r| u64::from(r.samples));
+            let values = (worker.id, milli, samples);
+            if *published == Some(values) {
+                continue;
+            }
+            *published = Some(values);
+            self.metrics
+                .gauge(&format!("worker.{}.timing_factor_milli", worker.id), milli);
+            self.metrics
+                .gauge(&format!("worker.{}.timing_samples", worker.id), samples);
+        }
     }
 
     /// `vm.linear_memory_bytes`: the wasm linear memory of every VM of the process, summed. It
@@ -566,6 +597,11 @@ impl RootContext for RouterRoot {
             ),
             config: Rc::clone(&config),
             linear_memory_reported: 0,
+            learned: Default::default(),
+            learned_cursor: 0,
+            lifetime_ms: 0.0,
+            timing_published: Vec::new(),
+            histogram_ids: Vec::new(),
         };
         load_store::init(
             &HostStore,

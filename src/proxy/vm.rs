@@ -53,6 +53,16 @@ pub struct VmState {
     pub render_cache: RenderCache,
     /// This VM's linear memory as last added to the `vm.linear_memory_bytes` gauge.
     pub(super) linear_memory_reported: u64,
+    /// Every worker's learned timing as last read (`ttft.learn`).
+    pub learned: crate::learn::LearnedTimings,
+    /// The next worker record the tick reads.
+    pub(super) learned_cursor: usize,
+    /// Mean lifetime (routing to release, ms) of the requests this VM routed; 0 before the first.
+    pub lifetime_ms: f64,
+    /// Per worker entry, the (id, factor, samples) last recorded as gauges.
+    pub(super) timing_published: Vec<Option<(u64, u64, u64)>>,
+    /// Per worker entry, its histograms' ids.
+    pub(super) histogram_ids: Vec<Option<super::learning::WorkerHistograms>>,
 }
 
 impl VmState {

@@ -3,6 +3,7 @@
 //! (see the `request` module docs).
 
 use std::cell::Cell;
+use std::ops::Range;
 
 use super::visitors::{parse_object, Prefill, Tokens};
 use super::{Endpoint, LlmRequest, ParseOptions, TokenSpan};
@@ -58,9 +59,28 @@ pub(super) fn parse_fast(
         prompts: Cell::new(scan.prompts),
         token_data: Cell::new(scan.token_data),
     };
-    let req = parse_object(&copy, endpoint, Some(&prefill), opts).ok()?;
+    let mut req = parse_object(&copy, endpoint, Some(&prefill), opts).ok()?;
     let drained = prefill.prompts.take().is_empty() && prefill.token_data.take().is_empty();
+    // The client's `priority` values were found in the copy: where they are in the body.
+    for value in &mut req.client_priority {
+        *value = body_range(&scan.cuts, value);
+    }
     drained.then_some(req)
+}
+
+/// Where a range of the copy (each cut array replaced by `[]`, see [`parse_fast`]) is in the
+/// body: shifted by the bytes cut before it (it lies outside every `[]`).
+fn body_range(cuts: &[(usize, usize)], copy: &Range<usize>) -> Range<usize> {
+    let mut shift = 0usize;
+    for &(start, end) in cuts {
+        // The cut's `[]` ends here in the copy.
+        let marker_end = start.saturating_sub(shift).saturating_add(2);
+        if copy.start < marker_end {
+            break;
+        }
+        shift = shift.saturating_add(end.saturating_sub(start).saturating_sub(2));
+    }
+    copy.start.saturating_add(shift)..copy.end.saturating_add(shift)
 }
 
 /// JSON whitespace (RFC 8259; what serde_json skips).

@@ -4,9 +4,11 @@
 
 use std::cell::Cell;
 use std::fmt;
+use std::ops::Range;
 
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
+use serde_json::value::RawValue;
 
 use super::{Endpoint, LlmRequest, ParseOptions, RequestError, TokenSpan};
 use crate::types::WorkerId;
@@ -25,6 +27,8 @@ pub(super) fn parse_object(
         over_cap: Cell::new(false),
         prefill,
         opts,
+        body_at: body.as_ptr() as usize,
+        body_len: body.len(),
     };
     let mut de = serde_json::Deserializer::from_slice(body);
     let result = TopSeed {
@@ -94,6 +98,21 @@ struct Ctx<'p> {
     over_cap: Cell<bool>,
     prefill: Option<&'p Prefill>,
     opts: &'p ParseOptions,
+    /// Where the body is in memory, and its length: a borrowed value's offset in it.
+    body_at: usize,
+    body_len: usize,
+}
+
+impl Ctx<'_> {
+    /// Where a value borrowed from the body (a [`RawValue`]) is in it.
+    fn range_of<E: de::Error>(&self, raw: &RawValue) -> Result<Range<usize>, E> {
+        let text = raw.get();
+        let start = (text.as_ptr() as usize).wrapping_sub(self.body_at);
+        match start.checked_add(text.len()) {
+            Some(end) if end <= self.body_len => Ok(start..end),
+            _ => Err(E::custom("a value outside the body")),
+        }
+    }
 }
 
 /// Resolves an object key to its index in a fixed list without allocating.
@@ -124,6 +143,7 @@ const TOP_KEYS: &[&str] = &[
     "nvext",
     "max_tokens",
     "max_completion_tokens",
+    "priority",
 ];
 /// `NVEXT_KEYS` with their `nvext.` prefix, for error messages (same order).
 const NVEXT_FIELDS: [&str; 8] = [
@@ -215,6 +235,12 @@ impl<'de> Visitor<'de> for TopSeed<'_> {
                 Some(6) => {
                     let limit = map.next_value::<LenientCount>()?.0;
                     req.max_tokens = limit.or(req.max_tokens);
+                }
+                // Not read: where it is, so that the filter can remove it.
+                Some(7) => {
+                    ctx.field.set("priority");
+                    let raw = map.next_value::<&'de RawValue>()?;
+                    req.client_priority.push(ctx.range_of(raw)?);
                 }
                 _ => {
                     map.next_value::<IgnoredAny>()?;

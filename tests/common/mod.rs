@@ -29,6 +29,19 @@ pub fn filter_config(workers: &[Worker], extra: Value) -> Value {
     config
 }
 
+/// `config` with `"kv_mode": "events"` on every worker entry: the index then holds what the
+/// workers' KV events say and nothing else. (The default, `events+approximate`, also records each
+/// routing decision as predicted blocks on the chosen worker, so a probe's own request gives the
+/// next probe its overlap, and a block the events remove or clear can still count.)
+pub fn events_only(mut config: Value) -> Value {
+    if let Some(list) = config.get_mut("workers").and_then(Value::as_array_mut) {
+        for worker in list {
+            worker["kv_mode"] = json!("events");
+        }
+    }
+    config
+}
+
 pub fn start_envoy(workers: &[Worker], config: Value) -> Envoy {
     start_envoy_with(workers, config, |_| {})
 }
