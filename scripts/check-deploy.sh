@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Validates the mesh manifests in deploy/ (Kubernetes schemas, CRD structure, the Envoy
-# configuration each produces via `envoy --mode validate`), docs/METRICS.md against src/ and the
-# Grafana dashboard against docs/METRICS.md; then shows that broken variants fail (--self-test).
+# configuration each produces via `envoy --mode validate`), the stats tags of every shipped Envoy
+# configuration, docs/METRICS.md against src/ and the Grafana dashboard against docs/METRICS.md
+# and src/; then shows that broken variants fail (--self-test).
 # See scripts/check_deploy.py. Needs .venv/bin/envoy (scripts/setup.sh) and the built .wasm.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -17,8 +17,15 @@ What is checked:
   ip:port are hosts of the routed cluster, that the destination header is the one the cluster
   steers by, that the event cluster exists, and that vLLM, the bridge and the filter agree on the
   KV block size.
-* docs/METRICS.md against the metric names in src/; the dashboard's queries parse as PromQL and
-  select only metrics docs/METRICS.md lists, so a renamed metric fails here.
+* The stats tags (docs/METRICS.md, "Tags"): every shipped Envoy configuration (envoy/*.yaml and
+  each deployment's rendered bootstrap, Istio's custom bootstrap and Envoy Gateway's bootstrap
+  merge included) carries envoy/envoy.yaml's `stats_config.stats_tags` for the filter's stats, no
+  other tag regex (Istio's own) also matches them, and no stats matcher drops them.
+* docs/METRICS.md against the metric names in src/, its Prometheus names against Envoy's tag
+  extraction (simulated here with those tags); the dashboard's queries parse as PromQL, select
+  only metrics docs/METRICS.md lists and src/ defines as Envoy exports them (histogram suffixes
+  only on histograms), and group or filter only by labels those series carry, so a renamed
+  metric or a lost tag fails here.
 
 `--self-test` feeds deliberately broken variants to each check and fails unless each is caught.
 """
@@ -247,6 +254,7 @@ CRD_SCHEMAS: dict[tuple[str, str], dict] = {
     }, ("targetRef", "type"))),
     ("gateway.envoyproxy.io/v1alpha1", "EnvoyProxy"): resource(obj({
         "concurrency": INT, "routingType": enum("Service", "Endpoint"),
+        "bootstrap": obj({"type": enum("Merge", "Replace", "JSONPatch"), "value": STR, "jsonPatches": arr(FREE)}),
         "provider": obj({
             "type": enum("Kubernetes", "Custom"),
             "kubernetes": obj({"envoyDeployment": obj({
@@ -406,10 +414,75 @@ def istio_bootstrap(m: Manifests) -> dict:
                 [(ep["address"], dest_port) for ep in entries[0]["spec"]["endpoints"]])}]},
         }],
     }}
+    gateway = m.one("Deployment", "apps/", "istio")
+    proxy_config = yaml.safe_load(gateway["spec"]["template"]["metadata"].get("annotations", {})
+                                  .get("proxy.istio.io/config", "")) or {}
+    bootstrap["stats_config"] = istio_stats_config(proxy_config.get("proxyStatsMatcher", {}))
+    override = istio_bootstrap_override(m, gateway)
+    if override:
+        # istio-agent hands the file to Envoy as --config-yaml: a proto merge (lists appended).
+        proto_merge(bootstrap, override)
     for ef in m.of("EnvoyFilter", "networking.istio.io/", "istio"):
         for i, patch in enumerate(ef["spec"]["configPatches"]):
             apply_envoy_filter_patch(bootstrap, patch, f"EnvoyFilter {ef['metadata']['name']} configPatches[{i}]")
     return bootstrap
+
+
+# Istio's bootstrap stats_config (tools/packaging/common/envoy_bootstrap.json, Istio 1.2x): its own
+# tags instead of Envoy's defaults, and an inclusion list that drops every stat the proxy config's
+# proxyStatsMatcher does not add.
+ISTIO_STATS_TAGS = [
+    {"tag_name": "cluster_name", "regex": r"^cluster\.((.+?(\..+?\.svc\.cluster\.local)?)\.)"},
+    {"tag_name": "tcp_prefix", "regex": r"^tcp\.((.*?)\.)\w+?$"},
+    {"tag_name": "response_code", "regex": r"_rq(_(\d{3}))$"},
+    {"tag_name": "response_code_class", "regex": r"_rq(_(\dxx))$"},
+    {"tag_name": "http_conn_manager_listener_prefix",
+     "regex": r"^listener(?=\.).*?\.http\.(((?:[_.[:digit:]]*|[_\[\]aAbBcCdDeEfF[:digit:]]*))\.)"},
+    {"tag_name": "http_conn_manager_prefix",
+     "regex": r"^http\.(((?:[_.[:digit:]]*|[_\[\]aAbBcCdDeEfF[:digit:]]*))\.)"},
+    {"tag_name": "listener_address",
+     "regex": r"^listener\.(((?:[_.[:digit:]]*|[_\[\]aAbBcCdDeEfF[:digit:]]*))\.)"},
+    {"tag_name": "mongo_prefix", "regex": r"^mongo\.(.+?)\.(collection|cmd|cx_|op_|delays_|decoding_)(.*?)$"},
+    {"tag_name": "cache", "regex": r"(cache\.(.+?)\.)"},
+    {"tag_name": "component", "regex": r"(component\.(.+?)\.)"},
+    {"tag_name": "tag", "regex": r"(tag\.(.+?);\.)"},
+    {"tag_name": "wasm_filter", "regex": r"(wasm_filter\.(.+?)\.)"},
+    {"tag_name": "authz_enforce_result", "regex": r"rbac(\.(allowed|denied))"},
+    {"tag_name": "authz_dry_run_action", "regex": r"(\.istio_dry_run_(allow|deny)_)"},
+    {"tag_name": "authz_dry_run_result", "regex": r"(\.shadow_(allowed|denied))"},
+]
+
+
+def istio_stats_config(matcher: dict) -> dict:
+    patterns = [{"prefix": "reporter="}]
+    patterns += [{"prefix": p} for p in matcher.get("inclusionPrefixes", [])]
+    patterns += [{"suffix": p} for p in matcher.get("inclusionSuffixes", [])]
+    patterns += [{"safe_regex": {"regex": p}} for p in matcher.get("inclusionRegexps", [])]
+    patterns += [{"prefix": "component"}, {"prefix": "istio"}]
+    return {"use_all_default_tags": False, "stats_tags": copy.deepcopy(ISTIO_STATS_TAGS),
+            "stats_matcher": {"inclusion_list": {"patterns": patterns}}}
+
+
+def istio_bootstrap_override(m: Manifests, gateway: dict) -> dict | None:
+    """The istio-proxy container's ISTIO_BOOTSTRAP_OVERRIDE file, read from the ConfigMap volume
+    mounted at its directory."""
+    spec = gateway["spec"]["template"]["spec"]
+    proxy = next((c for c in spec["containers"] if c["name"] == "istio-proxy"), {})
+    path = next((e.get("value") for e in proxy.get("env", []) if e["name"] == "ISTIO_BOOTSTRAP_OVERRIDE"), None)
+    if not path:
+        return None
+    directory, key = os.path.split(path)
+    mount = next((vm for vm in proxy.get("volumeMounts", []) if vm["mountPath"].rstrip("/") == directory), None)
+    volume = mount and next((v for v in spec.get("volumes", []) if v["name"] == mount["name"]), None)
+    if not volume or "configMap" not in volume:
+        raise CheckError(f"ISTIO_BOOTSTRAP_OVERRIDE {path}: no ConfigMap volume mounted at {directory}")
+    namespace = gateway["metadata"].get("namespace", "default")
+    cms = [cm for cm in m.of("ConfigMap", "v1") if cm["metadata"]["name"] == volume["configMap"]["name"]
+           and cm["metadata"].get("namespace", "default") == namespace]
+    if len(cms) != 1 or key not in cms[0].get("data", {}):
+        raise CheckError(f"ISTIO_BOOTSTRAP_OVERRIDE {path}: ConfigMap {namespace}/"
+                         f"{volume['configMap']['name']} with key {key} not in deploy/")
+    return yaml.safe_load(cms[0]["data"][key])
 
 
 def envoy_gateway_bootstrap(m: Manifests) -> dict:
@@ -508,6 +581,14 @@ def envoy_gateway_bootstrap(m: Manifests) -> dict:
             raise CheckError(f"EnvoyPatchPolicy {epp['metadata']['name']} targets {target}, not Gateway {gw_name}")
         for i, patch in enumerate(epp["spec"]["jsonPatches"]):
             apply_xds_json_patch(bootstrap, patch, f"EnvoyPatchPolicy {epp['metadata']['name']} jsonPatches[{i}]")
+    for ep in m.of("EnvoyProxy", "gateway.envoyproxy.io/", "envoy-gateway"):
+        custom = ep["spec"].get("bootstrap")
+        if custom is None:
+            continue
+        if custom.get("type") != "Merge":
+            raise CheckError(f"EnvoyProxy {ep['metadata']['name']}: the checker models bootstrap type Merge only")
+        # "add or override a value within a map, or add a new value to a list"
+        proto_merge(bootstrap, yaml.safe_load(custom["value"]))
     return bootstrap
 
 
@@ -944,15 +1025,143 @@ def check_scenario(m: Manifests, scenario: str, run_envoy: bool = True) -> list[
 
 
 def prometheus_name(stat: str) -> str:
-    """Envoy's /stats/prometheus name of a Wasm stat (wasmcustom namespace stripped); `<x>`
-    placeholders are kept."""
+    """Envoy's /stats/prometheus name of a Wasm stat (wasmcustom namespace stripped) once its tags
+    are extracted; `<x>` placeholders are kept."""
     return "".join(part if part.startswith("<") else re.sub(r"[^a-zA-Z0-9_:]", "_", part)
                    for part in re.split(r"(<\w+>)", stat))
 
 
+# --- Stats tags: the filter's per-worker and per-reason stats as Prometheus labels --------------
+
+PLAIN_ENVOY_CONFIGS = ["envoy/envoy.yaml", "envoy/envoy-original-dst.yaml", "envoy/envoy-compose.yaml"]
+# Labels Prometheus itself adds to every series of a target (a dashboard may group by them).
+TARGET_LABELS = {"instance", "job", "pod", "namespace", "kubernetes_pod_name", "kubernetes_namespace"}
+
+
+def stats_tags(bootstrap: dict) -> list[tuple[str, str]]:
+    """(tag_name, regex) of every regex tag specifier of a bootstrap."""
+    return [(t["tag_name"], t["regex"]) for t in bootstrap.get("stats_config", {}).get("stats_tags", [])
+            if "regex" in t]
+
+
+def filter_stats_tags(bootstrap: dict) -> list[tuple[str, str]]:
+    """The tag specifiers written for the filter's stats (their regex names kv_router)."""
+    return [(name, rx) for name, rx in stats_tags(bootstrap) if "kv_router" in rx]
+
+
+def reference_stats_tags() -> list[tuple[str, str]]:
+    """envoy/envoy.yaml's tag specifiers for the filter's stats: what every shipped configuration
+    carries (tests/metrics_tags.rs holds the test harness's to the same text)."""
+    tags = filter_stats_tags(yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text()))
+    if not tags:
+        raise CheckError("envoy/envoy.yaml has no stats_config.stats_tags for the filter's stats")
+    return tags
+
+
+def python_regex(envoy_regex: str) -> re.Pattern | None:
+    """An Envoy tag regex (std::regex, ECMAScript) for Python's re; None if it does not compile."""
+    try:
+        return re.compile(envoy_regex.replace("[:digit:]", "0-9"))
+    except re.error:
+        return None
+
+
+def extract_tags(tags: list[tuple[str, str]], name: str) -> tuple[str, list[tuple[str, str]]]:
+    """Envoy's tag extraction (source/common/stats/tag_extractor_impl.cc): each regex is searched
+    in the full name; its first group is cut from the name, its second (else its first) is the
+    tag's value."""
+    cut, found = [], []
+    for tag, rx in tags:
+        pattern = python_regex(rx)
+        m = pattern.search(name) if pattern is not None and pattern.groups else None
+        if m and m.group(1) is not None:
+            value = m.group(2) if pattern.groups >= 2 and m.group(2) is not None else m.group(1)
+            found.append((tag, value))
+            cut.append(m.span(1))
+    kept = "".join(c for i, c in enumerate(name) if not any(a <= i < b for a, b in cut))
+    return kept, found
+
+
+def exported(tags: list[tuple[str, str]], stat: str) -> tuple[str, list[tuple[str, str]]]:
+    """Prometheus name and labels of the filter's stat `stat` (`kv_router.…`, as after
+    `wasmcustom.` in /stats)."""
+    kept, found = extract_tags(tags, f"wasmcustom.{stat}")
+    return prometheus_name(kept.removeprefix("wasmcustom.")), found
+
+
+def documented_exported(tags: list[tuple[str, str]], stat: str) -> str:
+    """The Prometheus column docs/METRICS.md must show for a documented stat template:
+    `kv_router_worker_active_requests{worker="<id>",rank="<rank>"}`."""
+    placeholders = re.findall(r"<(\w+)>", stat)
+    sentinels = {ph: f"9{i}9" for i, ph in enumerate(placeholders)}
+    concrete = stat
+    for ph, v in sentinels.items():
+        concrete = concrete.replace(f"<{ph}>", v)
+    name, labels = exported(tags, concrete)
+    back = {v: f"<{ph}>" for ph, v in sentinels.items()}
+    for v, ph in back.items():
+        name = name.replace(v, ph)
+    if not labels:
+        return name
+    return name + "{" + ",".join(f'{k}="{back.get(v, v)}"' for k, v in labels) + "}"
+
+
+def stats_matcher_accepts(matcher: dict, name: str) -> bool:
+    def hit(patterns: list) -> bool:
+        for p in patterns:
+            if ("prefix" in p and name.startswith(p["prefix"])) or ("suffix" in p and name.endswith(p["suffix"])) \
+                    or ("exact" in p and name == p["exact"]) or ("contains" in p and p["contains"] in name) \
+                    or ("safe_regex" in p and re.fullmatch(p["safe_regex"]["regex"], name)):
+                return True
+        return False
+    if "reject_all" in matcher:
+        return not matcher["reject_all"]
+    if "inclusion_list" in matcher:
+        return hit(matcher["inclusion_list"].get("patterns", []))
+    if "exclusion_list" in matcher:
+        return not hit(matcher["exclusion_list"].get("patterns", []))
+    return True
+
+
+def check_stats_tags(bootstrap: dict, label: str, reference: list[tuple[str, str]], src: Path) -> list[str]:
+    """The bootstrap carries envoy/envoy.yaml's tag specifiers for the filter's stats, no other
+    specifier of it (Istio's own, say) also matches them, and its stats matcher keeps them."""
+    errors = []
+    tags = filter_stats_tags(bootstrap)
+    if tags != reference:
+        errors.append(f"{label}: stats_config.stats_tags for the filter's stats are {tags or 'missing'}, "
+                      f"not envoy/envoy.yaml's {reference} (docs/METRICS.md, Tags)")
+        return errors
+    everything = stats_tags(bootstrap)
+    for template in sorted(set(src_metric_templates(src))):
+        stat = "kv_router." + re.sub(r"\{[^}]*\}", "1", template)
+        if exported(everything, stat) != exported(reference, stat):
+            errors.append(f"{label}: another stats tag also matches wasmcustom.{stat}: "
+                          f"{exported(everything, stat)} instead of {exported(reference, stat)}")
+        matcher = bootstrap.get("stats_config", {}).get("stats_matcher")
+        if matcher and not stats_matcher_accepts(matcher, f"wasmcustom.{stat}"):
+            errors.append(f"{label}: stats_config.stats_matcher drops wasmcustom.{stat}")
+    return errors
+
+
+def check_plain_configs(reference: list[tuple[str, str]], src: Path) -> list[str]:
+    errors = []
+    for rel in PLAIN_ENVOY_CONFIGS:
+        errors += check_stats_tags(yaml.safe_load((ROOT / rel).read_text()), rel, reference, src)
+    return errors
+
+
+# --- docs/METRICS.md and src/ ---------------------------------------------------------------------
+
+
 def documented_metrics(doc: str) -> list[tuple[str, str]]:
     """(stat, Prometheus name) of every table row whose first two cells are code."""
-    rows = re.findall(r"^\| `([^`]+)` \| `([^`]+)` \|", doc, re.M)
+    return [(stat, prom) for stat, prom, _ in documented_rows(doc)]
+
+
+def documented_rows(doc: str) -> list[tuple[str, str, str]]:
+    """(stat, Prometheus name, type) of every table row whose first two cells are code."""
+    rows = re.findall(r"^\| `([^`]+)` \| `([^`]+)` \| (\w+) \|", doc, re.M)
     if not rows:
         raise CheckError("docs/METRICS.md has no metric table rows")
     return rows
@@ -974,14 +1183,33 @@ def expand(template: str, values: dict[str, list[str]]) -> list[str]:
     return names
 
 
-def src_metric_templates(src: Path) -> list[str]:
-    """Names passed to the metrics API in src/, `{...}` interpolations kept as they are."""
+def src_metrics(src: Path) -> list[tuple[str, str]]:
+    """(name, type) of every name passed to the metrics API in src/, `{...}` interpolations kept
+    as they are."""
     text = "\n".join(p.read_text() for p in sorted(src.rglob("*.rs")))
-    found = re.findall(r"(?:metrics|self)\s*\.\s*(?:inc|add|add_later|gauge|gauge_add|histogram)\(\s*(?:&format!\(\s*)?\"([^\"]+)\"", text)
+    found = re.findall(r"(?:metrics|self)\s*\.\s*(inc|add|add_later|gauge|gauge_add|histogram|histogram_id)\(\s*"
+                       r"(?:&format!\(\s*)?\"([^\"]+)\"", text)
     nested = re.findall(r"let name = format!\(\"([^\"]+)\"", text)  # worker gauges: {name}.field
+    kinds = {"gauge": "gauge", "gauge_add": "gauge", "histogram": "histogram", "histogram_id": "histogram"}
     out = []
-    for t in found:
-        out += [t.replace("{name}", n) for n in nested] if "{name}" in t else [t]
+    for method, t in found:
+        kind = kinds.get(method, "counter")
+        out += [(t.replace("{name}", n), kind) for n in nested] if "{name}" in t else [(t, kind)]
+    return out
+
+
+def src_metric_templates(src: Path) -> list[str]:
+    return [t for t, _ in src_metrics(src)]
+
+
+def src_exported(src: Path, tags: list[tuple[str, str]]) -> list[tuple[re.Pattern, str, set[str]]]:
+    """(Prometheus name pattern, type, labels) of every metric src/ defines, as Envoy exports it
+    with `tags`; what src/ interpolates into a name and no tag takes out stays a `.+`."""
+    out = []
+    for template, kind in src_metrics(src):
+        name, labels = exported(tags, "kv_router." + re.sub(r"\{[^}]*\}", "1", template))
+        pattern = re.sub(r"(?<=_)1(?=_|$)", ".+", re.escape(name))
+        out.append((re.compile(pattern), kind, {k for k, _ in labels}))
     return out
 
 
@@ -997,13 +1225,13 @@ def src_enumerations(src: Path) -> dict[str, set[str]]:
     return {"reason": reasons, "why": whys, "kind": kinds - whys}
 
 
-def check_metrics_doc(doc: str, src: Path) -> list[str]:
+def check_metrics_doc(doc: str, src: Path, tags: list[tuple[str, str]]) -> list[str]:
     errors = []
     rows = documented_metrics(doc)
     values = placeholder_values(doc)
     filter_rows = [(s, p) for s, p in rows if s.startswith("kv_router.")]
     for stat, prom in rows:
-        want = prometheus_name(stat if stat.startswith("kv_router.") else f"envoy.{stat}")
+        want = documented_exported(tags, stat) if stat.startswith("kv_router.") else prometheus_name(f"envoy.{stat}")
         if prom != want:
             errors.append(f"docs/METRICS.md: {stat} is exported as {want}, not {prom}")
     concrete = {n for s, _ in filter_rows for n in expand(s.removeprefix("kv_router."), values)}
@@ -1027,6 +1255,9 @@ def check_metrics_doc(doc: str, src: Path) -> list[str]:
     return errors
 
 
+# --- The dashboard --------------------------------------------------------------------------------
+
+
 def dashboard_exprs(dashboard: dict) -> list[str]:
     return [t["expr"] for p in walk(dashboard) for t in p.get("targets", []) if "expr" in t]
 
@@ -1034,24 +1265,56 @@ def dashboard_exprs(dashboard: dict) -> list[str]:
 GRAFANA_VARIABLES = re.compile(r"\$__(rate_interval|interval|range)\b")
 
 
-def metric_selectors(expr: str) -> list[tuple[str, str]]:
-    """("name", metric) or ("regex", pattern) of every series selector in a PromQL expression."""
-    found: list[tuple[str, str]] = []
+def parse_promql(expr: str) -> Any:
+    return promql_parser.parse(GRAFANA_VARIABLES.sub("5m", expr))
 
-    def visit(node: Any) -> bool:
-        if isinstance(node, promql_parser.VectorSelector):
-            if node.name:
-                found.append(("name", node.name))
-            for m in node.matchers.matchers:
-                if m.name == "__name__":
-                    found.append(("regex" if m.op == promql_parser.MatchOp.Re else "name", m.value))
+
+def selectors_in(node: Any) -> list[Any]:
+    found: list[Any] = []
+
+    def visit(n: Any) -> bool:
+        if isinstance(n, promql_parser.VectorSelector):
+            found.append(n)
         return True
 
-    promql_parser.walk(promql_parser.parse(GRAFANA_VARIABLES.sub("5m", expr)), visit)
+    promql_parser.walk(node, visit)
     return found
 
 
-def check_dashboard(dashboard_text: str, doc: str) -> list[str]:
+def selector_names(sel: Any) -> list[tuple[str, str]]:
+    """("name", metric) or ("regex", pattern) of one series selector."""
+    found = [("name", sel.name)] if sel.name else []
+    for m in sel.matchers.matchers:
+        if m.name == "__name__":
+            found.append(("regex" if m.op == promql_parser.MatchOp.Re else "name", m.value))
+    return found
+
+
+def metric_selectors(expr: str) -> list[tuple[str, str]]:
+    """("name", metric) or ("regex", pattern) of every series selector in a PromQL expression."""
+    return [n for sel in selectors_in(parse_promql(expr)) for n in selector_names(sel)]
+
+
+def grouping_labels(expr: str) -> list[tuple[list[Any], list[str]]]:
+    """(selectors aggregated, labels) of every `by (...)` aggregation, and (selector, label
+    matchers) of every selector: the labels each selected series must carry."""
+    uses: list[tuple[list[Any], list[str]]] = []
+
+    def visit(n: Any) -> bool:
+        if isinstance(n, promql_parser.AggregateExpr) and n.modifier is not None \
+                and n.modifier.type == promql_parser.AggModifierType.By:
+            uses.append((selectors_in(n.expr), list(n.modifier.labels)))
+        if isinstance(n, promql_parser.VectorSelector):
+            uses.append(([n], [m.name for m in n.matchers.matchers if m.name != "__name__"]))
+        return True
+
+    promql_parser.walk(parse_promql(expr), visit)
+    return uses
+
+
+def check_dashboard(dashboard_text: str, doc: str, src: Path, tags: list[tuple[str, str]]) -> list[str]:
+    """Every query parses, selects only metrics docs/METRICS.md lists and src/ defines (as Envoy
+    exports them with the stats tags), and groups or filters only by labels those series carry."""
     try:
         dashboard = json.loads(dashboard_text)
     except json.JSONDecodeError as e:
@@ -1060,27 +1323,57 @@ def check_dashboard(dashboard_text: str, doc: str) -> list[str]:
     for key in ("title", "uid", "panels", "schemaVersion"):
         if key not in dashboard:
             errors.append(f"{DASHBOARD.relative_to(ROOT)}: no {key!r}")
-    values = placeholder_values(doc)
-    documented_rx = [re.compile(re.sub(r"<\w+>", "[a-z0-9_]+", p)) for _, p in documented_metrics(doc)]
-    examples = {n for _, p in documented_metrics(doc)
-                for n in expand(p, {k: [prometheus_name(v) for v in vs] for k, vs in values.items()})}
+    # name -> (labels, type) as docs/METRICS.md lists them
+    documented: dict[str, tuple[set[str], str]] = {}
+    for _, prom, kind in documented_rows(doc):
+        name, _, labels = prom.partition("{")
+        documented[name] = ({k for k in re.findall(r"(\w+)=", labels)}, kind)
+    defined = src_exported(src, tags)
     exprs = dashboard_exprs(dashboard)
     if not exprs:
         errors.append(f"{DASHBOARD.relative_to(ROOT)}: no Prometheus queries")
+
+    def series(value: str) -> tuple[str, set[str]] | None:
+        """The documented metric a series name belongs to, and the labels its series carry."""
+        if value in documented:
+            return value, documented[value][0]
+        base = re.sub(r"_(bucket|sum|count)$", "", value)
+        if documented.get(base, (set(), ""))[1] == "histogram":
+            return base, documented[base][0] | ({"le"} if value.endswith("_bucket") else set())
+        return None
+
     for expr in exprs:
         try:
             selectors = metric_selectors(expr)
+            uses = grouping_labels(expr)
         except ValueError as e:
             errors.append(f"dashboard: PromQL does not parse ({e}): {expr}")
             continue
         for kind, value in selectors:
             if kind == "regex":
-                if not any(re.fullmatch(value, e) for e in examples):
+                if not any(re.fullmatch(value, n) for n in documented):
                     errors.append(f"dashboard: {value!r} matches no metric in docs/METRICS.md")
                 continue
-            base = re.sub(r"_(bucket|sum|count)$", "", value)
-            if not any(rx.fullmatch(value) or rx.fullmatch(base) for rx in documented_rx):
+            found = series(value)
+            if found is None:
                 errors.append(f"dashboard: {value} is not in docs/METRICS.md")
+                continue
+            base = found[0]
+            if base.startswith("kv_router_"):
+                want = "histogram" if base != value else None
+                if not any(rx.fullmatch(base) and (want is None or kind_ == want) for rx, kind_, _ in defined):
+                    errors.append(f"dashboard: {value}: src/ defines no metric Envoy exports under that name "
+                                  "(with the stats tags of envoy/envoy.yaml)")
+        for sels, labels in uses:
+            for sel in sels:
+                for kind, value in selector_names(sel):
+                    found = series(value) if kind == "name" else None
+                    if found is None:
+                        continue
+                    for label in labels:
+                        if label not in found[1] | TARGET_LABELS:
+                            errors.append(f"dashboard: {value} has no label {label!r} "
+                                          f"(its labels: {sorted(found[1]) or 'none'}): {expr}")
     return errors
 
 
@@ -1089,12 +1382,27 @@ def check_dashboard(dashboard_text: str, doc: str) -> list[str]:
 
 
 def check_all(m: Manifests, doc: str, dashboard: str) -> list[str]:
+    src = ROOT / "src"
     errors = check_schemas(m)
+    try:
+        tags = reference_stats_tags()
+    except CheckError as e:
+        return errors + [str(e)]
     for scenario in SCENARIOS:
         errors += check_scenario(m, scenario)
-    errors += check_metrics_doc(doc, ROOT / "src")
-    errors += check_dashboard(dashboard, doc)
+        errors += check_scenario_tags(m, scenario, tags, src)
+    errors += check_plain_configs(tags, src)
+    errors += check_metrics_doc(doc, src, tags)
+    errors += check_dashboard(dashboard, doc, src, tags)
     return errors
+
+
+def check_scenario_tags(m: Manifests, scenario: str, tags: list[tuple[str, str]], src: Path) -> list[str]:
+    try:
+        bootstrap = SCENARIOS[scenario](m)
+    except CheckError as e:
+        return [f"{scenario}: {e}"]
+    return check_stats_tags(bootstrap, scenario, tags, src)
 
 
 def mutate(m: Manifests, kind: str, under: str, edit: Callable[[dict], None]) -> Manifests:
@@ -1110,6 +1418,7 @@ def wasm_config(doc: dict) -> dict:
 
 def self_test(m: Manifests, doc: str, dashboard: str) -> list[str]:
     """Each case breaks one thing; the check named must fail with the expected words."""
+    tags = reference_stats_tags()
 
     def configmap_filter_config(cm: dict, edit: Callable[[dict], None]) -> None:
         boot = yaml.safe_load(cm["data"]["envoy.yaml"])
@@ -1215,19 +1524,60 @@ def self_test(m: Manifests, doc: str, dashboard: str) -> list[str]:
              cm, lambda c: c.update(block_size=32))), "kubernetes", False),
          "--block-size=16"),
         ("metrics: a src metric missing from docs/METRICS.md",
-         lambda: check_metrics_doc(re.sub(r"^\| `kv_router\.events\.gaps`.*\n", "", doc, flags=re.M), ROOT / "src"),
+         lambda: check_metrics_doc(re.sub(r"^\| `kv_router\.events\.gaps`.*\n", "", doc, flags=re.M), ROOT / "src", tags),
          "'events.gaps', which is not documented"),
+        ("metrics: docs/METRICS.md shows the untagged Prometheus name",
+         lambda: check_metrics_doc(doc.replace('`kv_router_routed{reason="<reason>"}`', "`kv_router_routed_<reason>`"),
+                                   ROOT / "src", tags),
+         'exported as kv_router_routed{reason="<reason>"}'),
+        ("stats tags: a shipped configuration without them (ConfigMap)",
+         lambda: check_scenario_tags(mutate(m, "ConfigMap", "kubernetes", lambda cm: cm["data"].update(
+             {"envoy.yaml": yaml.safe_dump({k: v for k, v in yaml.safe_load(cm["data"]["envoy.yaml"]).items()
+                                            if k != "stats_config"})})), "kubernetes", tags, ROOT / "src"),
+         "stats_tags for the filter's stats are missing"),
+        ("stats tags: Istio's custom bootstrap not passed to the gateway",
+         lambda: check_scenario_tags(mutate(m, "Deployment", "istio", lambda d: d["spec"]["template"]["spec"][
+             "containers"][0].pop("env")), "istio", tags, ROOT / "src"),
+         "stats_tags for the filter's stats are missing"),
+        ("stats tags: Istio's stats matcher drops the filter's stats",
+         lambda: check_scenario_tags(mutate(m, "Deployment", "istio", lambda d: d["spec"]["template"]["metadata"][
+             "annotations"].update({"proxy.istio.io/config": "concurrency: 4"})), "istio", tags, ROOT / "src"),
+         "stats_matcher drops wasmcustom.kv_router."),
+        ("stats tags: a regex that differs from envoy/envoy.yaml's (EnvoyProxy)",
+         lambda: check_scenario_tags(mutate(m, "EnvoyProxy", "envoy-gateway", lambda d: d["spec"]["bootstrap"].update(
+             value=d["spec"]["bootstrap"]["value"].replace("rank\\.(\\d+)", "rank\\.(\\w+)"))),
+             "envoy-gateway", tags, ROOT / "src"),
+         "not envoy/envoy.yaml's"),
+        ("stats tags: another tag regex also matches the filter's stats",
+         lambda: check_stats_tags({"stats_config": {"stats_tags": [{"tag_name": "r", "regex": r"(\.rank\.)"}] + [
+             {"tag_name": t, "regex": r} for t, r in tags]}}, "extra tag", tags, ROOT / "src"),
+         "another stats tag also matches"),
         ("dashboard: a metric that is not documented",
-         lambda: check_dashboard(dashboard.replace("kv_router_events_gaps", "kv_router_events_gap"), doc),
+         lambda: check_dashboard(dashboard.replace("kv_router_events_gaps", "kv_router_events_gap"), doc, ROOT / "src", tags),
          "kv_router_events_gap is not in docs/METRICS.md"),
+        ("dashboard: the untagged name of a per-worker gauge",
+         lambda: check_dashboard(dashboard.replace("kv_router_worker_decode_blocks", "kv_router_worker_1_rank_0_decode_blocks"),
+                                 doc, ROOT / "src", tags),
+         "kv_router_worker_1_rank_0_decode_blocks is not in docs/METRICS.md"),
+        ("dashboard: a documented metric src/ does not define",
+         lambda: check_dashboard(dashboard.replace("kv_router_events_gaps", "kv_router_events_holes"),
+                                 doc.replace("`kv_router.events.gaps` | `kv_router_events_gaps`",
+                                             "`kv_router.events.holes` | `kv_router_events_holes`"), ROOT / "src", tags),
+         "kv_router_events_holes: src/ defines no metric"),
+        ("dashboard: grouping by a label the metric does not carry",
+         lambda: check_dashboard(dashboard.replace("sum by (reason) (rate(kv_router_routed[", "sum by (worker) (rate(kv_router_routed["),
+                                 doc, ROOT / "src", tags),
+         "kv_router_routed has no label 'worker'"),
         ("dashboard: a query that is not PromQL",
-         lambda: check_dashboard(dashboard.replace("sum(rate(kv_router_events_gaps[", "sum(rate(kv_router_events_gaps(["), doc),
+         lambda: check_dashboard(dashboard.replace("sum(rate(kv_router_events_gaps[", "sum(rate(kv_router_events_gaps(["), doc,
+                                 ROOT / "src", tags),
          "PromQL does not parse"),
-        ("dashboard: a per-worker selector matching no documented metric",
-         lambda: check_dashboard(dashboard.replace("_rank_.+_decode_blocks", "_rank_.+_decode_block"), doc),
+        ("dashboard: a name regex matching no documented metric",
+         lambda: check_dashboard(dashboard.replace("sum by (worker) (kv_router_worker_decode_blocks)",
+                                                   'sum({__name__=~\\"kv_router_worker_.+_decode_block\\"})'), doc, ROOT / "src", tags),
          "matches no metric in docs/METRICS.md"),
         ("dashboard: not JSON",
-         lambda: check_dashboard(dashboard[:-2], doc),
+         lambda: check_dashboard(dashboard[:-2], doc, ROOT / "src", tags),
          "not valid JSON"),
     ]
     failures = []
