@@ -160,6 +160,8 @@ fn stage_decide(
         load,
         stale_slots: &[],
         kv_usage: &[],
+        learned: None,
+        arrivals_per_ms: 0.0,
     };
     decide(config, &input, selector).unwrap()
 }

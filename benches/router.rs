@@ -427,6 +427,8 @@ fn bench_prompt(
             load: &load,
             stale_slots: &[],
             kv_usage: &[],
+            learned: None,
+            arrivals_per_ms: 0.0,
         };
         let decision = time(&mut route, || {
             decide(config, &input, &mut selector).unwrap()
