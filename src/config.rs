@@ -252,7 +252,9 @@ impl Default for EventsConfig {
             poll_interval_ms: 100,
             timeout_ms: 1000,
             stale_after_ms: 5000,
-            max_response_bytes: 4 * 1024 * 1024,
+            // A full dump of a 16k-block cache is ~9 MB, of 100k blocks ~56 MB: a restarted
+            // worker must be able to re-sync at the defaults.
+            max_response_bytes: 64 * 1024 * 1024,
             long_poll_ms: 0,
             page_events: DEFAULT_PAGE_EVENTS,
         }
@@ -696,6 +698,27 @@ mod tests {
             .unwrap()
             .advisories()
             .is_empty());
+    }
+
+    #[test]
+    fn the_index_is_sized_to_the_fleet_and_dumps_fit_the_reply_limit() {
+        let two = |cap: &str| {
+            let json = format!(
+                r#"{{"workers": [{{"id": 1, "address": "10.0.0.1:80"{cap}}},
+                                 {{"id": 2, "address": "10.0.0.2:80", "dp_size": 2{cap}}}]}}"#
+            );
+            Config::from_json(json.as_bytes()).unwrap()
+        };
+        // Unknown capacities: the fixed default.
+        assert_eq!(two("").index.max_blocks, 1 << 18);
+        // 3 ranks of 200,000 blocks: 600,000 entries.
+        assert_eq!(two(r#", "kv_capacity_blocks": 200000"#).index.max_blocks, 600_000);
+        // Never below the default; an explicit bound wins.
+        assert_eq!(two(r#", "kv_capacity_blocks": 16"#).index.max_blocks, 1 << 18);
+        let set = br#"{"index": {"max_blocks": 5}, "workers": [{"id": 1, "address": "10.0.0.1:80", "kv_capacity_blocks": 900000}]}"#;
+        assert_eq!(Config::from_json(set).unwrap().index.max_blocks, 5);
+        // A full 16k-block cache dumps ~9 MB: within the default reply limit.
+        assert!(EventsConfig::default().max_response_bytes >= 16 * 1024 * 1024);
     }
 
     #[test]

@@ -6,7 +6,8 @@ use std::net::SocketAddr;
 use super::membership;
 use super::raw::{RawConfig, RawWorker};
 use super::{
-    BusyThresholds, ClientHints, Config, ConfigError, CostWeights, EventsConfig, LoadConfig,
+    BusyThresholds, ClientHints, Config, ConfigError, CostWeights, EventsConfig, IndexConfig,
+    LoadConfig,
     RoutingMode, Slot, WorkerConfig, MAX_BLOCK_SIZE, MAX_BYTES_LIMIT, MAX_FALLBACK_COUNT,
     MAX_HINT_ITEMS_LIMIT,
 };
@@ -89,13 +90,15 @@ pub(super) fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     positive("device_ratio", raw.device_ratio)?;
     u64_in("tick_ms", raw.tick_ms, 1, 60_000, "within [1, 60000]")?;
     check_events(&raw.events)?;
-    u64_in(
-        "index.max_blocks",
-        u64::from(raw.index.max_blocks),
-        1,
-        u64::from(u32::MAX),
-        "within [1, 4294967295]",
-    )?;
+    if let Some(max_blocks) = raw.index.max_blocks {
+        u64_in(
+            "index.max_blocks",
+            u64::from(max_blocks),
+            1,
+            u64::from(u32::MAX),
+            "within [1, 4294967295]",
+        )?;
+    }
 
     let raw_workers = match raw.workers {
         Some(w) => w,
@@ -178,7 +181,9 @@ pub(super) fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         device_ratio: raw.device_ratio,
         tick_ms: raw.tick_ms,
         events: raw.events,
-        index: raw.index,
+        index: IndexConfig {
+            max_blocks: raw.index.max_blocks.unwrap_or_else(|| fleet_index_blocks(&workers)),
+        },
         tokenizer: raw.tokenizer,
         approximate,
         affinity: raw.affinity,
@@ -189,6 +194,21 @@ pub(super) fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         slots,
         membership,
     })
+}
+
+/// `index.max_blocks` when unset: every block the fleet's caches can hold (each worker's
+/// `kv_capacity_blocks` per rank), when every worker declares its capacity, and never below the
+/// fixed default (the index allocates as it fills, so a larger bound costs nothing until used).
+fn fleet_index_blocks(workers: &[WorkerConfig]) -> u32 {
+    let floor = IndexConfig::default().max_blocks;
+    let mut total: u64 = 0;
+    for w in workers {
+        match w.kv_capacity_blocks {
+            Some(c) => total = total.saturating_add(u64::from(c) * u64::from(w.dp_size.max(1))),
+            None => return floor,
+        }
+    }
+    u32::try_from(total).unwrap_or(u32::MAX).max(floor)
 }
 
 fn check_cost(c: &CostWeights) -> Result<(), ConfigError> {

@@ -7,7 +7,7 @@ use serde::Deserialize;
 
 use super::{
     ApproximateConfig, BusyThresholds, ClientHints, CostWeights, DestinationFormat, Device,
-    EventsConfig, IndexConfig, LoadConfig, RoutingMode, TokenizerConfig, WorkerKvMode,
+    EventsConfig, LoadConfig, RoutingMode, TokenizerConfig, WorkerKvMode,
 };
 use crate::types::{DpRank, WorkerId};
 
@@ -36,7 +36,7 @@ pub(super) struct RawConfig {
     pub device_ratio: f64,
     pub tick_ms: u64,
     pub events: EventsConfig,
-    pub index: IndexConfig,
+    pub index: RawIndex,
     pub tokenizer: Option<TokenizerConfig>,
     pub approximate: Option<ApproximateConfig>,
     pub affinity: Option<super::AffinityConfig>,
@@ -73,7 +73,7 @@ impl Default for RawConfig {
             device_ratio: 8.0,
             tick_ms: 50,
             events: EventsConfig::default(),
-            index: IndexConfig::default(),
+            index: RawIndex::default(),
             tokenizer: None,
             approximate: None,
             affinity: None,
@@ -112,6 +112,13 @@ pub(super) struct RawWorker {
     pub prefill_time_ms_poly: Option<Vec<f64>>,
     /// This worker's own `ttft.decode_step_ms_poly`.
     pub decode_step_ms_poly: Option<Vec<f64>>,
+}
+
+/// `index` as written: `max_blocks` unset is derived from the fleet ([`super::compile`]).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields, expecting = "an object")]
+pub(super) struct RawIndex {
+    pub max_blocks: Option<u32>,
 }
 
 fn one() -> u32 {
