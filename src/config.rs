@@ -712,9 +712,15 @@ mod tests {
         // Unknown capacities: the fixed default.
         assert_eq!(two("").index.max_blocks, 1 << 18);
         // 3 ranks of 200,000 blocks: 600,000 entries.
-        assert_eq!(two(r#", "kv_capacity_blocks": 200000"#).index.max_blocks, 600_000);
+        assert_eq!(
+            two(r#", "kv_capacity_blocks": 200000"#).index.max_blocks,
+            600_000
+        );
         // Never below the default; an explicit bound wins.
-        assert_eq!(two(r#", "kv_capacity_blocks": 16"#).index.max_blocks, 1 << 18);
+        assert_eq!(
+            two(r#", "kv_capacity_blocks": 16"#).index.max_blocks,
+            1 << 18
+        );
         let set = br#"{"index": {"max_blocks": 5}, "workers": [{"id": 1, "address": "10.0.0.1:80", "kv_capacity_blocks": 900000}]}"#;
         assert_eq!(Config::from_json(set).unwrap().index.max_blocks, 5);
         // A full 16k-block cache dumps ~9 MB: within the default reply limit.

@@ -7,9 +7,8 @@ use super::membership;
 use super::raw::{RawConfig, RawWorker};
 use super::{
     BusyThresholds, ClientHints, Config, ConfigError, CostWeights, EventsConfig, IndexConfig,
-    LoadConfig,
-    RoutingMode, Slot, WorkerConfig, MAX_BLOCK_SIZE, MAX_BYTES_LIMIT, MAX_FALLBACK_COUNT,
-    MAX_HINT_ITEMS_LIMIT,
+    LoadConfig, RoutingMode, Slot, WorkerConfig, MAX_BLOCK_SIZE, MAX_BYTES_LIMIT,
+    MAX_FALLBACK_COUNT, MAX_HINT_ITEMS_LIMIT,
 };
 use crate::types::SlotIdx;
 
@@ -182,7 +181,10 @@ pub(super) fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         tick_ms: raw.tick_ms,
         events: raw.events,
         index: IndexConfig {
-            max_blocks: raw.index.max_blocks.unwrap_or_else(|| fleet_index_blocks(&workers)),
+            max_blocks: raw
+                .index
+                .max_blocks
+                .unwrap_or_else(|| fleet_index_blocks(&workers)),
         },
         tokenizer: raw.tokenizer,
         approximate,
