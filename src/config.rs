@@ -70,8 +70,8 @@ pub enum RoutingMode {
 #[serde(rename_all = "kebab-case")]
 pub enum KvPolicy {
     /// The Dynamo cost (below), each worker's scaled by how slow it is relative to the fleet,
-    /// as learned online from its responses ([`crate::learn`]), behind the balance guard
-    /// (`ttft.max_load_ratio`).
+    /// as learned online from its responses ([`crate::learn`]). The cost's decode term keeps
+    /// the fleet balanced; the balance guard is `predicted`'s.
     #[default]
     Adaptive,
     /// The predicted time to first token ([`crate::ttft`], options in `ttft`), scaled by each
@@ -270,8 +270,9 @@ pub struct IndexConfig {
 
 impl Default for IndexConfig {
     fn default() -> Self {
-        // About 100 bytes an entry in every VM replica (threads + 1): ~27 MB each. Enough for 16
-        // workers with 16k-block device caches; raise it for bigger fleets.
+        // About 38 bytes an entry in every VM replica (threads + 1), allocated as the index
+        // fills. Enough for 16 workers with 16k-block device caches; derived from the workers'
+        // `kv_capacity_blocks` when they all declare one.
         IndexConfig {
             max_blocks: 1 << 18,
         }
