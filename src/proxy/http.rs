@@ -11,7 +11,9 @@ use super::host::{self, HostStore};
 use super::learning::Sample;
 use super::vm::{worker_id, VmState};
 use crate::approx::Record;
-use crate::config::{ClientHints, Config, DestinationFormat, PrefillLoadModel, RoutingMode};
+use crate::config::{
+    ClientHints, Config, DestinationFormat, KvPolicy, PrefillLoadModel, RoutingMode,
+};
 use crate::lazy_hash::PromptHasher;
 use crate::load::{output_milli_blocks, Ticket};
 use crate::load_store::{self, Release};
@@ -543,7 +545,8 @@ impl RequestContext {
         };
         let prompt_blocks = prompt_blocks(config, &request);
         let learning = config.ttft.as_ref().is_some_and(|t| t.learn);
-        let arrivals_per_ms = if config.ttft.is_some() {
+        // The predicted policy's adaptive compute weight needs the arrival rate.
+        let arrivals_per_ms = if config.policy == KvPolicy::Predicted {
             let active: u64 = load.iter().map(|l| u64::from(l.active_requests)).sum();
             vm.arrivals_per_ms(active, load.len())
         } else {
