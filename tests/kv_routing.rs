@@ -88,7 +88,13 @@ fn seed_worked_example() {
             )
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(200));
+    // The held requests are past their first token in the load table (as the gauges show).
+    assert!(envoy.wait_for(Duration::from_secs(5), |e| {
+        e.router_stat("worker.1.rank.0.decode_blocks") == 2
+            && e.router_stat("worker.3.rank.0.decode_blocks") == 7
+            && e.router_stat("worker.1.rank.0.prefill_tokens") == 0
+            && e.router_stat("worker.3.rank.0.prefill_tokens") == 0
+    }));
     let (worker, overlap, resp) = route(&envoy, &probe);
     let costs = costs(&resp);
     assert_eq!(costs.get(&1).copied(), Some(18.0), "{costs:?}");

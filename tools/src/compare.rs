@@ -489,8 +489,15 @@ fn run_arm(
     envoy_opts.route_timeout = Duration::ZERO;
     envoy_opts.log_level = "warning";
     let envoy = Envoy::start(&envoy_opts)?;
-    // Let the poller take every worker's (empty) dump before traffic starts.
-    std::thread::sleep(Duration::from_millis(300));
+    // In kv mode, the poller takes every worker's (empty) dump before traffic starts.
+    if filter_mode == "kv" {
+        let dumps = workers.len() as u64;
+        if !envoy.wait_for(Duration::from_secs(10), |e| {
+            e.router_stat("events.resyncs") >= dumps
+        }) {
+            eprintln!("{arm}: the filter had not read every worker's dump within 10 s");
+        }
+    }
     opts.worker_addrs = workers.iter().map(|w| w.addr.clone()).collect();
     opts.label = arm.to_string();
     let stats = run_workload(&envoy.listener, workload, &opts);
