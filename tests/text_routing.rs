@@ -269,3 +269,39 @@ fn a_prediction_ends_when_the_worker_reports_its_blocks_removed() {
         "blocks 4-7 are gone from the worker"
     );
 }
+
+#[test]
+fn a_multi_turn_chat_sent_as_text_stays_on_its_history_at_the_defaults() {
+    // Nothing configured but the workers: no tokenizer, no `approximate`, default block size.
+    let workers = echo_workers(4, 64);
+    let envoy = start_envoy(&workers, filter_config(&workers, json!({})));
+    // Four conversations, turns interleaved; each turn resends the whole history.
+    let mut histories: Vec<Vec<Value>> = (0..4u32)
+        .map(|c| vec![json!({"role": "system", "content": long_text(100 + c, 6000)})])
+        .collect();
+    let mut homes: Vec<Option<u64>> = vec![None; 4];
+    for turn in 0..5u32 {
+        for (c, history) in histories.iter_mut().enumerate() {
+            history
+                .push(json!({"role": "user", "content": long_text(1000 * turn + c as u32, 400)}));
+            let body = json!({"model": "mock", "max_tokens": 4, "messages": history});
+            let (worker, overlap, reason) = send_chat(&envoy, &body);
+            assert!(
+                reason.starts_with("kv-text"),
+                "turn {turn} of {c}: {reason}"
+            );
+            match homes[c] {
+                None => homes[c] = Some(worker),
+                Some(home) => {
+                    assert_eq!(
+                        worker, home,
+                        "conversation {c} left its history at turn {turn}"
+                    );
+                    assert!(overlap > 0, "turn {turn} of {c} found no history");
+                }
+            }
+            history
+                .push(json!({"role": "assistant", "content": long_text(7 * turn + c as u32, 300)}));
+        }
+    }
+}
