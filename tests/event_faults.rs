@@ -19,7 +19,9 @@ fn envoy(workers: &[Worker]) -> Envoy {
     // Events only: an overlap must come from the workers' events, not the probes' predictions.
     let config = events_only(filter_config(
         workers,
-        json!({"block_size": BLOCK, "events": {"poll_interval_ms": 100, "stale_after_ms": 60000}}),
+        // A reply limit below the mock's `oversized` fault (8 MiB of padding).
+        json!({"block_size": BLOCK, "events": {"poll_interval_ms": 100, "stale_after_ms": 60000,
+                                                "max_response_bytes": 4_194_304}}),
     ));
     start_envoy(workers, config)
 }

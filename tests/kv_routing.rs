@@ -428,8 +428,12 @@ fn stored_event_counts_for_routing_quickly() {
 #[test]
 fn bad_event_pages_are_rejected_and_change_nothing() {
     let workers = echo_workers(2, BLOCK);
-    // Events only: the probes' predicted blocks would outlive the removal that must land.
-    let envoy = kv_envoy_on_events(&workers, json!({}));
+    // Events only: the probes' predicted blocks would outlive the removal that must land. A
+    // reply limit below the mock's `oversized` fault (8 MiB of padding).
+    let envoy = kv_envoy_on_events(
+        &workers,
+        json!({"events": {"max_response_bytes": 4_194_304}}),
+    );
     let prompt = tokens(5, 6 * BLOCK);
     let body = completion(&prompt);
     publish(

@@ -36,7 +36,9 @@ pub fn engine_workers(count: u64) -> Vec<Worker> {
 pub fn fault_config(workers: &[Worker]) -> Value {
     filter_config(
         workers,
-        json!({"block_size": BLOCK, "events": {"poll_interval_ms": 100}}),
+        // A reply limit below the mock's `oversized` fault (8 MiB of padding), so that fault is
+        // a refused page (the default limit, 64 MiB, takes full dumps).
+        json!({"block_size": BLOCK, "events": {"poll_interval_ms": 100, "max_response_bytes": 4_194_304}}),
     )
 }
 
