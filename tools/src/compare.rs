@@ -670,15 +670,7 @@ pub fn compare_modes(
     workload: &Workload,
     opts: &RunOptions,
 ) -> io::Result<Vec<(String, RunStats)>> {
-    fleet.check(modes)?;
-    let engines = match &fleet.vllm {
-        Some(config) => Some(start_vllm_fleet(fleet, config)?),
-        None => None,
-    };
-    let mut fleet = fleet.clone();
-    if let (Some(engines), true) = (&engines, modes.iter().any(|m| m.contains("+fit"))) {
-        fleet.timing = Some(calibrate_engine(engines)?);
-    }
+    let (fleet, engines) = prepare_fleet(modes, fleet)?;
     let fleet = &fleet;
     let kind = if engines.is_some() {
         "real vLLM engines"
@@ -707,6 +699,21 @@ pub fn compare_modes(
         .collect()
 }
 
+/// Checks `modes` against `fleet`, starts its real engines once (when it has them) and measures
+/// their timing for `+fit` arms: the set-up every comparison shares.
+fn prepare_fleet(modes: &[&str], fleet: &Fleet) -> io::Result<(Fleet, Option<Vec<Engine>>)> {
+    fleet.check(modes)?;
+    let engines = match &fleet.vllm {
+        Some(config) => Some(start_vllm_fleet(fleet, config)?),
+        None => None,
+    };
+    let mut fleet = fleet.clone();
+    if let (Some(engines), true) = (&engines, modes.iter().any(|m| m.contains("+fit"))) {
+        fleet.timing = Some(calibrate_engine(engines)?);
+    }
+    Ok((fleet, engines))
+}
+
 /// [`compare_modes`] repeated `runs` times for `loadgen race`: real engines (when the fleet has
 /// them) are started once for all runs; within run `r` (from 0) the arms go in `modes` order
 /// rotated by `r`, so no arm always runs first; every arm still gets a fresh fleet (or emptied
@@ -720,15 +727,7 @@ pub fn compare_modes_repeated(
     runs: usize,
     mut on_arm: impl FnMut(usize, &str, io::Result<RunStats>),
 ) -> io::Result<()> {
-    fleet.check(modes)?;
-    let engines = match &fleet.vllm {
-        Some(config) => Some(start_vllm_fleet(fleet, config)?),
-        None => None,
-    };
-    let mut fleet = fleet.clone();
-    if let (Some(engines), true) = (&engines, modes.iter().any(|m| m.contains("+fit"))) {
-        fleet.timing = Some(calibrate_engine(engines)?);
-    }
+    let (fleet, engines) = prepare_fleet(modes, fleet)?;
     let n = modes.len();
     for run in 0..runs {
         for k in 0..n {
