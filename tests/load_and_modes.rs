@@ -345,7 +345,9 @@ fn a_prompt_that_would_wait_for_kv_room_goes_where_it_fits() {
         // adaptive weight (Little's law: the 60 reported running requests over the ~1 ms
         // lifetime of the mock's own answers) would reach its cap of 100 and keep every prompt
         // on the holder of its prefix.
-        let ttft = json!({"admission_wait": admission, "compute_weight": 0.0});
+        // The balance guard (`max_load_ratio`) is off: while one report has landed and the
+        // other not, it would drop the reporting worker from the candidates.
+        let ttft = json!({"admission_wait": admission, "compute_weight": 0.0, "max_load_ratio": 0.0});
         let envoy = envoy_with(
             &workers,
             json!({"mode": "kv", "policy": "predicted", "workers": list, "ttft": ttft}),
@@ -364,7 +366,11 @@ fn a_prompt_that_would_wait_for_kv_room_goes_where_it_fits() {
         let landed = envoy.wait_for(Duration::from_secs(5), |e| {
             probe += 1;
             let now = costs(&route(e, &with_new(60, probe)).2);
-            now[&1] > idle[&1] + 20.0 && now[&2] > idle[&2] + 20.0
+            let risen = |id: u64| match (now.get(&id), idle.get(&id)) {
+                (Some(now), Some(idle)) => *now > idle + 20.0,
+                _ => false,
+            };
+            risen(1) && risen(2)
         });
         assert!(
             landed,
