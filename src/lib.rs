@@ -22,6 +22,7 @@ pub mod prompt_text;
 pub mod render;
 pub mod replication;
 pub mod request;
+pub mod request_path;
 pub mod rng;
 pub mod route_error;
 pub mod router;

@@ -4,28 +4,21 @@
 //! configuration when the head's membership generation moves.
 
 use super::host::{self, HostStore};
-use super::vm::VmState;
+use super::vm::{MembersCall, VmState};
 use crate::config::Config;
 use crate::events::EventPage;
 use crate::membership::description::{vet, WorkerDescription};
-use crate::membership::{effective_config, parse_admin_clusters, publish};
+use crate::membership::{parse_admin_clusters, publish};
 use crate::polling::{disposition, Disposition};
 use log::{info, warn};
 use proxy_wasm::types::{BufferType, MapType};
 use std::rc::Rc;
 use std::time::Duration;
 
-/// The admin call in flight.
-#[derive(Clone, Copy, Debug)]
-pub struct MembersCall {
-    pub token: u32,
-    pub deadline_ms: u64,
-}
-
 impl VmState {
     /// Sends the admin call when due (lease holder only, one in flight).
     pub(super) fn poll_membership(&mut self, now: u64) {
-        let Some(m) = self.base_config.membership.clone() else {
+        let Some(m) = self.path.base_config.membership.clone() else {
             return;
         };
         if let Some(call) = self.members_call {
@@ -71,7 +64,7 @@ impl VmState {
             return false;
         }
         self.members_call = None;
-        let base = Rc::clone(&self.base_config);
+        let base = Rc::clone(&self.path.base_config);
         let Some(m) = &base.membership else {
             return true;
         };
@@ -117,7 +110,7 @@ impl VmState {
     /// Publishes the hosts (see [`crate::membership::publish`]) planned on this replica's head.
     fn publish_membership(&mut self, base: &Config, hosts: &[crate::membership::Host], now: u64) {
         self.sync_replica();
-        let from = self.replica.head.clone();
+        let from = self.path.replica.head.clone();
         let Some(done) = publish(&HostStore, self.fingerprint, base, &from, hosts, now) else {
             return;
         };
@@ -138,7 +131,7 @@ impl VmState {
             .add("membership.health_changed", changes.health_changed);
         self.metrics
             .add("membership.load_cleared", done.load_cleared);
-        let id = |w: &u16| crate::proxy::vm::worker_id(base, *w);
+        let id = |w: &u16| super::vm::worker_id(base, *w);
         info!(
             "kv-router: membership: {} host(s); joined {:?}, left {:?}, {} health change(s)",
             hosts.len(),
@@ -157,7 +150,7 @@ impl VmState {
         worker: u16,
         page: &EventPage,
     ) -> Option<WorkerDescription> {
-        let m = self.base_config.membership.as_ref()?;
+        let m = self.path.base_config.membership.as_ref()?;
         if let Some(err) = &page.invalid_worker {
             self.metrics.inc("membership.description_invalid");
             log::debug!("kv-router: membership: worker {worker}'s description is not valid: {err}");
@@ -167,9 +160,10 @@ impl VmState {
         if worker < m.first_pool_worker {
             return None; // a static entry: its configuration wins
         }
-        let template = self.base_config.workers.get(usize::from(worker))?;
-        let (vetted, refused) = vet(template, self.base_config.block_size, described);
+        let template = self.path.base_config.workers.get(usize::from(worker))?;
+        let (vetted, refused) = vet(template, self.path.base_config.block_size, described);
         let member = self
+            .path
             .replica
             .head
             .workers
@@ -178,7 +172,7 @@ impl VmState {
         if member.described.as_ref() == Some(&vetted) {
             return None;
         }
-        let id = crate::proxy::vm::worker_id(&self.base_config, worker);
+        let id = super::vm::worker_id(&self.path.base_config, worker);
         for r in &refused {
             self.metrics.inc("membership.description_refused");
             warn!(
@@ -194,26 +188,13 @@ impl VmState {
         Some(vetted)
     }
 
-    /// Rebuilds the effective configuration when the published membership moved.
-    pub(super) fn follow_membership(&mut self) {
-        if self.base_config.membership.is_none() {
-            return;
-        }
-        let head = &self.replica.head;
-        let seen = (head.members_seen, head.members_generation);
-        if seen == self.members_applied {
-            return;
-        }
-        self.config = Rc::new(effective_config(&self.base_config, head));
-        self.members_applied = seen;
-    }
-
     /// `membership.workers` (hosts occupying an entry) and `membership.unhealthy`.
     pub(super) fn membership_gauges(&mut self) {
-        if self.base_config.membership.is_none() {
+        if self.path.base_config.membership.is_none() {
             return;
         }
         let members = self
+            .path
             .replica
             .head
             .workers

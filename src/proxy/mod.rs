@@ -11,6 +11,7 @@
 
 #[cfg(feature = "test-crash-trigger")]
 pub mod crash_trigger;
+pub mod envoy_host;
 pub mod host;
 pub mod http;
 pub mod learning;

@@ -4,21 +4,21 @@
 //! request contexts share, and on every tick: applies new log batches, and, if it holds the poller
 //! lease, polls worker events, marks silent workers stale and reaps abandoned load entries.
 
+use super::envoy_host::EnvoyHost;
 use super::host::{self, HostStore};
 use super::http::RequestContext;
 use super::metrics::{EventKinds, Metrics};
 use super::poller::{PendingCall, Poller};
-use super::vm::{worker_id, SlotReports, VmState};
-use crate::approx::{self, PredictedStore};
+use super::vm::{worker_id, VmState};
+use crate::approx;
 use crate::config::Config;
 use crate::events::{encode_log_batch, parse_dump, parse_event_page, EventError, LogRecord};
-use crate::load_store::{self, PendingReleases};
+use crate::load_store;
 use crate::polling::{disposition, is_gap, CallKind, Disposition, Next, ReplyOutcome};
-use crate::render::RenderCache;
 use crate::replication::coalesce::{QueuedReply, ReplyKind};
 use crate::replication::lease::{hold_lease, holds_lease};
-use crate::replication::log::{self as replication, DeviceLosses, Replica};
-use crate::router::SelectorState;
+use crate::replication::log as replication;
+use crate::request_path::RoutingState;
 use crate::text::{excerpt, MAX_EXCERPT_BYTES};
 use log::{error, info, warn};
 use proxy_wasm::hostcalls;
@@ -67,14 +67,14 @@ impl Context for RouterRoot {
         } else {
             host::header(MapType::HttpCallResponseHeaders, ":status")
         };
-        let max_bytes = vm.config.events.max_response_bytes;
+        let max_bytes = vm.path.config.events.max_response_bytes;
         // The size is known before the body is copied into the VM: an oversized page never is.
         let outcome = match disposition(status.as_deref(), body_size, max_bytes) {
             Disposition::Failed => {
                 vm.metrics.inc("events.fetch_failed");
                 log::debug!(
                     "kv-router: event fetch from worker {} failed: {}",
-                    worker_id(&vm.config, call.worker),
+                    worker_id(&vm.path.config, call.worker),
                     status
                         .as_deref()
                         .unwrap_or("no response (connect failure or timeout)")
@@ -114,7 +114,7 @@ impl Context for RouterRoot {
 impl VmState {
     /// Applies one page or dump to the log and says how it went.
     fn handle_events_reply(&mut self, call: PendingCall, body: &[u8], now: u64) -> ReplyOutcome {
-        let config = Rc::clone(&self.config);
+        let config = Rc::clone(&self.path.config);
         let worker = call.worker;
         let block_size = config.block_size;
         let max_bytes = config.events.max_response_bytes;
@@ -217,7 +217,7 @@ impl VmState {
         if self.poller.queued.is_empty() {
             return;
         }
-        let workers = self.config.workers.len();
+        let workers = self.path.config.workers.len();
         let flushed = self
             .poller
             .queued
@@ -235,7 +235,7 @@ impl VmState {
     /// Schedules the worker's next call; sends it at once when it is due now and this VM is
     /// still the poller (a long poll is re-issued the moment its reply is in).
     fn after_reply(&mut self, call: PendingCall, outcome: ReplyOutcome, now: u64) {
-        let config = Rc::clone(&self.config);
+        let config = Rc::clone(&self.path.config);
         let worker = call.worker;
         match self.poller.replied(&config, worker, outcome, now) {
             Next::Backoff { ms, rejections } => {
@@ -263,17 +263,17 @@ impl VmState {
                     worker_id(&config, worker)
                 );
             }
-            Next::Now if holds_lease(&HostStore, self.nonce, now) => {
+            Next::Now if holds_lease(&HostStore, self.path.nonce, now) => {
                 // The dump if the reply showed a gap, else the next page (a long poll).
                 self.poller
-                    .dispatch_next(&config, &self.replica.head, worker, now);
+                    .dispatch_next(&config, &self.path.replica.head, worker, now);
             }
             Next::Now | Next::After { .. } => {}
         }
     }
 
     fn reject_page(&mut self, worker: u16, err: &EventError) {
-        let id = worker_id(&self.config, worker);
+        let id = worker_id(&self.path.config, worker);
         self.metrics.inc("events.pages_rejected");
         let text = err.to_string();
         let text = excerpt(&text, MAX_EXCERPT_BYTES * 2);
@@ -309,38 +309,37 @@ impl VmState {
 
     /// Applies new log batches and records what happened.
     pub fn sync_replica(&mut self) {
-        let config = Rc::clone(&self.config);
-        let report = self.replica.sync(&HostStore, &config, host::now_ms());
-        self.forget_lost_predictions();
-        self.follow_membership();
-        self.slot_reports.refresh(&self.replica.head, &self.config);
-        self.metrics.add("events.applied", report.events_applied);
-        self.metrics.add("events.rejected", report.events_rejected);
-        self.metrics.add("index.evicted", report.evicted);
-        if report.snapshot_loaded {
-            self.metrics.inc("log.snapshot_loaded");
-        }
-        if report.lost_sync {
-            self.metrics.inc("log.lost_sync");
-            warn!("kv-router: this VM fell behind the shared event log; its index restarts from the latest batches");
-        }
+        let mut host = EnvoyHost {
+            metrics: &mut self.metrics,
+            histograms: &mut self.histogram_ids,
+        };
+        self.path.sync_replica(&mut host);
+    }
+
+    /// Applies the routing decisions other VMs published since the last sync.
+    pub fn sync_predictions(&mut self, now: u64) {
+        let mut host = EnvoyHost {
+            metrics: &mut self.metrics,
+            histograms: &mut self.histogram_ids,
+        };
+        self.path.sync_predictions(&mut host, now);
     }
 
     fn tick(&mut self) {
         self.metrics.flush();
         let now = host::now_ms();
-        let config = Rc::clone(&self.config);
-        if !self.releases.is_empty() {
-            self.releases.flush(&HostStore, config.slots.len());
+        let config = Rc::clone(&self.path.config);
+        if !self.path.releases.is_empty() {
+            self.path.releases.flush(&HostStore, config.slots.len());
         }
-        let dropped = std::mem::take(&mut self.releases.dropped);
+        let dropped = std::mem::take(&mut self.path.releases.dropped);
         self.metrics.add("load.release_dropped", dropped);
         let lease_ms = (config.events.poll_interval_ms * 5)
             .max(config.tick_ms * 10)
             .max(1000);
-        let leader = hold_lease(&HostStore, self.nonce, now, lease_ms);
+        let leader = hold_lease(&HostStore, self.path.nonce, now, lease_ms);
         // The poller reads cursors from its replica's head: it decodes the whole head.
-        self.replica.full_head = leader;
+        self.path.replica.full_head = leader;
         // Replies queued since the last tick, as one batch (also after losing the lease: their
         // preconditions keep a late append from undoing the new poller's work).
         self.flush_replies(now);
@@ -358,20 +357,20 @@ impl VmState {
         self.fill_orphaned_batch(now);
         self.poll_membership(now);
         self.mark_stale_workers(now);
-        let head = self.replica.head.clone();
+        let head = self.path.replica.head.clone();
         // The membership may have moved during this tick: poll with the configuration as it is.
-        let config = Rc::clone(&self.config);
+        let config = Rc::clone(&self.path.config);
         self.poller.dispatch_due(&config, &head, now);
-        self.replica.maybe_write_snapshot(&HostStore);
+        self.path.replica.maybe_write_snapshot(&HostStore);
         self.publish_gauges(now);
     }
 
     /// A batch claimed but never written blocks every replica; the poller fills it.
     fn fill_orphaned_batch(&mut self, now: u64) {
-        let Some(seq) = self.replica.orphaned_batch(now) else {
+        let Some(seq) = self.path.replica.orphaned_batch(now) else {
             return;
         };
-        let workers = self.config.workers.len();
+        let workers = self.path.config.workers.len();
         if replication::fill_orphan(&HostStore, self.fingerprint, workers, now, seq) {
             self.metrics.inc("log.orphans_filled");
             error!(
@@ -383,9 +382,10 @@ impl VmState {
 
     /// A worker whose events could not be fetched for `stale_after_ms` loses its blocks.
     fn mark_stale_workers(&mut self, now: u64) {
-        let config = Rc::clone(&self.config);
+        let config = Rc::clone(&self.path.config);
         let stale_after = config.events.stale_after_ms;
         let lost: Vec<u16> = self
+            .path
             .replica
             .head
             .workers
@@ -450,16 +450,25 @@ impl VmState {
     }
 
     fn publish_gauges(&mut self, now: u64) {
-        let config = Rc::clone(&self.config);
+        let config = Rc::clone(&self.path.config);
         let slots = config.slots.len();
         let reaped = load_store::reap(&HostStore, slots, now, config.load.request_timeout_ms);
         self.metrics.add("load.reaped", reaped as u64);
         // Bytes first: a reader that sees the entries sees the bytes of the same tick.
+        self.metrics.gauge(
+            "index.bytes",
+            self.path.replica.index.allocated_bytes() as u64,
+        );
         self.metrics
-            .gauge("index.bytes", self.replica.index.allocated_bytes() as u64);
-        self.metrics
-            .gauge("index.entries", self.replica.index.entries() as u64);
-        let stale = self.replica.head.workers.iter().filter(|w| w.stale).count();
+            .gauge("index.entries", self.path.replica.index.entries() as u64);
+        let stale = self
+            .path
+            .replica
+            .head
+            .workers
+            .iter()
+            .filter(|w| w.stale)
+            .count();
         self.metrics.gauge("workers.stale", stale as u64);
         self.membership_gauges();
         let view = load_store::view(&HostStore, slots, now);
@@ -496,11 +505,11 @@ impl VmState {
             "load.active_entries",
             view.iter().map(|l| u64::from(l.active_requests)).sum(),
         );
-        if let Some(predicted) = &self.predicted {
+        if let Some(predicted) = &self.path.predicted {
             self.metrics.gauge("approx.entries", predicted.len() as u64);
         }
         self.metrics
-            .gauge("load.deferred_releases", self.releases.len() as u64);
+            .gauge("load.deferred_releases", self.path.releases.len() as u64);
         self.timing_gauges(&config);
     }
 
@@ -515,8 +524,9 @@ impl VmState {
             let Some(worker) = config.workers.get(i) else {
                 continue;
             };
-            let milli = (self.learned.factor(i) * 1000.0).round() as u64;
+            let milli = (self.path.learned.factor(i) * 1000.0).round() as u64;
             let samples = self
+                .path
                 .learned
                 .records
                 .get(i)
@@ -564,42 +574,17 @@ impl RootContext for RouterRoot {
             fingerprint,
         );
         let workers = config.workers.len();
-        let mut replica = Replica::new(&config, fingerprint);
-        if config.approximate.is_some() {
-            replica.device_losses = Some(DeviceLosses::default());
-        }
         let state = VmState {
-            replica,
-            selector: SelectorState::new(nonce),
+            path: RoutingState::new(Rc::clone(&config), fingerprint, nonce),
             metrics: Metrics::default(),
             poller: Poller::new(workers),
-            next_request_key: 0,
-            overlaps: Vec::with_capacity(config.slots.len()),
-            load_view: Vec::with_capacity(config.slots.len()),
-            load_views: Default::default(),
             slot_gauges: Vec::new(),
             block_size_warned: vec![false; workers],
-            slot_reports: SlotReports::new(config.slots.len()),
             fingerprint,
-            nonce,
-            base_config: Rc::clone(&config),
-            members_applied: (false, 0),
             members_call: None,
             next_members_poll_ms: 0,
-            releases: PendingReleases::default(),
-            predicted: config
-                .approximate
-                .as_ref()
-                .map(|a| PredictedStore::new(a.max_blocks)),
-            render_cache: config.tokenizer.as_ref().map_or_else(
-                || RenderCache::new(0, 0),
-                |t| RenderCache::new(t.cache_entries, t.cache_max_tokens),
-            ),
-            config: Rc::clone(&config),
             linear_memory_reported: 0,
-            learned: Default::default(),
             learned_cursor: 0,
-            lifetime_ms: 0.0,
             timing_published: Vec::new(),
             histogram_ids: Vec::new(),
         };

@@ -1,0 +1,367 @@
+//! The per-VM state the request path shares across requests: the effective configuration, the
+//! index replica, the selector, the load views, predictions, the render cache and the learned
+//! timings. The adapter's `VmState` owns it beside its own (metrics, poller, membership calls).
+
+use super::host::{Host, WorkerHistogram};
+use crate::approx::PredictedStore;
+use crate::config::Config;
+use crate::events::ReportedLoad;
+use crate::learn;
+use crate::load::{merge_reported, SlotLoad};
+use crate::load_store::{PendingReleases, ViewCache};
+use crate::membership::effective_config;
+use crate::render::RenderCache;
+use crate::replication::log::{DeviceLosses, LogHead, Replica};
+use crate::router::SelectorState;
+use crate::types::Overlap;
+use std::rc::Rc;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Weight of a new lifetime sample in the VM's mean (Little's law's `L`).
+const LIFETIME_WEIGHT: f64 = 1.0 / 64.0;
+
+/// Everything the request path keeps between requests.
+pub struct RoutingState {
+    /// The effective configuration: `base_config` with the published membership applied
+    /// (pool entries' addresses, routability). The same as `base_config` without membership.
+    pub config: Rc<Config>,
+    /// The configuration as compiled.
+    pub base_config: Rc<Config>,
+    /// `(members_seen, members_generation)` of the head `config` was built from.
+    pub members_applied: (bool, u64),
+    pub nonce: u64,
+    pub replica: Replica,
+    pub selector: SelectorState,
+    pub next_request_key: u64,
+    /// Reused per request so that overlap lookup allocates nothing.
+    pub overlaps: Vec<Overlap>,
+    /// Reused per request: the load table's per-slot view.
+    pub load_view: Vec<SlotLoad>,
+    /// The load shards this VM viewed last, reused while their bytes are unchanged.
+    pub load_views: ViewCache,
+    /// What the last published head says of each slot (stale flag, reported load).
+    pub slot_reports: SlotReports,
+    /// Load releases that contention deferred; retried until they land.
+    pub releases: PendingReleases,
+    /// Predicted blocks (approximate mode), when configured.
+    pub predicted: Option<PredictedStore>,
+    /// Prompts the tokenizer service rendered (empty without `tokenizer`).
+    pub render_cache: RenderCache,
+    /// Every worker's learned timing as last read (`ttft.learn`).
+    pub learned: learn::LearnedTimings,
+    /// Mean lifetime (routing to release, ms) of the requests this VM routed; 0 before the first.
+    pub lifetime_ms: f64,
+}
+
+impl RoutingState {
+    /// The state of a freshly configured VM. `fingerprint` names the configuration in the
+    /// shared log; `nonce` seeds this VM's randomness and request keys.
+    pub fn new(config: Rc<Config>, fingerprint: u64, nonce: u64) -> Self {
+        let mut replica = Replica::new(&config, fingerprint);
+        if config.approximate.is_some() {
+            replica.device_losses = Some(DeviceLosses::default());
+        }
+        let slots = config.slots.len();
+        RoutingState {
+            replica,
+            selector: SelectorState::new(nonce),
+            next_request_key: 0,
+            overlaps: Vec::with_capacity(slots),
+            load_view: Vec::with_capacity(slots),
+            load_views: ViewCache::default(),
+            slot_reports: SlotReports::new(slots),
+            nonce,
+            base_config: Rc::clone(&config),
+            members_applied: (false, 0),
+            releases: PendingReleases::default(),
+            predicted: config
+                .approximate
+                .as_ref()
+                .map(|a| PredictedStore::new(a.max_blocks)),
+            render_cache: config.tokenizer.as_ref().map_or_else(
+                || RenderCache::new(0, 0),
+                |t| RenderCache::new(t.cache_entries, t.cache_max_tokens),
+            ),
+            config,
+            learned: learn::LearnedTimings::default(),
+            lifetime_ms: 0.0,
+        }
+    }
+
+    /// A key for one request's load entry, unique across the VMs of this process.
+    pub fn new_request_key(&mut self) -> u64 {
+        self.next_request_key += 1;
+        xxh3_64_with_seed(&self.next_request_key.to_le_bytes(), self.nonce)
+    }
+
+    /// Applies the shared log's new batches to this VM's index (and what they bring: stale flags,
+    /// reported load, membership).
+    pub fn sync_replica(&mut self, host: &mut impl Host) {
+        let config = Rc::clone(&self.config);
+        let report = self.replica.sync(host.store(), &config, host.now_ms());
+        self.forget_lost_predictions(host);
+        self.follow_membership();
+        self.slot_reports.refresh(&self.replica.head, &self.config);
+        host.count("events.applied", report.events_applied);
+        host.count("events.rejected", report.events_rejected);
+        host.count("index.evicted", report.evicted);
+        if report.snapshot_loaded {
+            host.count("log.snapshot_loaded", 1);
+        }
+        if report.lost_sync {
+            host.count("log.lost_sync", 1);
+            log::warn!("kv-router: this VM fell behind the shared event log; its index restarts from the latest batches");
+        }
+    }
+
+    /// Rebuilds the effective configuration when the head's membership generation moved.
+    pub fn follow_membership(&mut self) {
+        if self.base_config.membership.is_none() {
+            return;
+        }
+        let head = &self.replica.head;
+        let seen = (head.members_seen, head.members_generation);
+        if seen == self.members_applied {
+            return;
+        }
+        self.config = Rc::new(effective_config(&self.base_config, head));
+        self.members_applied = seen;
+    }
+
+    /// Drops the predictions the engines' events since the last sync refuted (blocks taken off
+    /// a slot's device tier, slots cleared).
+    pub fn forget_lost_predictions(&mut self, host: &mut impl Host) {
+        let (Some(losses), Some(store)) =
+            (self.replica.device_losses.as_mut(), self.predicted.as_mut())
+        else {
+            return;
+        };
+        for slot in losses.slots.drain(..) {
+            store.forget_slot(slot);
+        }
+        let mut refuted = 0;
+        for (slot, hash) in losses.blocks.drain(..) {
+            refuted += u64::from(store.forget(slot, hash));
+        }
+        host.count("approx.refuted", refuted);
+    }
+
+    /// Applies the routing decisions other VMs published since the last sync.
+    pub fn sync_predictions(&mut self, host: &mut impl Host, now_ms: u64) {
+        let Some(store) = self.predicted.as_mut() else {
+            return;
+        };
+        let report = store.sync(host.store(), now_ms);
+        host.count("approx.applied", report.applied);
+        host.count("approx.skipped", report.skipped);
+    }
+
+    /// The first token arrived `now` for a request routed as `sample` says: the observed TTFT
+    /// (histograms) and, with a prediction, a sample in the worker's shared timing record.
+    pub fn learn_first_token(&mut self, host: &mut impl Host, sample: &Sample, now: u64) {
+        let observed = now.saturating_sub(sample.routed_ms) as f64;
+        let worker = worker_id(&self.config, sample.worker_index);
+        host.histogram("ttft_ms", observed as u64);
+        host.worker_histogram(
+            sample.worker_index,
+            worker,
+            WorkerHistogram::TtftMs,
+            observed as u64,
+        );
+        let Some(predicted) = sample.predicted_ms else {
+            return;
+        };
+        let factor = self.learned.factor(sample.worker_index);
+        if predicted >= learn::MIN_PREDICTED_MS {
+            // How far off the learned prediction was, in percent of it.
+            let expected = predicted * factor;
+            let error = ((observed - expected).abs() / expected * 100.0).min(1e6) as u64;
+            host.histogram("prediction_error_pct", error);
+            host.worker_histogram(
+                sample.worker_index,
+                worker,
+                WorkerHistogram::PredictionErrorPct,
+                error,
+            );
+        }
+        if let Some(record) =
+            learn::record_sample(host.store(), sample.worker_index, observed, predicted, now)
+        {
+            if let Some(r) = self.learned.records.get_mut(sample.worker_index) {
+                *r = record;
+            }
+        } else {
+            host.count("learn.samples_dropped", 1);
+        }
+    }
+
+    /// A streamed response from worker entry `worker_index` ended `now`: `chunks` body chunks
+    /// after its first token at `first_token_ms` give its mean inter-token latency.
+    pub fn record_itl(
+        &self,
+        host: &mut impl Host,
+        worker_index: usize,
+        first_token_ms: u64,
+        chunks: u32,
+        now: u64,
+    ) {
+        if chunks < 2 || first_token_ms == 0 {
+            return;
+        }
+        let itl = now.saturating_sub(first_token_ms) / u64::from(chunks - 1);
+        host.histogram("itl_ms", itl);
+        let worker = worker_id(&self.config, worker_index);
+        host.worker_histogram(worker_index, worker, WorkerHistogram::ItlMs, itl);
+    }
+
+    /// The request routed at `routed_ms` ended `now`: its lifetime feeds the mean.
+    pub fn learn_lifetime(&mut self, routed_ms: u64, now: u64) {
+        let lifetime = now.saturating_sub(routed_ms) as f64;
+        self.lifetime_ms = if self.lifetime_ms > 0.0 {
+            self.lifetime_ms + LIFETIME_WEIGHT * (lifetime - self.lifetime_ms)
+        } else {
+            lifetime
+        };
+    }
+
+    /// Requests expected to arrive per ms at each of `load`'s slots: the requests in flight
+    /// over their mean lifetime (Little's law), spread over the slots. 0 before any request
+    /// ended.
+    pub fn arrivals_per_ms(&self, active_requests: u64, slots: usize) -> f64 {
+        if self.lifetime_ms <= 0.0 || slots == 0 {
+            return 0.0;
+        }
+        active_requests as f64 / self.lifetime_ms / slots as f64
+    }
+}
+
+/// What a booking remembers to learn from its response.
+#[derive(Clone, Copy, Debug)]
+pub struct Sample {
+    pub worker_index: usize,
+    pub routed_ms: u64,
+    /// The polynomials' prediction for the chosen slot; `None` when there is nothing to learn
+    /// (another policy, or the request moved to a retry's host).
+    pub predicted_ms: Option<f64>,
+}
+
+/// The id of worker entry `index` (0 if there is none).
+pub fn worker_id(config: &Config, index: usize) -> u64 {
+    config.workers.get(index).map_or(0, |w| w.id)
+}
+
+/// Per slot, what the poller's last published head says of its worker, in slot order: rebuilt
+/// in one pass when the head's version or the configuration changes, not per request.
+#[derive(Default)]
+pub struct SlotReports {
+    /// Events from the worker are overdue: its index entries may be out of date.
+    pub stale: Vec<bool>,
+    /// The worker's own counters (with `load.reported_load`).
+    pub reported: Vec<Option<ReportedLoad>>,
+    /// Each `reported` KV usage alone, the form `RouteInput::kv_usage` takes.
+    pub kv_usage: Vec<Option<f64>>,
+    /// `(head version, configuration)` the vectors were built from (the `Rc` held so that a
+    /// new configuration can never reuse its address).
+    built_for: Option<(u64, Rc<Config>)>,
+}
+
+impl SlotReports {
+    /// For `slots` slots, all fresh and none reported (before any head is seen).
+    pub fn new(slots: usize) -> Self {
+        SlotReports {
+            stale: vec![false; slots],
+            ..SlotReports::default()
+        }
+    }
+
+    /// Rebuilds the vectors if `head` or `config` moved since the last call.
+    pub fn refresh(&mut self, head: &LogHead, config: &Rc<Config>) {
+        if let Some((version, built)) = &self.built_for {
+            if *version == head.version && Rc::ptr_eq(built, config) {
+                return;
+            }
+        }
+        self.built_for = Some((head.version, Rc::clone(config)));
+        self.stale.clear();
+        self.reported.clear();
+        self.kv_usage.clear();
+        for slot in &config.slots {
+            let worker = head.workers.get(usize::from(slot.worker));
+            let reported = worker.and_then(|w| w.reported);
+            self.stale.push(worker.is_some_and(|w| w.stale));
+            self.reported.push(reported);
+            self.kv_usage.push(reported.map(|r| r.kv_usage));
+        }
+    }
+
+    /// Folds each slot's reported counters into the local load view.
+    pub fn merge_into(&self, config: &Config, load: &mut [SlotLoad]) {
+        for ((slot, reported), view) in config.slots.iter().zip(&self.reported).zip(load) {
+            let worker = config.workers.get(usize::from(slot.worker));
+            if let (Some(reported), Some(worker)) = (reported, worker) {
+                merge_reported(view, reported, worker.kv_capacity_blocks, worker.dp_size);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)] // test code
+mod tests {
+    use super::*;
+    use crate::replication::log::WorkerPollState;
+
+    fn config() -> Rc<Config> {
+        let json = r#"{"workers": [
+            {"id": 1, "address": "10.0.0.1:8000", "kv_capacity_blocks": 1000},
+            {"id": 2, "address": "10.0.0.2:8000", "kv_capacity_blocks": 1000}]}"#;
+        Rc::new(Config::from_json(json.as_bytes()).unwrap())
+    }
+
+    fn head(version: u64, second_worker_usage: f64) -> LogHead {
+        let reported = ReportedLoad {
+            num_waiting: 0,
+            num_running: 3,
+            kv_usage: second_worker_usage,
+        };
+        LogHead {
+            version,
+            workers: vec![
+                WorkerPollState {
+                    stale: true,
+                    ..WorkerPollState::default()
+                },
+                WorkerPollState {
+                    reported: Some(reported),
+                    ..WorkerPollState::default()
+                },
+            ],
+            ..LogHead::default()
+        }
+    }
+
+    #[test]
+    fn slot_reports_follow_the_head_version_and_the_configuration() {
+        let config = config();
+        let mut reports = SlotReports::new(config.slots.len());
+        assert_eq!(reports.stale, [false, false]);
+        reports.refresh(&head(1, 0.5), &config);
+        assert_eq!(reports.stale, [true, false]);
+        assert_eq!(reports.kv_usage, [None, Some(0.5)]);
+        let mut load = vec![SlotLoad::default(); 2];
+        reports.merge_into(&config, &mut load);
+        assert_eq!(load[1].decode_blocks, 500.0);
+        assert_eq!(load[1].active_requests, 3);
+        assert_eq!(load[0], SlotLoad::default());
+
+        // Same version: the head's routing state did not move, nothing is rebuilt.
+        reports.refresh(&head(1, 0.9), &config);
+        assert_eq!(reports.kv_usage, [None, Some(0.5)]);
+        // A new version, or a new configuration at the same version, rebuilds.
+        reports.refresh(&head(2, 0.9), &config);
+        assert_eq!(reports.kv_usage, [None, Some(0.9)]);
+        let reconfigured = Rc::new(Config::clone(&config));
+        reports.refresh(&head(2, 0.25), &reconfigured);
+        assert_eq!(reports.kv_usage, [None, Some(0.25)]);
+    }
+}

@@ -1,0 +1,376 @@
+//! The request path through the fake host: what a client and an operator would see (the chosen
+//! host, headers, local replies, counters) and the load table back to zero at every ending.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)] // test code
+
+mod fake;
+
+use super::{Action, REASON_HEADER};
+use fake::{FakeHost, Filter};
+use serde_json::json;
+
+const W1: &str = "10.0.0.1:8000";
+const W2: &str = "10.0.0.2:8000";
+const DESTINATION: &str = "x-gateway-destination-endpoint";
+
+/// Two workers, 16-token blocks, and `extra` members on the root object.
+fn config(extra: serde_json::Value) -> String {
+    let mut c = json!({"mode": "kv", "block_size": 16, "workers": [
+        {"id": 1, "address": W1}, {"id": 2, "address": W2}]});
+    if let (Some(c), Some(extra)) = (c.as_object_mut(), extra.as_object()) {
+        c.extend(extra.clone());
+    }
+    c.to_string()
+}
+
+/// The host the request was steered to: the first of the destination list (Envoy's
+/// override-host format lists the fallbacks after it).
+fn chosen(host: &FakeHost) -> Option<&str> {
+    host.request_header_value(DESTINATION)
+        .and_then(|d| d.split(',').next())
+}
+
+fn prompt() -> Vec<u32> {
+    (0..64u32).map(|i| i * 7 + 3).collect()
+}
+
+fn completion(stream: bool) -> String {
+    json!({"model": "m", "prompt": prompt(), "max_tokens": 4, "stream": stream}).to_string()
+}
+
+#[test]
+fn a_token_id_completion_goes_to_the_worker_holding_its_prefix() {
+    for holder in [0u16, 1] {
+        let mut host = FakeHost::new().post("/v1/completions", &completion(false));
+        let mut filter = Filter::new(&host, &config(json!({"response_headers": true})));
+        filter.holds(holder, &prompt());
+        let (mut request, action) = filter.send(&mut host);
+        assert_eq!(action, Action::Continue);
+        let expected = [W1, W2][usize::from(holder)];
+        assert_eq!(chosen(&host), Some(expected));
+        assert_eq!(host.request_header_value(REASON_HEADER), Some("kv"));
+        request.on_response_headers(&mut host, &mut filter.vm, false);
+        assert_eq!(host.response_header_value(REASON_HEADER), Some("kv"));
+        let id = (holder + 1).to_string();
+        assert_eq!(host.response_header_value("x-kv-router-worker"), Some(&*id));
+        assert_eq!(
+            host.response_header_value("x-kv-router-overlap-blocks"),
+            Some("4")
+        );
+        assert_eq!(host.counter("routed.kv"), 1);
+    }
+}
+
+#[test]
+fn a_client_destination_never_survives() {
+    // Not an LLM path: goes on at once, without the client's destination.
+    let mut host = FakeHost::new()
+        .post("/healthz", "{}")
+        .header(DESTINATION, "10.9.9.9:1");
+    let mut filter = Filter::new(&host, &config(json!({})));
+    let mut request = super::RequestPath::new();
+    let action = request.on_request_headers(&mut host, &mut filter.vm, false);
+    assert_eq!(action, Action::Continue);
+    assert_eq!(host.request_header_value(DESTINATION), None);
+    // An LLM request: the filter's value replaces it.
+    let mut host = FakeHost::new()
+        .post("/v1/completions", &completion(false))
+        .header(DESTINATION, "10.9.9.9:1");
+    let (_, action) = filter.send(&mut host);
+    assert_eq!(action, Action::Continue);
+    assert!([Some(W1), Some(W2)].contains(&chosen(&host)));
+}
+
+#[test]
+fn the_fallback_rule_routes_what_the_filter_cannot_read() {
+    for (body, why) in [
+        ("{not json", "invalid_json"),
+        ("", "empty_body"),
+        (r#"{"model": "m", "prompt": [1, "x"]}"#, "invalid_field"),
+    ] {
+        let mut host = FakeHost::new().post("/v1/completions", body);
+        let mut filter = Filter::new(&host, &config(json!({})));
+        let (mut request, action) = filter.send(&mut host);
+        assert_eq!(action, Action::Continue, "{why}");
+        let reason = format!("fallback:{why}");
+        assert_eq!(host.request_header_value(REASON_HEADER), Some(&*reason));
+        assert!([Some(W1), Some(W2)].contains(&chosen(&host)));
+        assert_eq!(host.counter(&format!("fallback.{why}")), 1, "{why}");
+        // Nothing was booked for it.
+        assert_eq!(filter.active(&host), 0);
+        request.on_response_headers(&mut host, &mut filter.vm, true);
+        assert_eq!(host.response_header_value(REASON_HEADER), Some(&*reason));
+    }
+    // Too large to buffer: decided at the first chunk over the limit.
+    let mut host = FakeHost::new().post("/v1/completions", &completion(false));
+    let mut filter = Filter::new(&host, &config(json!({"max_body_bytes": 100})));
+    let mut request = super::RequestPath::new();
+    assert_eq!(
+        request.on_request_headers(&mut host, &mut filter.vm, false),
+        Action::Pause
+    );
+    let size = host.request_body.len();
+    let action = request.on_request_body(&mut host, &mut filter.vm, size, false);
+    assert_eq!(action, Action::Continue);
+    assert_eq!(
+        host.request_header_value(REASON_HEADER),
+        Some("fallback:body_too_large")
+    );
+    assert_eq!(host.counter("fallback.body_too_large"), 1);
+    // The host cannot hand the body over.
+    let mut host = FakeHost::new().post("/v1/completions", &completion(false));
+    host.body_unreadable = true;
+    let mut filter = Filter::new(&host, &config(json!({})));
+    filter.send(&mut host);
+    assert_eq!(host.counter("fallback.body_unreadable"), 1);
+}
+
+#[test]
+fn a_streamed_booking_is_released_at_the_end_of_the_stream() {
+    let mut host = FakeHost::new().post("/v1/completions", &completion(true));
+    let mut filter = Filter::new(&host, &config(json!({})));
+    let (mut request, _) = filter.send(&mut host);
+    let load = filter.load(&host);
+    let slot = load.iter().position(|l| l.active_requests == 1).unwrap();
+    assert_eq!(filter.active(&host), 1, "booked on the chosen worker only");
+    assert!(
+        load[slot].prefill_tokens > 0.0,
+        "nothing cached: all prefill"
+    );
+    host.advance(40);
+    request.on_response_headers(&mut host, &mut filter.vm, false);
+    for _ in 0..3 {
+        host.response_chunk = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n".to_vec();
+        let size = host.response_chunk.len();
+        request.on_response_body(&mut host, &mut filter.vm, size, false);
+        host.advance(5);
+    }
+    // The first token ended the prefill (and was a timing sample); the request still runs.
+    assert_eq!(filter.load(&host)[slot].prefill_tokens, 0.0);
+    assert_eq!(filter.active(&host), 1);
+    assert!(host
+        .histograms
+        .iter()
+        .any(|(n, v)| n == "ttft_ms" && *v == 40));
+    request.on_response_body(&mut host, &mut filter.vm, 0, true);
+    assert_eq!(filter.active(&host), 0);
+    assert!(host.histograms.iter().any(|(n, _)| n == "itl_ms"));
+    // `on_log` after the end releases nothing twice.
+    request.on_log(&mut host, &mut filter.vm);
+    assert_eq!(filter.active(&host), 0);
+    assert_eq!(host.counter("load.release_unknown"), 0);
+}
+
+#[test]
+fn a_reset_or_an_upstream_error_releases_the_booking() {
+    // Reset before any response: `on_log` alone.
+    let mut host = FakeHost::new().post("/v1/completions", &completion(true));
+    let mut filter = Filter::new(&host, &config(json!({})));
+    let (mut request, _) = filter.send(&mut host);
+    assert_eq!(filter.active(&host), 1);
+    request.on_log(&mut host, &mut filter.vm);
+    assert_eq!(filter.active(&host), 0);
+
+    // Reset mid-stream, after the first token.
+    host.next_request("/v1/completions", &completion(true));
+    let (mut request, _) = filter.send(&mut host);
+    request.on_response_headers(&mut host, &mut filter.vm, false);
+    host.response_chunk = b"data: {}\n\n".to_vec();
+    request.on_response_body(&mut host, &mut filter.vm, 10, false);
+    assert_eq!(filter.active(&host), 1);
+    request.on_log(&mut host, &mut filter.vm);
+    assert_eq!(filter.active(&host), 0);
+
+    // An upstream 503 without a body (Envoy's own reply, or the engine's): its headers end it.
+    host.next_request("/v1/completions", &completion(false));
+    let (mut request, _) = filter.send(&mut host);
+    assert_eq!(filter.active(&host), 1);
+    request.on_response_headers(&mut host, &mut filter.vm, true);
+    assert_eq!(filter.active(&host), 0);
+    assert_eq!(host.response_header_value(REASON_HEADER), Some("kv"));
+
+    // A 500 with an error body: released at the body's end, once.
+    host.next_request("/v1/completions", &completion(false));
+    let (mut request, _) = filter.send(&mut host);
+    request.on_response_headers(&mut host, &mut filter.vm, false);
+    request.on_response_body(&mut host, &mut filter.vm, 40, true);
+    assert_eq!(filter.active(&host), 0);
+    request.on_log(&mut host, &mut filter.vm);
+    assert_eq!(host.counter("load.release_unknown"), 0);
+}
+
+#[test]
+fn a_retry_on_another_host_moves_the_booking_there() {
+    let mut host = FakeHost::new().post("/v1/completions", &completion(true));
+    let mut filter = Filter::new(&host, &config(json!({"response_headers": true})));
+    filter.holds(0, &prompt());
+    let (mut request, _) = filter.send(&mut host);
+    assert_eq!(chosen(&host), Some(W1));
+    assert_eq!(filter.load(&host)[0].active_requests, 1);
+    // The first host failed; Envoy's retry reached the second.
+    host.upstream = Some(W2.to_string());
+    request.on_response_headers(&mut host, &mut filter.vm, false);
+    assert_eq!(host.counter("load.moved_on_retry"), 1);
+    let load = filter.load(&host);
+    assert_eq!((load[0].active_requests, load[1].active_requests), (0, 1));
+    assert_eq!(host.response_header_value("x-kv-router-worker"), Some("2"));
+    request.on_response_body(&mut host, &mut filter.vm, 0, true);
+    assert_eq!(filter.active(&host), 0);
+}
+
+/// Chat requests rendered by a tokenizer service.
+fn tokenizer_config() -> String {
+    config(json!({"tokenizer": {"cluster": "tokenizer", "timeout_ms": 200}}))
+}
+
+fn chat() -> String {
+    json!({"model": "m", "messages": [{"role": "user", "content": "hello there"}]}).to_string()
+}
+
+#[test]
+fn a_rendered_chat_request_routes_by_its_ids() {
+    let mut host = FakeHost::new().post("/v1/chat/completions", &chat());
+    let mut filter = Filter::new(&host, &tokenizer_config());
+    let (mut request, action) = filter.send(&mut host);
+    assert_eq!(action, Action::Pause, "waits for the tokenizer");
+    assert_eq!(host.callouts.len(), 1);
+    assert_eq!(host.callouts[0].cluster, "tokenizer");
+    assert_eq!(host.callouts[0].body, chat().as_bytes());
+    assert_eq!(host.counter("tokenizer.calls"), 1);
+    host.advance(3);
+    host.call_status = Some("200".into());
+    host.call_body = json!({"token_ids": prompt()}).to_string().into_bytes();
+    let size = host.call_body.len();
+    request.on_call_response(&mut host, &mut filter.vm, 1, 4, size);
+    assert_eq!(host.resumed, 1);
+    assert_eq!(host.counter("tokenizer.rendered"), 1);
+    assert!(host.request_header_value(DESTINATION).is_some());
+    assert_eq!(filter.active(&host), 1);
+    // The same prompt again: from the render cache, no call.
+    host.next_request("/v1/chat/completions", &chat());
+    let (_, action) = filter.send(&mut host);
+    assert_eq!(action, Action::Continue);
+    assert!(host.callouts.is_empty());
+    assert_eq!(host.counter("tokenizer.cache_hit"), 1);
+    request.on_log(&mut host, &mut filter.vm);
+}
+
+#[test]
+fn a_tokenizer_failure_or_timeout_still_routes_the_request() {
+    // (failure set-up, expected failure name)
+    type Failure = fn(&mut FakeHost);
+    let cases: [(Failure, &str); 3] = [
+        (
+            |h| {
+                h.call_status = Some("500".into());
+                h.call_body = b"oops".to_vec();
+            },
+            "render_error",
+        ),
+        // No reply at all once the timeout has passed: Envoy timed the call out.
+        (|h| h.advance(250), "render_timeout"),
+        (
+            |h| {
+                h.call_status = Some("200".into());
+                h.call_body = b"{\"nope\": 1}".to_vec();
+            },
+            "render_bad_reply",
+        ),
+    ];
+    for (fail, name) in cases {
+        let mut host = FakeHost::new().post("/v1/chat/completions", &chat());
+        let mut filter = Filter::new(&host, &tokenizer_config());
+        let (mut request, action) = filter.send(&mut host);
+        assert_eq!(action, Action::Pause);
+        fail(&mut host);
+        let headers = usize::from(host.call_status.is_some());
+        let size = host.call_body.len();
+        request.on_call_response(&mut host, &mut filter.vm, 1, headers, size);
+        assert_eq!(host.resumed, 1, "{name}");
+        assert_eq!(host.counter(&format!("tokenizer.fallback.{name}")), 1);
+        let reason = host.request_header_value(REASON_HEADER).unwrap();
+        assert!(reason.ends_with(&format!(":{name}")), "{reason}");
+        assert!(host.request_header_value(DESTINATION).is_some());
+        request.on_log(&mut host, &mut filter.vm);
+        assert_eq!(filter.active(&host), 0);
+    }
+    // The host refuses the call: routed at once.
+    let mut host = FakeHost::new().post("/v1/chat/completions", &chat());
+    host.refuse_callouts = true;
+    let mut filter = Filter::new(&host, &tokenizer_config());
+    let (_, action) = filter.send(&mut host);
+    assert_eq!(action, Action::Continue);
+    assert_eq!(host.counter("tokenizer.fallback.render_unavailable"), 1);
+    // A reply to another call is not this request's.
+    let mut host = FakeHost::new().post("/v1/chat/completions", &chat());
+    let (mut request, _) = filter.send(&mut host);
+    request.on_call_response(&mut host, &mut filter.vm, 99, 0, 0);
+    assert_eq!(host.resumed, 0);
+}
+
+fn with_client_priority() -> String {
+    json!({"model": "m", "priority": 5, "prompt": prompt(), "max_tokens": 4}).to_string()
+}
+
+#[test]
+fn engine_priority_is_written_first_and_replaces_the_clients() {
+    let mut host = FakeHost::new().post("/v1/completions", &with_client_priority());
+    let mut filter = Filter::new(&host, &config(json!({"engine_priority": {}})));
+    filter.send(&mut host);
+    let body: serde_json::Value = serde_json::from_slice(&host.request_body).unwrap();
+    let text = String::from_utf8(host.request_body.clone()).unwrap();
+    assert!(text.starts_with("{\"priority\":"), "{text}");
+    assert_eq!(text.matches("\"priority\"").count(), 1, "{text}");
+    assert_ne!(body["priority"], json!(5));
+    assert_eq!(body["prompt"], json!(prompt()));
+    let length: usize = host
+        .request_header_value("content-length")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(length, host.request_body.len());
+    assert_eq!(host.counter("priority.client_replaced"), 1);
+    assert_eq!(host.counter("engine_priority.written"), 1);
+}
+
+#[test]
+fn a_client_priority_is_trusted_only_when_hints_are_honored() {
+    // Ignored hints (the default), no engine_priority: the client's priority is dropped.
+    let mut host = FakeHost::new().post("/v1/completions", &with_client_priority());
+    let mut filter = Filter::new(&host, &config(json!({})));
+    filter.send(&mut host);
+    let body: serde_json::Value = serde_json::from_slice(&host.request_body).unwrap();
+    assert_eq!(body.get("priority"), None);
+    assert_eq!(host.counter("priority.client_dropped"), 1);
+    // Honored: it stays as sent, and the filter writes none over it.
+    let mut host = FakeHost::new().post("/v1/completions", &with_client_priority());
+    let honor = json!({"client_routing_hints": "honor", "engine_priority": {}});
+    let mut filter = Filter::new(&host, &config(honor));
+    filter.send(&mut host);
+    assert_eq!(host.request_body, with_client_priority().as_bytes());
+    assert_eq!(host.counter("priority.client_honored"), 1);
+    assert_eq!(host.counter("engine_priority.written"), 0);
+    // Refused hints: a pin header is answered 403 before anything is booked.
+    let mut host = FakeHost::new()
+        .post("/v1/completions", &completion(false))
+        .header("x-worker-instance-id", "2");
+    let mut filter = Filter::new(&host, &config(json!({"client_routing_hints": "reject"})));
+    let (_, action) = filter.send(&mut host);
+    assert_eq!(action, Action::Pause);
+    let reply = host.local_reply.clone().unwrap();
+    assert_eq!(reply.status, 403);
+    assert!(reply
+        .headers
+        .contains(&(REASON_HEADER.into(), "client_routing_hints_refused".into())));
+    assert_eq!(host.counter("rejected.client_routing_hints"), 1);
+    assert_eq!(filter.active(&host), 0);
+    // Honored: the pin header steers, and is not passed on.
+    let mut host = FakeHost::new()
+        .post("/v1/completions", &completion(false))
+        .header("x-worker-instance-id", "2");
+    let mut filter = Filter::new(&host, &config(json!({"client_routing_hints": "honor"})));
+    filter.holds(0, &prompt());
+    filter.send(&mut host);
+    assert_eq!(chosen(&host), Some(W2));
+    assert_eq!(host.request_header_value("x-worker-instance-id"), None);
+}
