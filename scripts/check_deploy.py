@@ -1187,7 +1187,8 @@ def src_metrics(src: Path) -> list[tuple[str, str]]:
     """(name, type) of every name passed to the metrics API in src/, `{...}` interpolations kept
     as they are."""
     text = "\n".join(p.read_text() for p in sorted(src.rglob("*.rs")))
-    found = re.findall(r"(?:metrics|self)\s*\.\s*(inc|add|add_later|gauge|gauge_add|histogram|histogram_id)\(\s*"
+    # `host.count*`/`host.histogram`: the request path's `Host` (src/request_path/host.rs).
+    found = re.findall(r"(?:metrics|self|host)\s*\.\s*(inc|add|add_later|count|count_later|gauge|gauge_add|histogram|histogram_id)\(\s*"
                        r"(?:&format!\(\s*)?\"([^\"]+)\"", text)
     nested = re.findall(r"let name = format!\(\"([^\"]+)\"", text)  # worker gauges: {name}.field
     kinds = {"gauge": "gauge", "gauge_add": "gauge", "histogram": "histogram", "histogram_id": "histogram"}

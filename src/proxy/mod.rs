@@ -2,8 +2,9 @@
 //!
 //! * `root`: the root context: configuration, the tick (log sync, event polling, load reaping).
 //! * `vm`: the per-VM state the root context owns and request contexts share.
-//! * `http`: one context per request: buffer the body, decide, steer, book and release load.
-//! * `learning`: the closed loop's samples, shared records and refresh ([`crate::learn`]).
+//! * `http`: one context per request, forwarding its callbacks to the host-independent request
+//!   path ([`crate::request_path`]) with `envoy_host::EnvoyHost`, the real request-path `Host`.
+//! * `learning`: the closed loop's tick: the workers' shared timing records read back.
 //! * `members`: follows the routed cluster's hosts and health (admin `/clusters`).
 //! * `poller`: sends worker event calls through the event cluster (one poller per process).
 //! * `metrics`, `host`: Envoy stats, thin non-panicking host-call wrappers, and the shared-data

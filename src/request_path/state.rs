@@ -160,14 +160,13 @@ impl RoutingState {
     /// (histograms) and, with a prediction, a sample in the worker's shared timing record.
     pub fn learn_first_token(&mut self, host: &mut impl Host, sample: &Sample, now: u64) {
         let observed = now.saturating_sub(sample.routed_ms) as f64;
-        let worker = worker_id(&self.config, sample.worker_index);
+        // The per-worker histograms only for an entry of the configuration.
+        let worker = self.config.workers.get(sample.worker_index).map(|w| w.id);
         host.histogram("ttft_ms", observed as u64);
-        host.worker_histogram(
-            sample.worker_index,
-            worker,
-            WorkerHistogram::TtftMs,
-            observed as u64,
-        );
+        if let Some(worker) = worker {
+            let ttft = WorkerHistogram::TtftMs;
+            host.worker_histogram(sample.worker_index, worker, ttft, observed as u64);
+        }
         let Some(predicted) = sample.predicted_ms else {
             return;
         };
@@ -177,12 +176,10 @@ impl RoutingState {
             let expected = predicted * factor;
             let error = ((observed - expected).abs() / expected * 100.0).min(1e6) as u64;
             host.histogram("prediction_error_pct", error);
-            host.worker_histogram(
-                sample.worker_index,
-                worker,
-                WorkerHistogram::PredictionErrorPct,
-                error,
-            );
+            if let Some(worker) = worker {
+                let kind = WorkerHistogram::PredictionErrorPct;
+                host.worker_histogram(sample.worker_index, worker, kind, error);
+            }
         }
         if let Some(record) =
             learn::record_sample(host.store(), sample.worker_index, observed, predicted, now)
@@ -210,8 +207,9 @@ impl RoutingState {
         }
         let itl = now.saturating_sub(first_token_ms) / u64::from(chunks - 1);
         host.histogram("itl_ms", itl);
-        let worker = worker_id(&self.config, worker_index);
-        host.worker_histogram(worker_index, worker, WorkerHistogram::ItlMs, itl);
+        if let Some(worker) = self.config.workers.get(worker_index) {
+            host.worker_histogram(worker_index, worker.id, WorkerHistogram::ItlMs, itl);
+        }
     }
 
     /// The request routed at `routed_ms` ended `now`: its lifetime feeds the mean.
