@@ -6,13 +6,17 @@
 //!   path ([`crate::request_path`]) with `envoy_host::EnvoyHost`, the real request-path `Host`.
 //! * `learning`: the closed loop's tick: the workers' shared timing records read back.
 //! * `members`: follows the routed cluster's hosts and health (admin `/clusters`).
-//! * `poller`: sends worker event calls through the event cluster (one poller per process).
+//! * `poller`: sends worker event calls through the event cluster (one poller per process);
+//!   `event_replies` applies their replies to the shared log, marks silent workers stale.
+//! * `gauges`: the tick's gauges (per-slot load, timing factors, linear memory).
 //! * `metrics`, `host`: Envoy stats, thin non-panicking host-call wrappers, and the shared-data
 //!   store the core's replication log, lease and load table run on.
 
 #[cfg(feature = "test-crash-trigger")]
 pub mod crash_trigger;
 pub mod envoy_host;
+pub mod event_replies;
+pub mod gauges;
 pub mod host;
 pub mod http;
 pub mod learning;
