@@ -446,6 +446,16 @@ fn run_arm(
                 None,
             )
         }
+        // The default policy with `ttft.share_weight` W (the request-share term; 0 = off).
+        m if m.starts_with("kv+share:") => {
+            let w: f64 = m.trim_start_matches("kv+share:").parse().map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("{m}: expected kv+share:<weight>"),
+                )
+            })?;
+            ("kv", json!({"ttft": {"share_weight": w}}), None)
+        }
         "kv+ids" => {
             opts.chat_as_ids = true;
             opts.path = "/v1/completions".to_string();
