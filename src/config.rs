@@ -26,6 +26,7 @@ use crate::types::{DpRank, SlotIdx, WorkerId};
 
 mod affinity;
 mod approximate;
+mod check;
 mod compile;
 mod engine_priority;
 mod membership;
@@ -40,8 +41,8 @@ pub use membership::{MembershipConfig, MAX_POOL_WORKERS};
 pub use tokenizer::TokenizerConfig;
 pub use ttft::{TtftConfig, MAX_COMPUTE_WEIGHT};
 
+pub use check::{is_timing_poly, MAX_POLY_COEFFICIENTS};
 use compile::compile;
-pub use compile::{is_timing_poly, MAX_POLY_COEFFICIENTS};
 
 /// Largest accepted `block_size` in tokens.
 pub const MAX_BLOCK_SIZE: u32 = 1024;
