@@ -121,6 +121,10 @@ impl ClientHints {
     }
 }
 
+/// How much of the client's routing hints to read by default (`client_routing_hints_max_items`;
+/// the request parser's default too, `request::ParseOptions`).
+pub const DEFAULT_MAX_HINT_ITEMS: usize = 64;
+
 /// Largest accepted `client_routing_hints_max_items`.
 pub const MAX_HINT_ITEMS_LIMIT: u64 = 65_536;
 
@@ -414,7 +418,7 @@ impl Config {
                     .map(|c| u64::from(c) * u64::from(w.dp_size))
             })
             .sum();
-        let max_bound = u64::try_from(crate::index::MAX_BOUND).unwrap_or(u64::MAX);
+        let max_bound = u64::try_from(crate::types::MAX_INDEX_BLOCKS).unwrap_or(u64::MAX);
         let bound = u64::from(self.index.max_blocks).min(max_bound);
         if device_blocks > bound {
             notes.push(format!(

@@ -66,7 +66,7 @@ impl Default for RawConfig {
             max_body_bytes: 8 * 1024 * 1024,
             response_headers: false,
             client_routing_hints: ClientHints::Ignore,
-            client_routing_hints_max_items: crate::request::DEFAULT_MAX_HINT_ITEMS,
+            client_routing_hints_max_items: super::DEFAULT_MAX_HINT_ITEMS,
             router_temperature: 0.0,
             cost: CostWeights::default(),
             busy: BusyThresholds::default(),
