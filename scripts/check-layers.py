@@ -29,20 +29,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # one, never of a higher one (a cycle inside a layer is caught by the cycle check). Every top-level
 # module of `src/` must be listed exactly once.
 LAYERS = [
-    # 0. Leaf vocabulary: plain types, errors, the seedable random source, the shared-data store
-    #    trait. Imports nothing of the crate.
-    ("base", ["types", "route_error", "rng", "store"]),
-    # 1. Wire: the event page and its binary codecs, the worker description, the replication log
-    #    and its head codec, the text and prompt renderings that the hashes are taken over.
-    ("wire", ["events", "membership", "replication", "text", "prompt_text", "render"]),
-    # 2. Request and hashing: parsing a request body, block hashes of its tokens or text.
-    ("request", ["request", "hashing", "lazy_hash", "approx"]),
-    # 3. State the filter keeps: the KV index, per-worker load and its store, affinity, polling.
-    ("state", ["index", "load", "load_store", "affinity", "polling"]),
-    # 4. Prediction and cost: TTFT model and its learning, priority, the cost of a worker.
-    ("predict", ["ttft", "learn", "priority", "cost"]),
-    # 5. Selection: filters, pick, the configuration (raw -> compiled), the router that runs it.
-    ("route", ["filters", "select", "config", "router"]),
+    # 0. Vocabulary: ids and hash newtypes, the index's bound, route errors, text excerpts, the
+    #    seedable random source, the shared-data store trait.
+    ("base", ["types", "text", "route_error", "rng", "store"]),
+    # 1. Configuration: raw JSON -> the compiled, immutable `Config` every layer above reads.
+    ("config", ["config"]),
+    # 2. The request: parsing a body, the prompt's text and renderings, block hashes of its tokens.
+    ("request", ["request", "prompt_text", "render", "hashing", "lazy_hash"]),
+    # 3. Wire: what workers send (the event page and its binary and log codecs, the worker's
+    #    description of itself). Parsing a page hashes its token ids, hence above `request`.
+    ("wire", ["worker_description", "events"]),
+    # 4. State the filter keeps, shared between VMs or not: the KV index, the load table and its
+    #    store, approximate (predicted) blocks, the replicated log, membership, the polling plan.
+    ("state", ["index", "load", "load_store", "approx", "replication", "membership", "polling"]),
+    # 5. The decision: filters -> costs (TTFT model, its learning, priority, affinity) -> pick, and
+    #    the router that runs them for one request.
+    ("decide", ["filters", "affinity", "learn", "ttft", "priority", "cost", "select", "router"]),
     # 6. The proxy-wasm adapter: the only module that talks to the host.
     ("adapter", ["proxy"]),
 ]
