@@ -18,10 +18,10 @@ pub use replay::{affinity_replay, block_hashes, pooled_replay, Affinity};
 pub use report::{
     comparison_table, format_stats, print_comparison_table, svg_chart, write_svg_chart,
 };
-pub use runner::{run_workload, run_workload_on, RequestResult, RunOptions};
+pub use runner::{run_workload, run_workload_on, RunOptions};
 pub use stats::{
-    metric_value, scrape_hit_rate, scrape_workers, CacheCounters, ClientUsage, RunStats, Summary,
-    WorkerCounters,
+    metric_value, scrape_hit_rate, scrape_workers, CacheCounters, ClientUsage, RequestResult,
+    RunStats, Summary, WorkerCounters,
 };
 
 use std::io::{self, BufRead, BufReader};
