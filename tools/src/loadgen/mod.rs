@@ -3,11 +3,11 @@
 //! token-id prompts, measuring TTFT, ITL, end-to-end latency, throughput, errors, achieved
 //! concurrency and the client's own CPU), the measurements (`stats`) and the reports
 //! (`report`: tables and a TTFT chart); generated multi-turn workloads in the Mooncake format
-//! (`generate`) and the repeated all-workloads, all-arms comparison (`race`).
+//! (`generate`). The repeated all-workloads, all-arms comparison built on these is
+//! [`crate::race`].
 
 mod chat;
 pub mod generate;
-pub mod race;
 mod replay;
 mod report;
 mod runner;
