@@ -6,13 +6,15 @@ imports which, from `use crate::...`, `use super::...`, `use self::...`, bare pa
 module, and fully qualified `crate::x::y` / `super::x` paths in code. Comments, strings,
 `#[cfg(test)]` items (test modules, test-only imports) and test files are left out. It fails:
 
-* on an import cycle, at any level of the module tree: the children of every module (the module's
-  own file counted as one of them) must import each other without a cycle;
+* on an import cycle, at any level of the module tree: the children of every module (the crate
+  root's top-level modules, `config`'s sections, ...) must import each other without a cycle;
 * for the filter (`src/`), on an import that goes up the layer order declared in `LAYERS` below,
   and on a use of the `proxy_wasm` crate outside `src/proxy/`.
 
-A path is charged to the deepest module *file* it names: `crate::config::Compiled` is an import of
-`config` (the file `src/config.rs`), even when that file only re-exports it from a child.
+A path is charged to the module file that defines the item: re-exports (`pub use child::X` in
+`config.rs`, so `crate::config::X`) are followed to the child. A child using an item its parent
+file defines (`super::X`) is Rust's nesting, not counted as a cycle; the parent using its children
+is downward.
 
 Usage: scripts/check-layers.py [--graph]   (--graph also prints every crate's import arrows)
 Only the standard library; Python 3.8+.
@@ -226,7 +228,9 @@ QUALIFIED = re.compile(r"(?<![\w:$])((?:crate|super|self)(?:\s*::\s*(?:\w+))+)")
 
 
 def expand_use_tree(tree):
-    """`a::{b, c::{d, self}}` -> [[a, b], [a, c, d], [a, c]] (aliases and globs dropped)."""
+    """`a::{b as x, c::{d, self}, *}` -> [([a, b], x), ([a, c, d], d), ([a, c], c), ([a], None)]:
+    each path with the name it brings into scope (None for a glob)."""
+    tree = re.sub(r"\s+as\s+", "@", tree)
     tree = re.sub(r"\s+", "", tree)
 
     def parse(s, i, prefix):
@@ -237,35 +241,33 @@ def expand_use_tree(tree):
                 items, i = parse(s, i + 1, prefix + [p for p in seg.split("::") if p])
                 out.extend(items)
                 seg = None
-            elif c == "}":
+                continue
+            if c == "}":
                 if seg:
                     out.append(finish(prefix, seg))
                 return out, i + 1
-            elif c == ",":
+            if c == ",":
                 if seg:
                     out.append(finish(prefix, seg))
                 seg = ""
-                i += 1
-                continue
             else:
                 seg = (seg or "") + c
-            if c != "{":
-                i += 1
+            i += 1
         if seg:
             out.append(finish(prefix, seg))
         return out, i
 
     def finish(prefix, seg):
-        parts = [p for p in seg.split("::") if p and p != "*"]
-        if parts == ["self"]:
-            return list(prefix)
-        return list(prefix) + parts
+        seg, _, alias = seg.partition("@")
+        parts = [p for p in seg.split("::") if p]
+        glob = parts[-1:] == ["*"]
+        parts = [p for p in parts if p != "*"]
+        path = list(prefix) if parts == ["self"] else list(prefix) + parts
+        if glob:
+            return path, None
+        return path, alias or (path[-1] if path else None)
 
     return parse(tree, 0, [])[0]
-
-
-def strip_aliases(stmt):
-    return re.sub(r"\s+as\s+\w+", "", stmt)
 
 
 def inline_module_ranges(text):
@@ -319,10 +321,10 @@ def reexports_of(mod_path, text, modules):
     """{name: absolute path} for the names a module brings in with `use` (its re-exports)."""
     out = {}
     for m in USE_STMT.finditer(text):
-        for segs in expand_use_tree(strip_aliases(m.group(1)).strip().lstrip(":")):
+        for segs, bound in expand_use_tree(m.group(1).strip().lstrip(":")):
             target = resolve(segs, mod_path, modules)
-            if target and segs[-1] not in ("self", "super", "crate"):
-                out[segs[-1]] = target
+            if target and bound and bound not in ("self", "super", "crate"):
+                out[bound] = target
     return out
 
 
@@ -349,10 +351,9 @@ def imports_of(mod_path, file, modules, reexports):
     use_spans = []
     for m in USE_STMT.finditer(text):
         use_spans.append((m.start(), m.end()))
-        stmt = strip_aliases(m.group(1)).strip()
-        stmt = stmt.lstrip(":")
+        stmt = m.group(1).strip().lstrip(":")
         written = re.sub(r"\s+", " ", m.group(1)).strip()
-        for segs in expand_use_tree(stmt):
+        for segs, _ in expand_use_tree(stmt):
             add(segs, m.start(), written)
 
     def in_use(pos):
