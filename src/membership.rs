@@ -25,8 +25,8 @@ use crate::load_store;
 use crate::replication::log::{self as replication, LogHead, Member};
 use crate::store::SharedStore;
 
-// The worker description lives below membership (events and the log head carry it); its old
-// path stays valid.
+// The worker description, and recording it in the log head, live below membership (event pages
+// and the log head carry it); the old paths stay valid.
 pub use crate::replication::head::set_description;
 pub use crate::worker_description as description;
 
