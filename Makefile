@@ -77,9 +77,12 @@ bench-streams: tools
 race:
 	bash scripts/race.sh $(RACE_ARGS)
 
+# The module layers (docs/DESIGN.md, "Layers"): no import cycle in src/, bridge/src, tools/src,
+# and src/ imports only downward (scripts/check-layers.py declares the order).
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
+	python3 scripts/check-layers.py
 
 fmt:
 	cargo fmt --all

@@ -26,6 +26,7 @@ use crate::types::{DpRank, SlotIdx, WorkerId};
 
 mod affinity;
 mod approximate;
+mod check;
 mod compile;
 mod engine_priority;
 mod membership;
@@ -40,8 +41,8 @@ pub use membership::{MembershipConfig, MAX_POOL_WORKERS};
 pub use tokenizer::TokenizerConfig;
 pub use ttft::{TtftConfig, MAX_COMPUTE_WEIGHT};
 
+pub use check::{is_timing_poly, MAX_POLY_COEFFICIENTS};
 use compile::compile;
-pub use compile::{is_timing_poly, MAX_POLY_COEFFICIENTS};
 
 /// Largest accepted `block_size` in tokens.
 pub const MAX_BLOCK_SIZE: u32 = 1024;
@@ -119,6 +120,10 @@ impl ClientHints {
         }
     }
 }
+
+/// How much of the client's routing hints to read by default (`client_routing_hints_max_items`;
+/// the request parser's default too, `request::ParseOptions`).
+pub const DEFAULT_MAX_HINT_ITEMS: usize = 64;
 
 /// Largest accepted `client_routing_hints_max_items`.
 pub const MAX_HINT_ITEMS_LIMIT: u64 = 65_536;
@@ -413,7 +418,7 @@ impl Config {
                     .map(|c| u64::from(c) * u64::from(w.dp_size))
             })
             .sum();
-        let max_bound = u64::try_from(crate::index::MAX_BOUND).unwrap_or(u64::MAX);
+        let max_bound = u64::try_from(crate::types::MAX_INDEX_BLOCKS).unwrap_or(u64::MAX);
         let bound = u64::from(self.index.max_blocks).min(max_bound);
         if device_blocks > bound {
             notes.push(format!(

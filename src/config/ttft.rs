@@ -87,7 +87,7 @@ pub(super) fn check_ttft(c: &TtftConfig) -> Result<(), ConfigError> {
             got: c.chunk_tokens.to_string(),
         });
     }
-    super::compile::timing_poly("ttft.decode_step_ms_poly", &c.decode_step_ms_poly)?;
+    super::check::timing_poly("ttft.decode_step_ms_poly", &c.decode_step_ms_poly)?;
     if c.default_output_tokens == 0 || c.default_output_tokens > MAX_CHUNK_TOKENS {
         return Err(ConfigError::OutOfRange {
             field: "ttft.default_output_tokens".to_string(),

@@ -3,11 +3,11 @@
 //! token-id prompts, measuring TTFT, ITL, end-to-end latency, throughput, errors, achieved
 //! concurrency and the client's own CPU), the measurements (`stats`) and the reports
 //! (`report`: tables and a TTFT chart); generated multi-turn workloads in the Mooncake format
-//! (`generate`) and the repeated all-workloads, all-arms comparison (`race`).
+//! (`generate`). The repeated all-workloads, all-arms comparison built on these is
+//! [`crate::race`].
 
 mod chat;
 pub mod generate;
-pub mod race;
 mod replay;
 mod report;
 mod runner;
@@ -18,10 +18,10 @@ pub use replay::{affinity_replay, block_hashes, pooled_replay, Affinity};
 pub use report::{
     comparison_table, format_stats, print_comparison_table, svg_chart, write_svg_chart,
 };
-pub use runner::{run_workload, run_workload_on, RequestResult, RunOptions};
+pub use runner::{run_workload, run_workload_on, RunOptions};
 pub use stats::{
-    metric_value, scrape_hit_rate, scrape_workers, CacheCounters, ClientUsage, RunStats, Summary,
-    WorkerCounters,
+    metric_value, scrape_hit_rate, scrape_workers, CacheCounters, ClientUsage, RequestResult,
+    RunStats, Summary, WorkerCounters,
 };
 
 use std::io::{self, BufRead, BufReader};

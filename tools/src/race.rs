@@ -12,11 +12,11 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
-use super::generate::{self, AgentSpec, ConversationSpec, TraceLoad, TraceRequest};
-use super::{
+use crate::compare::{compare_modes_repeated, Fleet};
+use crate::loadgen::generate::{self, AgentSpec, ConversationSpec, TraceLoad, TraceRequest};
+use crate::loadgen::{
     chat, load_mooncake, write_svg_chart, ChatSpec, ModelFit, RunOptions, RunStats, Workload,
 };
-use crate::compare::{compare_modes_repeated, Fleet};
 use crate::peer::vllm_router_policy;
 use crate::vllm::{self, EngineConfig};
 
