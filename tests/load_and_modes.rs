@@ -347,7 +347,8 @@ fn a_prompt_that_would_wait_for_kv_room_goes_where_it_fits() {
         // on the holder of its prefix.
         // The balance guard (`max_load_ratio`) is off: while one report has landed and the
         // other not, it would drop the reporting worker from the candidates.
-        let ttft = json!({"admission_wait": admission, "compute_weight": 0.0, "max_load_ratio": 0.0});
+        let ttft =
+            json!({"admission_wait": admission, "compute_weight": 0.0, "max_load_ratio": 0.0});
         let envoy = envoy_with(
             &workers,
             json!({"mode": "kv", "policy": "predicted", "workers": list, "ttft": ttft}),
