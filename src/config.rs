@@ -229,6 +229,9 @@ pub struct EventsConfig {
     pub dump_path: String,
     pub poll_interval_ms: u64,
     pub timeout_ms: u64,
+    /// The dump call's timeout: a dump carries the worker's whole cache (up to
+    /// `max_response_bytes`), a page at most 128 KiB of events.
+    pub dump_timeout_ms: u64,
     /// `>= poll_interval_ms`.
     pub stale_after_ms: u64,
     pub max_response_bytes: usize,
@@ -251,6 +254,10 @@ impl Default for EventsConfig {
             dump_path: "/kv/dump".to_string(),
             poll_interval_ms: 100,
             timeout_ms: 1000,
+            // A full 16k-block dump (~9 MB) takes a loaded host more than `timeout_ms` to serve
+            // and copy into the VM: at 1 s every attempt timed out for ~10 s
+            // (tests/full_cache_resync.rs on 2 busy cores).
+            dump_timeout_ms: 10_000,
             stale_after_ms: 5000,
             // A full dump of a 16k-block cache is ~9 MB, of 100k blocks ~56 MB: a restarted
             // worker must be able to re-sync at the defaults.

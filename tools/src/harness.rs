@@ -202,6 +202,12 @@ impl Worker {
     /// Kills the worker and starts a fresh one with the same id, flags and address: an engine
     /// restart (empty cache, event ids from 1 again). Not for bridged workers.
     pub fn restart(&mut self) -> std::io::Result<()> {
+        self.restart_with(&[])
+    }
+
+    /// [`Worker::restart`] with `extra` flags for this run only (e.g. `--events-fault http_500`:
+    /// the engine fills its cache before any router reads it); a later restart drops them.
+    pub fn restart_with(&mut self, extra: &[&str]) -> std::io::Result<()> {
         if self.process.is_none() {
             return Err(std::io::Error::other(format!(
                 "worker {} was not started here: cannot restart it",
@@ -214,13 +220,16 @@ impl Worker {
             .rsplit_once(':')
             .and_then(|(_, p)| p.parse().ok())
             .unwrap_or(0);
-        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        let base = self.args.clone();
+        let mut args: Vec<&str> = base.iter().map(String::as_str).collect();
+        args.extend_from_slice(extra);
         // The port was just freed; a listener in TIME_WAIT elsewhere can hold it for a moment.
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             match Worker::spawn_on(self.id, port, &args) {
                 Ok(fresh) => {
                     *self = fresh;
+                    self.args = base;
                     return Ok(());
                 }
                 Err(e) if Instant::now() >= deadline => return Err(e),
