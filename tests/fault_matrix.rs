@@ -14,79 +14,256 @@ use common::*;
 use faults::*;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// Concurrent streaming clients of the background traffic.
+const CLIENTS: usize = 64;
+
+/// What one background request saw.
+#[derive(Debug)]
+struct Outcome {
+    /// The worker that answered (`x-worker-id`), if a response head arrived.
+    worker: Option<u64>,
+    sent: Instant,
+    ended: Instant,
+    /// `"ok"` (a 200 stream through `[DONE]`), `"cut"` (a 200 stream ended early), else the
+    /// status and body, or the transport error.
+    result: String,
+}
+
+impl Outcome {
+    fn ok(&self) -> bool {
+        self.result == "ok"
+    }
+}
 
 /// Requests sent in the background while a fault happens, and what came back.
 struct Traffic {
     stop: Arc<AtomicBool>,
-    thread: JoinHandle<BTreeMap<String, u64>>,
+    /// Requests finished so far (any outcome).
+    done: Arc<AtomicU64>,
+    threads: Vec<JoinHandle<Vec<Outcome>>>,
 }
 
 impl Traffic {
-    /// Plain completions over `prompts` in turn, one at a time, until [`Traffic::finish`].
+    /// [`CLIENTS`] clients, each streaming completions over `prompts` in turn (one request at a
+    /// time, 5 chunks 40 ms apart), until [`Traffic::finish`].
     fn start(envoy: &Envoy, prompts: Vec<Vec<u32>>) -> Traffic {
         let stop = Arc::new(AtomicBool::new(false));
-        let addr = envoy.listener.clone();
-        let flag = Arc::clone(&stop);
-        let thread = std::thread::spawn(move || {
-            let mut outcomes = BTreeMap::new();
-            let mut i = 0;
-            while !flag.load(Ordering::Relaxed) {
-                let body = completion(&prompts[i % prompts.len()]).to_string();
-                i += 1;
-                let outcome = match http::request(
-                    &addr,
-                    "POST",
-                    "/v1/completions",
-                    &[("content-type", "application/json")],
-                    body.as_bytes(),
-                    Duration::from_secs(30),
-                ) {
-                    Ok(r) if r.status == 200 => "200".to_string(),
-                    Ok(r) => format!("{} {}", r.status, r.text()),
-                    Err(e) => format!("transport error: {e}"),
-                };
-                *outcomes.entry(outcome).or_insert(0) += 1;
-            }
-            outcomes
-        });
-        Traffic { stop, thread }
+        let done = Arc::new(AtomicU64::new(0));
+        let prompts = Arc::new(prompts);
+        let threads = (0..CLIENTS)
+            .map(|client| {
+                let (addr, flag, prompts) = (
+                    envoy.listener.clone(),
+                    Arc::clone(&stop),
+                    Arc::clone(&prompts),
+                );
+                let done = Arc::clone(&done);
+                std::thread::spawn(move || {
+                    let mut outcomes = Vec::new();
+                    let mut i = client;
+                    while !flag.load(Ordering::Relaxed) {
+                        let mut body = completion(&prompts[i % prompts.len()]);
+                        body["stream"] = json!(true);
+                        body["mock"] = json!({"chunks": 5, "chunk_interval_ms": 40});
+                        i += 1;
+                        outcomes.push(stream_once(&addr, &body));
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                    outcomes
+                })
+            })
+            .collect();
+        let traffic = Traffic {
+            stop,
+            done,
+            threads,
+        };
+        traffic.flows();
+        traffic
     }
 
-    /// Stops the traffic; the outcome counts (`"200"` for successes).
-    fn finish(self) -> BTreeMap<String, u64> {
+    /// Waits (at most 30 s) until two requests per client more have finished: the traffic is
+    /// in full flow before a fault, and still flows after the recovery.
+    fn flows(&self) {
+        let want = self.done.load(Ordering::Relaxed) + 2 * CLIENTS as u64;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.done.load(Ordering::Relaxed) < want {
+            assert!(
+                Instant::now() < deadline,
+                "the traffic stalled: {} of {want} requests done",
+                self.done.load(Ordering::Relaxed)
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Lets the traffic flow on after the recovery ([`Traffic::flows`]), then stops it; what
+    /// every request saw.
+    fn finish(self) -> Vec<Outcome> {
+        self.flows();
         self.stop.store(true, Ordering::Relaxed);
-        self.thread.join().unwrap()
+        self.threads
+            .into_iter()
+            .flat_map(|t| t.join().unwrap())
+            .collect()
     }
 }
 
-/// What Envoy answers for the request that was on a worker when the worker died: with the
-/// shipped `retry_on` (connect-failure, refused-stream, reset-before-request) it does not resend
-/// a request the worker may have started (`reset` in `retry_on` would, at the cost of running it
-/// twice).
+/// One streamed completion, read to its end.
+fn stream_once(addr: &str, body: &Value) -> Outcome {
+    let sent = Instant::now();
+    let outcome = |worker, result: String| Outcome {
+        worker,
+        sent,
+        ended: Instant::now(),
+        result,
+    };
+    let mut resp = match http::request_streaming(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        body.to_string().as_bytes(),
+        Duration::from_secs(30),
+    ) {
+        Ok(r) => r,
+        Err(e) => return outcome(None, format!("transport error: {e}")),
+    };
+    let worker = resp.header("x-worker-id").and_then(|w| w.parse().ok());
+    if resp.status != 200 {
+        let status = resp.status;
+        let text = resp
+            .read_to_end()
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default();
+        return outcome(worker, format!("{status} {text}"));
+    }
+    loop {
+        match resp.next_event() {
+            Ok(Some(e)) if e.data == "[DONE]" => return outcome(worker, "ok".into()),
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => return outcome(worker, "cut".into()),
+        }
+    }
+}
+
+/// Outcome counts by result (and serving worker), for messages.
+fn tally(outcomes: &[Outcome]) -> BTreeMap<String, u64> {
+    let mut counts = BTreeMap::new();
+    for o in outcomes {
+        let key = match o.worker {
+            Some(w) if !o.ok() => format!("{} (worker {w})", o.result),
+            _ => o.result.clone(),
+        };
+        *counts.entry(key).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// What Envoy answers for a request that was on a worker when the worker died before the head of
+/// its answer: with the shipped `retry_on` (connect-failure, refused-stream,
+/// reset-before-request) it does not resend a request the worker may have started (`reset` in
+/// `retry_on` would, at the cost of running it twice). After the head, the stream is cut.
 const IN_FLIGHT_AT_KILL: &str =
     "503 upstream connect error or disconnect/reset before headers. reset reason: connection termination";
 
-/// Every request succeeded except, at most, the one the (sequential) traffic had on a worker at
-/// the moment it was killed.
-fn assert_served_but_the_one_in_flight(outcomes: &BTreeMap<String, u64>, what: &str) {
-    let ok = outcomes.get("200").copied().unwrap_or(0);
-    assert!(ok > 0, "{what}: no traffic went through: {outcomes:?}");
-    let lost = outcomes.get(IN_FLIGHT_AT_KILL).copied().unwrap_or(0);
+/// Every request succeeded except requests in flight on worker `failed` while it died (between
+/// `down.0` and `down.1`): each failure was sent before it was down, ended after it went down,
+/// and was on it (a cut stream from it, or Envoy's reset-before-headers 503). Returns (requests,
+/// failures, requests that were in flight on it or before their head while it died).
+fn assert_only_in_flight_failed(
+    outcomes: &[Outcome],
+    failed: u64,
+    down: (Instant, Instant),
+    what: &str,
+) -> (usize, usize, usize) {
+    let ok = outcomes.iter().filter(|o| o.ok()).count();
     assert!(
-        lost <= 1 && outcomes.len() <= 1 + usize::from(lost > 0),
-        "{what}: failed requests: {outcomes:?}"
+        ok > 0,
+        "{what}: no traffic went through: {:?}",
+        tally(outcomes)
     );
+    let exposed =
+        |o: &&Outcome| o.sent < down.1 && o.ended >= down.0 && o.worker.is_none_or(|w| w == failed);
+    let in_flight = outcomes.iter().filter(exposed).count();
+    let failures: Vec<&Outcome> = outcomes.iter().filter(|o| !o.ok()).collect();
+    for f in &failures {
+        let on_it = (f.result == "cut" && f.worker == Some(failed))
+            || (f.result == IN_FLIGHT_AT_KILL && f.worker.is_none());
+        assert!(
+            on_it && exposed(f),
+            "{what}: a failure not in flight on worker {failed} as it died: {f:?}; all: {:?}",
+            tally(outcomes)
+        );
+    }
+    println!(
+        "{what}: {} requests from {CLIENTS} clients, {} failed, {in_flight} in flight on worker {failed} as it died: {:?}",
+        outcomes.len(),
+        failures.len(),
+        tally(outcomes)
+    );
+    (outcomes.len(), failures.len(), in_flight)
+}
+
+/// After a VM crash (the crashing request between `crash.0` and `crash.1`; the reload seen by
+/// `reloaded`), what Envoy does to the VM's requests: the streams in flight through it are cut
+/// (FAIL_RELOAD fails the streams of a failed VM), and requests arriving before the reload get
+/// an empty fast 503. Every failure is one of those; every other request succeeded. Returns
+/// (requests, failures, streams in flight at the crash).
+fn assert_only_crash_window_failed(
+    outcomes: &[Outcome],
+    crash: (Instant, Instant),
+    reloaded: Instant,
+    what: &str,
+) -> (usize, usize, usize) {
+    let in_flight = |o: &&Outcome| o.sent < crash.1 && o.ended >= crash.0;
+    let in_flight_count = outcomes.iter().filter(in_flight).count();
+    let failures: Vec<&Outcome> = outcomes.iter().filter(|o| !o.ok()).collect();
+    let failed_in_flight = failures.iter().filter(|f| in_flight(f)).count();
+    println!(
+        "{what}: {} requests from {CLIENTS} clients, {} failed: {failed_in_flight} of the \
+         {in_flight_count} in flight at the crash, {} sent before the reload: {:?}",
+        outcomes.len(),
+        failures.len(),
+        failures.len() - failed_in_flight,
+        tally(outcomes)
+    );
+    for f in &failures {
+        let cut_at_crash = f.result == "cut" && in_flight(f);
+        let reload_window = f.result == "503 " && f.ended >= crash.0 && f.sent <= reloaded;
+        assert!(
+            cut_at_crash || reload_window,
+            "{what}: a failure outside the crash and reload window: {f:?}; all: {:?}",
+            tally(outcomes)
+        );
+    }
+    assert!(
+        outcomes.len() > 2 * failures.len(),
+        "{what}: most requests served"
+    );
+    (outcomes.len(), failures.len(), in_flight_count)
 }
 
 /// Every request succeeded (and there were some).
-fn assert_all_served(outcomes: &BTreeMap<String, u64>, what: &str) {
-    let ok = outcomes.get("200").copied().unwrap_or(0);
-    assert!(ok > 0, "{what}: no traffic went through: {outcomes:?}");
-    assert_eq!(outcomes.len(), 1, "{what}: failed requests: {outcomes:?}");
+fn assert_all_served(outcomes: &[Outcome], what: &str) {
+    let ok = outcomes.iter().filter(|o| o.ok()).count();
+    println!(
+        "{what}: {} requests from {CLIENTS} clients, {} failed",
+        outcomes.len(),
+        outcomes.len() - ok
+    );
+    assert!(ok > 0, "{what}: no traffic went through");
+    assert_eq!(
+        ok,
+        outcomes.len(),
+        "{what}: failed requests: {:?}",
+        tally(outcomes)
+    );
 }
 
 /// The after-fault checks: Envoy ready, load gauges back to 0 (every booking released, none
@@ -184,7 +361,9 @@ fn a_worker_killed_mid_stream_truncates_that_stream_only() {
     assert_eq!(stream.status, 200);
     assert_eq!(stream.header("x-worker-id"), Some("1"));
     assert!(stream.next_chunk().unwrap().is_some(), "the stream started");
+    let down = Instant::now();
     workers[0].kill();
+    let down = (down, Instant::now());
     // What Envoy can do once the answer has started: end the stream early, without [DONE].
     let rest = stream.read_to_end();
     assert!(
@@ -208,7 +387,7 @@ fn a_worker_killed_mid_stream_truncates_that_stream_only() {
         2,
         "worker 2 keeps its prefix"
     );
-    assert_served_but_the_one_in_flight(&traffic.finish(), "traffic during the kill");
+    assert_only_in_flight_failed(&traffic.finish(), 1, down, "a worker killed");
     assert_recovered(&envoy);
     assert_index_matches(&envoy, &[&workers[1], &workers[2]]);
 }
@@ -239,7 +418,9 @@ fn a_worker_restarted_with_an_empty_cache_and_reset_ids_is_resynced() {
     let traffic = Traffic::start(&envoy, vec![before.clone(), tokens(9100, 2 * BLOCK)]);
 
     // The engine restarts on its address: nothing cached, event ids from 1 again.
+    let down = Instant::now();
     workers[0].restart().unwrap();
+    let down = (down, Instant::now());
     let after = tokens(4000, 3 * BLOCK);
     publish(
         &workers[0],
@@ -259,7 +440,7 @@ fn a_worker_restarted_with_an_empty_cache_and_reset_ids_is_resynced() {
         0,
         "the blocks lost in the restart are no longer credited"
     );
-    assert_served_but_the_one_in_flight(&traffic.finish(), "traffic across the restart");
+    assert_only_in_flight_failed(&traffic.finish(), 1, down, "an engine restarted empty");
     assert_recovered(&envoy);
     assert_index_matches(&envoy, &[&workers[0], &workers[1]]);
 }
@@ -338,6 +519,10 @@ fn a_slow_or_silent_event_source_costs_no_request() {
 fn clients_disconnecting_during_the_body_or_the_stream_leak_nothing() {
     let workers = echo_workers(2, BLOCK);
     let envoy = echo_envoy(&workers, json!({}));
+    let traffic = Traffic::start(
+        &envoy,
+        vec![tokens(9500, 2 * BLOCK), tokens(9600, 3 * BLOCK)],
+    );
     for i in 0..20 {
         disconnect_during_body(&envoy.listener, &completion(&tokens(6000 + i * 100, 64)));
     }
@@ -352,6 +537,7 @@ fn clients_disconnecting_during_the_body_or_the_stream_leak_nothing() {
             >= 10),
         "the streamed requests were routed (and booked)"
     );
+    assert_all_served(&traffic.finish(), "clients disconnecting");
     assert_recovered(&envoy);
     // Envoy noticed the aborts (downstream resets), and serves the next client.
     let stats = envoy.stats();
@@ -408,6 +594,7 @@ fn a_vm_crash_is_reloaded_and_the_state_rebuilt_under_traffic() {
             >= 20)
     );
 
+    let crash_sent = Instant::now();
     let crash = envoy
         .send(
             "/v1/completions",
@@ -419,6 +606,7 @@ fn a_vm_crash_is_reloaded_and_the_state_rebuilt_under_traffic() {
         )
         .unwrap();
     assert_eq!(crash.status, 503, "the request that crashed the VM");
+    let crash_at = (crash_sent, Instant::now());
     assert!(
         envoy.wait_for(Duration::from_secs(15), |e| {
             e.stats()
@@ -427,6 +615,7 @@ fn a_vm_crash_is_reloaded_and_the_state_rebuilt_under_traffic() {
         }),
         "Envoy reloaded the VM"
     );
+    let reloaded = Instant::now();
     // The reloaded VM routes on the index it rebuilt (shared log / dumps) and on new events.
     assert!(
         wait_for_overlap(&envoy, &completion(&prompt), 4, Duration::from_secs(10)),
@@ -435,20 +624,12 @@ fn a_vm_crash_is_reloaded_and_the_state_rebuilt_under_traffic() {
     assert_eq!(route(&envoy, &completion(&prompt)).0, 2);
     let fresh = tokens(12000, 3 * BLOCK);
     cache_on(&envoy, &workers[0], &fresh, 1);
-    let outcomes = traffic.finish();
-    // Between the crash and the reload (Envoy's reload back-off, 0.1 s in the harness) Envoy
-    // fails requests fast with an empty 503: that is FAIL_RELOAD's contract. Nothing else fails.
-    let failed: u64 = outcomes
-        .iter()
-        .filter(|(k, _)| k.as_str() != "200")
-        .map(|(_, v)| *v)
-        .sum();
-    println!("VM crash under traffic: {outcomes:?}");
-    assert!(
-        outcomes.keys().all(|k| k == "200" || k == "503 "),
-        "only the reload window's fast 503s: {outcomes:?}"
+    assert_only_crash_window_failed(
+        &traffic.finish(),
+        crash_at,
+        reloaded,
+        "a VM crash under traffic",
     );
-    assert!(outcomes.get("200").copied().unwrap_or(0) > failed);
     for _ in 0..50 {
         route(&envoy, &completion(&fresh));
     }
@@ -535,7 +716,10 @@ fn a_vm_reloaded_beyond_the_log_ring_loads_the_index_snapshot() {
     let workers = echo_workers(1, BLOCK);
     let config = filter_config(
         &workers,
-        json!({"block_size": BLOCK, "events": {"poll_interval_ms": 50}}),
+        // A booking whose VM died with it is reaped after this (the reloaded VM cannot
+        // release it).
+        json!({"block_size": BLOCK, "events": {"poll_interval_ms": 50},
+               "load": {"request_timeout_ms": 2000}}),
     );
     // Events only: the oldest prompt must be credited from the snapshot, not from the probes'
     // own predicted blocks.
@@ -560,6 +744,11 @@ fn a_vm_reloaded_beyond_the_log_ring_loads_the_index_snapshot() {
         );
     }
     assert_eq!(envoy.router_stat("log.snapshot_loaded"), 0);
+    let traffic = Traffic::start(
+        &envoy,
+        vec![tokens(9700, 2 * BLOCK), tokens(20000, 2 * BLOCK)],
+    );
+    let crash_sent = Instant::now();
     let crash = envoy
         .send(
             "/v1/completions",
@@ -571,6 +760,7 @@ fn a_vm_reloaded_beyond_the_log_ring_loads_the_index_snapshot() {
         )
         .unwrap();
     assert_eq!(crash.status, 503, "the request that crashed the VM");
+    let crash_at = (crash_sent, Instant::now());
     // Envoy reloads the VM on the next request.
     assert!(
         envoy.wait_for(Duration::from_secs(15), |e| {
@@ -585,6 +775,7 @@ fn a_vm_reloaded_beyond_the_log_ring_loads_the_index_snapshot() {
         }),
         "Envoy reloaded the VM"
     );
+    let reloaded = Instant::now();
     assert!(
         envoy.wait_for(Duration::from_secs(15), |e| e
             .router_stat("log.snapshot_loaded")
@@ -603,4 +794,16 @@ fn a_vm_reloaded_beyond_the_log_ring_loads_the_index_snapshot() {
         ),
         "the oldest prompt is still credited"
     );
+    assert_only_crash_window_failed(
+        &traffic.finish(),
+        crash_at,
+        reloaded,
+        "a VM reloaded beyond the ring",
+    );
+    assert!(
+        envoy.wait_for(Duration::from_secs(15), |e| load_gauges(e) == 0),
+        "load back to 0 (a booking of the dead VM reaped: {})",
+        envoy.router_stat("load.reaped")
+    );
+    assert_index_matches(&envoy, &[&workers[0]]);
 }
