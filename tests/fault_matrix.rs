@@ -320,6 +320,29 @@ fn echo_envoy_on_events(workers: &[Worker], extra: Value) -> Envoy {
     start_envoy(workers, events_only(echo_config(workers, extra)))
 }
 
+/// The most blocks of `body`'s prompt the index credits any worker with
+/// (`x-kv-router-max-overlap-blocks`). Under 64 clients' load the pick may rightly go to an idle
+/// worker rather than the holder of the prefix, so the tests read the index from this while the
+/// traffic runs, and check where a prompt goes once it has stopped.
+fn credited(envoy: &Envoy, body: &Value) -> u32 {
+    let (_, _, resp) = route(envoy, body);
+    resp.header("x-kv-router-max-overlap-blocks")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Probes with `body` until some worker is credited at least `blocks` (or `limit` passes).
+fn wait_for_credit(envoy: &Envoy, body: &Value, blocks: u32, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if credited(envoy, body) >= blocks {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    false
+}
+
 /// Publishes `prompt` as stored on `worker` and waits until the router credits it there.
 fn cache_on(envoy: &Envoy, worker: &Worker, prompt: &[u32], first_hash: u64) {
     publish(
@@ -328,7 +351,7 @@ fn cache_on(envoy: &Envoy, worker: &Worker, prompt: &[u32], first_hash: u64) {
     );
     let blocks = prompt.len() as u32 / BLOCK;
     assert!(
-        wait_for_overlap(envoy, &completion(prompt), blocks, Duration::from_secs(10)),
+        wait_for_credit(envoy, &completion(prompt), blocks, Duration::from_secs(10)),
         "worker {} credited with the prompt",
         worker.id
     );
@@ -383,11 +406,16 @@ fn a_worker_killed_mid_stream_truncates_that_stream_only() {
             == 1)
     );
     assert_eq!(
-        route(&envoy, &completion(&on_2)).0,
-        2,
+        credited(&envoy, &completion(&on_2)),
+        4,
         "worker 2 keeps its prefix"
     );
     assert_only_in_flight_failed(&traffic.finish(), 1, down, "a worker killed");
+    assert_eq!(
+        route(&envoy, &completion(&on_2)).0,
+        2,
+        "and is chosen for it"
+    );
     assert_recovered(&envoy);
     assert_index_matches(&envoy, &[&workers[1], &workers[2]]);
 }
@@ -408,7 +436,7 @@ fn a_worker_restarted_with_an_empty_cache_and_reset_ids_is_resynced() {
             vec![vllm_stored(block, BLOCK, parent, u64::from(b) + 1, "GPU")],
         );
     }
-    assert!(wait_for_overlap(
+    assert!(wait_for_credit(
         &envoy,
         &completion(&before),
         5,
@@ -432,11 +460,11 @@ fn a_worker_restarted_with_an_empty_cache_and_reset_ids_is_resynced() {
         "the id reset is noticed and the worker re-synced from its dump"
     );
     assert!(
-        wait_for_overlap(&envoy, &completion(&after), 3, Duration::from_secs(10)),
+        wait_for_credit(&envoy, &completion(&after), 3, Duration::from_secs(10)),
         "the new cache is indexed"
     );
     assert_eq!(
-        route(&envoy, &completion(&before)).1,
+        credited(&envoy, &completion(&before)),
         0,
         "the blocks lost in the restart are no longer credited"
     );
@@ -494,7 +522,7 @@ fn a_slow_or_silent_event_source_costs_no_request() {
         "workers 1 (hung) and 3 (silent) go stale"
     );
     assert_eq!(
-        route(&envoy, &completion(&prompt)).1,
+        credited(&envoy, &completion(&prompt)),
         0,
         "a stale worker's blocks are not credited"
     );
@@ -502,7 +530,7 @@ fn a_slow_or_silent_event_source_costs_no_request() {
         .admin("/admin/events_fault", &json!({"mode": "none"}))
         .unwrap();
     assert!(
-        wait_for_overlap(&envoy, &completion(&more), 6, Duration::from_secs(10)),
+        wait_for_credit(&envoy, &completion(&more), 6, Duration::from_secs(10)),
         "re-synced after the hang, the block published meanwhile included"
     );
     assert!(
@@ -618,10 +646,9 @@ fn a_vm_crash_is_reloaded_and_the_state_rebuilt_under_traffic() {
     let reloaded = Instant::now();
     // The reloaded VM routes on the index it rebuilt (shared log / dumps) and on new events.
     assert!(
-        wait_for_overlap(&envoy, &completion(&prompt), 4, Duration::from_secs(10)),
+        wait_for_credit(&envoy, &completion(&prompt), 4, Duration::from_secs(10)),
         "the index is back after the reload"
     );
-    assert_eq!(route(&envoy, &completion(&prompt)).0, 2);
     let fresh = tokens(12000, 3 * BLOCK);
     cache_on(&envoy, &workers[0], &fresh, 1);
     assert_only_crash_window_failed(
@@ -638,6 +665,8 @@ fn a_vm_crash_is_reloaded_and_the_state_rebuilt_under_traffic() {
         "load back to 0 (a booking of the dead VM reaped: {})",
         envoy.router_stat("load.reaped")
     );
+    // With the dead VM's bookings reaped, the prompt goes where it is cached.
+    assert_eq!(route(&envoy, &completion(&prompt)).0, 2);
     assert_index_matches(&envoy, &[&workers[0], &workers[1]]);
 }
 
@@ -685,17 +714,17 @@ fn a_filter_configuration_update_under_traffic_loses_nothing() {
         "and the old one again"
     );
     // The index survived both swaps: the prompt still goes where it is cached.
-    assert!(wait_for_overlap(
+    assert!(wait_for_credit(
         &envoy,
         &completion(&prompt),
         4,
         Duration::from_secs(10)
     ));
-    assert_eq!(route(&envoy, &completion(&prompt)).0, 3);
     assert_all_served(
         &traffic.finish(),
         "traffic across two configuration updates",
     );
+    assert_eq!(route(&envoy, &completion(&prompt)).0, 3);
     assert_eq!(
         envoy
             .stats()
@@ -786,7 +815,7 @@ fn a_vm_reloaded_beyond_the_log_ring_loads_the_index_snapshot() {
     assert_index_matches(&envoy, &[&workers[0]]);
     // The oldest prompt's batch left the ring long ago: the reloaded VM routes on it anyway.
     assert!(
-        wait_for_overlap(
+        wait_for_credit(
             &envoy,
             &completion(&tokens(20000, 2 * BLOCK)),
             2,
@@ -806,4 +835,137 @@ fn a_vm_reloaded_beyond_the_log_ring_loads_the_index_snapshot() {
         envoy.router_stat("load.reaped")
     );
     assert_index_matches(&envoy, &[&workers[0]]);
+}
+
+#[test]
+fn a_worker_that_refuses_connections_costs_no_request() {
+    let workers = echo_workers(2, BLOCK);
+    // Worker 3 is listed (in the filter and in Envoy's cluster) at an address that refuses
+    // connections: its events fail, and every request sent there is refused.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed_addr = closed.local_addr().unwrap().to_string();
+    drop(closed);
+    let mut config = echo_config(&workers, json!({}));
+    config["workers"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"id": 3, "address": closed_addr}));
+    // Events only: the index is then exactly the live workers' events.
+    let config = events_only(config);
+    let mut addrs: Vec<String> = workers.iter().map(|w| w.addr.clone()).collect();
+    addrs.push(closed_addr);
+    let envoy = Envoy::start(&EnvoyOptions::new(config, addrs)).expect("start envoy");
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| e.router_stat("workers.stale")
+            == 1),
+        "worker 3 goes stale"
+    );
+    let prompt = tokens(14000, 4 * BLOCK);
+    cache_on(&envoy, &workers[0], &prompt, 1);
+    let refused = |e: &Envoy| {
+        e.stats()
+            .get("cluster.llm_workers.upstream_cx_connect_fail")
+            .copied()
+            .unwrap_or(0)
+    };
+    let before = refused(&envoy);
+    let traffic = Traffic::start(&envoy, vec![tokens(9900, 2 * BLOCK), prompt.clone()]);
+    // An idle stale worker is routed on load alone: some requests go there first, are refused,
+    // and Envoy retries them on the fallback hosts the filter listed.
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| refused(e) > before),
+        "requests were sent to the refusing worker"
+    );
+    let outcomes = traffic.finish();
+    println!(
+        "a worker refusing connections: {} connections refused, retried",
+        refused(&envoy) - before
+    );
+    assert_all_served(&outcomes, "a worker refusing connections");
+    assert!(
+        outcomes.iter().all(|o| o.worker != Some(3)),
+        "nothing served by worker 3"
+    );
+    assert_eq!(route(&envoy, &completion(&prompt)).0, 1, "prefix routing");
+    assert_recovered(&envoy);
+    assert_index_matches(&envoy, &[&workers[0], &workers[1]]);
+}
+
+#[test]
+fn an_event_gap_under_traffic_is_closed_by_the_dump() {
+    let workers = echo_workers(2, BLOCK);
+    // Events only: the dump alone says what worker 1 holds after the gap.
+    let envoy = echo_envoy_on_events(&workers, json!({}));
+    let lost = tokens(15000, 4 * BLOCK);
+    cache_on(&envoy, &workers[0], &lost, 1);
+    let traffic = Traffic::start(&envoy, vec![lost.clone(), tokens(9950, 2 * BLOCK)]);
+    let (gaps, resyncs) = (
+        envoy.router_stat("events.gaps"),
+        envoy.router_stat("events.resyncs"),
+    );
+    // Worker 1 loses 3 event ids and its buffer (its dump then holds only what follows).
+    workers[0]
+        .admin("/admin/drop_events", &json!({"count": 3}))
+        .unwrap();
+    let after = tokens(16000, 3 * BLOCK);
+    publish(
+        &workers[0],
+        vec![vllm_stored(&after, BLOCK, None, 100, "GPU")],
+    );
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| e.router_stat("events.gaps")
+            > gaps
+            && e.router_stat("events.resyncs") > resyncs),
+        "the gap is seen and closed by the dump"
+    );
+    assert!(
+        wait_for_credit(&envoy, &completion(&after), 3, Duration::from_secs(10)),
+        "the block after the gap is indexed"
+    );
+    assert_eq!(
+        credited(&envoy, &completion(&lost)),
+        0,
+        "the blocks the dump no longer lists are dropped"
+    );
+    assert_all_served(&traffic.finish(), "an event gap");
+    assert_recovered(&envoy);
+    assert_index_matches(&envoy, &[&workers[0], &workers[1]]);
+}
+
+#[test]
+fn a_bridge_restarted_under_traffic_is_resynced_from_its_dump() {
+    let mut workers = Worker::spawn_many_bridged(2, BLOCK, &ENGINE_ARGS).expect("bridged engines");
+    let config = filter_config(
+        &workers,
+        json!({"block_size": BLOCK, "events": {"poll_interval_ms": 100, "stale_after_ms": 1500}}),
+    );
+    // Events only: the index is then exactly what the engines' events (through the bridges) say.
+    let envoy = start_envoy(&workers, events_only(config));
+    // Served by engine 1 directly: its cache (and, through its bridge, the index) holds it.
+    let prompt = tokens(17000, 8 * BLOCK);
+    let resp = workers[0]
+        .admin("/v1/completions", &completion(&prompt))
+        .unwrap();
+    assert_eq!(resp.status, 200);
+    assert!(
+        wait_for_credit(&envoy, &completion(&prompt), 8, Duration::from_secs(10)),
+        "indexed through the bridge"
+    );
+    let traffic = Traffic::start(&envoy, vec![prompt.clone(), tokens(9970, 2 * BLOCK)]);
+    let resyncs = envoy.router_stat("events.resyncs");
+    // The bridge restarts on its address: a mirror rebuilt from the engine's replay buffer, new
+    // event ids.
+    workers[0].bridge.as_mut().unwrap().restart().unwrap();
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| e.router_stat("events.resyncs")
+            > resyncs),
+        "the filter re-syncs from the new bridge's dump"
+    );
+    assert!(
+        wait_for_credit(&envoy, &completion(&prompt), 8, Duration::from_secs(10)),
+        "the engine's blocks are back"
+    );
+    assert_all_served(&traffic.finish(), "a bridge restarted");
+    assert_recovered(&envoy);
+    assert_index_matches(&envoy, &[&workers[0], &workers[1]]);
 }

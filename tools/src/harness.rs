@@ -346,6 +346,8 @@ pub struct Bridge {
     pub log_path: PathBuf,
     dir: PathBuf,
     process: ProcessGuard,
+    /// How it was started, for [`Bridge::restart`].
+    opts: BridgeOptions,
 }
 
 /// The log line announcing the bridge's address: `kv-event-bridge on http://<addr> for ...`.
@@ -355,13 +357,37 @@ impl Bridge {
     /// Starts the bridge and waits (at most 30 s) until it is subscribed to the engine
     /// (`/health` answers 200).
     pub fn spawn(opts: &BridgeOptions) -> std::io::Result<Bridge> {
+        Bridge::spawn_on(opts, "127.0.0.1:0")
+    }
+
+    /// Kills the bridge and starts a fresh one with the same options on the same address (a
+    /// bridge restart: its mirror rebuilt from the engine's replay buffer, its event ids new).
+    pub fn restart(&mut self) -> std::io::Result<()> {
+        self.process.kill();
+        let (opts, addr) = (self.opts.clone(), self.addr.clone());
+        // The port was just freed; retry while something holds it for a moment.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match Bridge::spawn_on(&opts, &addr) {
+                Ok(fresh) => {
+                    *self = fresh;
+                    return Ok(());
+                }
+                Err(e) if Instant::now() >= deadline => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+
+    /// [`Bridge::spawn`] listening on `listen` (`127.0.0.1:0`: a free port).
+    pub fn spawn_on(opts: &BridgeOptions, listen: &str) -> std::io::Result<Bridge> {
         let bin = require_kv_event_bridge()?;
         let dir = scratch_dir()?;
         let log_path = dir.join("bridge.log");
         let mut cmd = Command::new(bin);
         cmd.args(["--engine", &opts.engine])
             .args(["--block-size", &opts.block_size.to_string()])
-            .args(["--listen", "127.0.0.1:0"]);
+            .args(["--listen", listen]);
         if let Some(replay) = &opts.replay {
             cmd.args(["--replay", replay]);
         }
@@ -417,6 +443,7 @@ impl Bridge {
             log_path,
             dir,
             process,
+            opts: opts.clone(),
         };
         let deadline = Instant::now() + Duration::from_secs(30);
         while !client::get(&bridge.addr, "/health").is_ok_and(|r| r.status == 200) {
