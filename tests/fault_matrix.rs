@@ -1,11 +1,13 @@
-//! The fault matrix against the real Envoy: each case injects one fault while traffic flows and
-//! then checks what a user relies on: no request lost that Envoy could have served (retries and
-//! the fallback hosts in the destination header carry requests past a dead worker), the filter's
+//! The fault matrix against the real Envoy: each case injects one fault while 64 clients stream
+//! completions and then checks what a user relies on: no request lost that Envoy could have
+//! served (retries and the fallback hosts in the destination header carry requests past a dead
+//! worker), each failure one of the requests in flight on what failed (counted), the filter's
 //! load gauges back to 0, the index equal to what the workers' dumps hold, Envoy healthy.
 //!
 //! Already covered elsewhere, not repeated here: event pages that are garbage, oversized, of the
 //! wrong block size or a 500 (`kv_routing.rs`), the oversized-dump backoff and an absurd cursor
-//! (`event_faults.rs`), a gap in event ids (`kv_routing.rs`), hostile clients (`client_trust.rs`).
+//! (`event_faults.rs`), hostile clients (`client_trust.rs`), a full 16k-block dump at the defaults
+//! (`full_cache_resync.rs`).
 #![allow(clippy::expect_used, clippy::unwrap_used, clippy::indexing_slicing)] // test code: a failed expectation is the assertion
 
 mod common;
@@ -967,5 +969,30 @@ fn a_bridge_restarted_under_traffic_is_resynced_from_its_dump() {
     );
     assert_all_served(&traffic.finish(), "a bridge restarted");
     assert_recovered(&envoy);
+    assert_index_matches(&envoy, &[&workers[0], &workers[1]]);
+}
+
+#[test]
+fn an_envoy_hot_restart_under_traffic_loses_nothing() {
+    let workers = echo_workers(2, BLOCK);
+    // Events only: the new process's index comes from the workers' dumps alone.
+    let config = events_only(echo_config(&workers, json!({})));
+    let mut envoy = start_envoy_with(&workers, config, |o| o.hot_restart = true);
+    let prompt = tokens(18000, 4 * BLOCK);
+    cache_on(&envoy, &workers[0], &prompt, 1);
+    let traffic = Traffic::start(&envoy, vec![prompt.clone(), tokens(9990, 2 * BLOCK)]);
+    // A new Envoy process takes over the listener; the old one drains (1 s) and exits (3 s).
+    envoy.hot_restart().unwrap();
+    assert!(
+        wait_for_credit(&envoy, &completion(&prompt), 4, Duration::from_secs(10)),
+        "the new process's VM re-synced from the workers' dumps"
+    );
+    assert!(
+        envoy.wait_parent_exit(Duration::from_secs(15)),
+        "the old process drained and exited"
+    );
+    assert_all_served(&traffic.finish(), "an Envoy hot restart");
+    assert_recovered(&envoy);
+    assert_eq!(route(&envoy, &completion(&prompt)).0, 1, "prefix routing");
     assert_index_matches(&envoy, &[&workers[0], &workers[1]]);
 }
