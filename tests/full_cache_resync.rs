@@ -50,8 +50,11 @@ fn fill(worker: &Worker, set: u32) {
     }
 }
 
-/// The engine's dump as (block hash, parent hash, tokens) per block, and its size in bytes.
-fn dump(worker: &Worker) -> (Vec<(u64, Option<u64>, Vec<u32>)>, usize) {
+/// One block of a dump: its hash, its parent's, its tokens.
+type DumpBlock = (u64, Option<u64>, Vec<u32>);
+
+/// The engine's dump, block by block, and its size in bytes.
+fn dump(worker: &Worker) -> (Vec<DumpBlock>, usize) {
     let resp = http::get(&worker.addr, "/kv/dump").unwrap();
     assert_eq!(resp.status, 200);
     let body: Value = resp.json().unwrap();
@@ -81,7 +84,7 @@ fn dump(worker: &Worker) -> (Vec<(u64, Option<u64>, Vec<u32>)>, usize) {
 /// The dump's cached sequences: the token prompt of every block chain (parent to leaf), each a
 /// whole number of blocks. A probe of one is credited its full length only if every block of its
 /// chain is in the index on that worker.
-fn chains(blocks: &[(u64, Option<u64>, Vec<u32>)]) -> Vec<Vec<u32>> {
+fn chains(blocks: &[DumpBlock]) -> Vec<Vec<u32>> {
     let by_hash: BTreeMap<u64, (Option<u64>, &Vec<u32>)> =
         blocks.iter().map(|(h, p, t)| (*h, (*p, t))).collect();
     let parents: BTreeSet<u64> = blocks.iter().filter_map(|(_, p, _)| *p).collect();
@@ -103,11 +106,7 @@ fn chains(blocks: &[(u64, Option<u64>, Vec<u32>)]) -> Vec<Vec<u32>> {
 
 /// Every block of the engine's dump is in the index (each chain's prompt is credited its whole
 /// length on `worker`) and nothing else is (the index's entries equal the dump's blocks).
-fn assert_index_holds_dump(
-    envoy: &Envoy,
-    worker: &Worker,
-    blocks: &[(u64, Option<u64>, Vec<u32>)],
-) {
+fn assert_index_holds_dump(envoy: &Envoy, worker: &Worker, blocks: &[DumpBlock]) {
     assert_eq!(
         envoy.router_stat("index.entries"),
         blocks.len() as u64,
