@@ -256,7 +256,7 @@ impl Default for EventsConfig {
             timeout_ms: 1000,
             // A full 16k-block dump (~9 MB) can take a loaded host more than `timeout_ms` to
             // serve and copy into the VM: at 1 s, five attempts in a row timed out and the
-            // re-sync took 11 s (tests/full_cache_resync.rs on 2 busy cores; 0.3-0.9 s at 10 s).
+            // re-sync took 11 s (tests/full_cache_resync.rs on 2 busy cores; 0.2-0.9 s at 10 s).
             dump_timeout_ms: 10_000,
             stale_after_ms: 5000,
             // A full dump of a 16k-block cache is ~9 MB, of 100k blocks ~56 MB: a restarted
