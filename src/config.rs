@@ -234,6 +234,9 @@ pub struct EventsConfig {
     pub dump_path: String,
     pub poll_interval_ms: u64,
     pub timeout_ms: u64,
+    /// The dump call's timeout: a dump carries the worker's whole cache (up to
+    /// `max_response_bytes`), a page at most 128 KiB of events.
+    pub dump_timeout_ms: u64,
     /// `>= poll_interval_ms`.
     pub stale_after_ms: u64,
     pub max_response_bytes: usize,
@@ -256,6 +259,10 @@ impl Default for EventsConfig {
             dump_path: "/kv/dump".to_string(),
             poll_interval_ms: 100,
             timeout_ms: 1000,
+            // A full 16k-block dump (~9 MB) can take a loaded host more than `timeout_ms` to
+            // serve and copy into the VM: at 1 s, five attempts in a row timed out and the
+            // re-sync took 11 s (tests/full_cache_resync.rs on 2 busy cores; 0.2-0.9 s at 10 s).
+            dump_timeout_ms: 10_000,
             stale_after_ms: 5000,
             // A full dump of a 16k-block cache is ~9 MB, of 100k blocks ~56 MB: a restarted
             // worker must be able to re-sync at the defaults.

@@ -269,6 +269,13 @@ fn check_events(e: &EventsConfig) -> Result<(), ConfigError> {
         hour,
     )?;
     u64_in("events.timeout_ms", e.timeout_ms, 1, 3_600_000, hour)?;
+    u64_in(
+        "events.dump_timeout_ms",
+        e.dump_timeout_ms,
+        1,
+        3_600_000,
+        hour,
+    )?;
     let day = "within [1, 86400000]";
     u64_in(
         "events.stale_after_ms",
