@@ -18,9 +18,11 @@ build: wasm tools
 
 # Native unit tests, the wasm32 logic tests under Node, and the integration tests that run the
 # real Envoy with the built .wasm and mock workers; then the compose demo in real containers,
-# its Rust images fed with the binaries `build` made (scripts/container-demo.sh).
+# its Rust images fed with the binaries `build` made (scripts/container-demo.sh); a 3-minute soak
+# between them.
 test: setup build lint
 	cargo test --workspace --release
+	SOAK_SECONDS=180 SOAK_OUT_DIR=target/soak-short cargo test --release --test soak -- --ignored --nocapture
 	bash scripts/test-wasm.sh
 	bash scripts/check-compose.sh
 	bash scripts/check-deploy.sh
@@ -77,9 +79,12 @@ bench-streams: tools
 race:
 	bash scripts/race.sh $(RACE_ARGS)
 
+# The module layers (docs/DESIGN.md, "Layers"): no import cycle in src/, bridge/src, tools/src,
+# and src/ imports only downward (scripts/check-layers.py declares the order).
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
+	python3 scripts/check-layers.py
 
 fmt:
 	cargo fmt --all

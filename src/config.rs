@@ -26,6 +26,7 @@ use crate::types::{DpRank, SlotIdx, WorkerId};
 
 mod affinity;
 mod approximate;
+mod check;
 mod compile;
 mod engine_priority;
 mod membership;
@@ -40,8 +41,8 @@ pub use membership::{MembershipConfig, MAX_POOL_WORKERS};
 pub use tokenizer::TokenizerConfig;
 pub use ttft::{TtftConfig, MAX_COMPUTE_WEIGHT};
 
+pub use check::{is_timing_poly, MAX_POLY_COEFFICIENTS};
 use compile::compile;
-pub use compile::{is_timing_poly, MAX_POLY_COEFFICIENTS};
 
 /// Largest accepted `block_size` in tokens.
 pub const MAX_BLOCK_SIZE: u32 = 1024;
@@ -119,6 +120,10 @@ impl ClientHints {
         }
     }
 }
+
+/// How much of the client's routing hints to read by default (`client_routing_hints_max_items`;
+/// the request parser's default too, `request::ParseOptions`).
+pub const DEFAULT_MAX_HINT_ITEMS: usize = 64;
 
 /// Largest accepted `client_routing_hints_max_items`.
 pub const MAX_HINT_ITEMS_LIMIT: u64 = 65_536;
@@ -229,6 +234,9 @@ pub struct EventsConfig {
     pub dump_path: String,
     pub poll_interval_ms: u64,
     pub timeout_ms: u64,
+    /// The dump call's timeout: a dump carries the worker's whole cache (up to
+    /// `max_response_bytes`), a page at most 128 KiB of events.
+    pub dump_timeout_ms: u64,
     /// `>= poll_interval_ms`.
     pub stale_after_ms: u64,
     pub max_response_bytes: usize,
@@ -251,6 +259,10 @@ impl Default for EventsConfig {
             dump_path: "/kv/dump".to_string(),
             poll_interval_ms: 100,
             timeout_ms: 1000,
+            // A full 16k-block dump (~9 MB) can take a loaded host more than `timeout_ms` to
+            // serve and copy into the VM: at 1 s, five attempts in a row timed out and the
+            // re-sync took 11 s (tests/full_cache_resync.rs on 2 busy cores; 0.2-0.9 s at 10 s).
+            dump_timeout_ms: 10_000,
             stale_after_ms: 5000,
             // A full dump of a 16k-block cache is ~9 MB, of 100k blocks ~56 MB: a restarted
             // worker must be able to re-sync at the defaults.
@@ -413,7 +425,7 @@ impl Config {
                     .map(|c| u64::from(c) * u64::from(w.dp_size))
             })
             .sum();
-        let max_bound = u64::try_from(crate::index::MAX_BOUND).unwrap_or(u64::MAX);
+        let max_bound = u64::try_from(crate::types::MAX_INDEX_BLOCKS).unwrap_or(u64::MAX);
         let bound = u64::from(self.index.max_blocks).min(max_bound);
         if device_blocks > bound {
             notes.push(format!(

@@ -74,7 +74,7 @@ pub struct EventPage {
     pub events: Vec<NumberedEvent>,
     pub load: Option<ReportedLoad>,
     /// The worker's description of itself (`worker`), if the page carries a valid one.
-    pub worker: Option<crate::membership::description::WorkerDescription>,
+    pub worker: Option<crate::worker_description::WorkerDescription>,
     /// Why the page's `worker` object was dropped, if it was not valid.
     pub invalid_worker: Option<String>,
 }

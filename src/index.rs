@@ -68,8 +68,10 @@ use table::IdTable;
 const MAX_SLOTS: usize = 1 << 16;
 
 /// The largest effective `max_blocks` (the documented limit): the id space less a margin of
-/// 2^16 ids, so the pool never runs out of ids (an entry at the bound evicts first).
-pub const MAX_BOUND: usize = MAX_ENTRIES - (1 << 16);
+/// 2^16 ids, so the pool never runs out of ids (an entry at the bound evicts first). Defined in
+/// [`crate::types`], where the configuration reads it too.
+pub const MAX_BOUND: usize = crate::types::MAX_INDEX_BLOCKS;
+const _: () = assert!(MAX_BOUND == MAX_ENTRIES - (1 << 16));
 
 fn tier_bit(tier: StorageTier) -> u8 {
     1 << tier_code(tier)

@@ -31,6 +31,7 @@ pub mod store;
 pub mod text;
 pub mod ttft;
 pub mod types;
+pub mod worker_description;
 
 // The adapter links proxy-wasm, whose exported `proxy_on_*` entry points import host functions
 // from the `env` module. The wasm32 logic tests (`--no-default-features`, run under Node) cannot

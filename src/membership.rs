@@ -25,7 +25,10 @@ use crate::load_store;
 use crate::replication::log::{self as replication, LogHead, Member};
 use crate::store::SharedStore;
 
-pub mod description;
+// The worker description, and recording it in the log head, live below membership (event pages
+// and the log head carry it); the old paths stay valid.
+pub use crate::replication::head::set_description;
+pub use crate::worker_description as description;
 
 /// One host of the routed cluster.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -289,23 +292,6 @@ pub fn apply(config: &Config, head: &mut LogHead, hosts: &[Host], now_ms: u64) -
         head.members_generation += 1;
     }
     changes
-}
-
-/// Records a pool entry occupant's vetted description; a change moves the membership
-/// generation so every VM rebuilds its effective configuration.
-pub fn set_description(head: &mut LogHead, worker: u16, d: &description::WorkerDescription) {
-    let Some(member) = head
-        .workers
-        .get_mut(usize::from(worker))
-        .and_then(|w| w.member.as_mut())
-    else {
-        return;
-    };
-    if member.described.as_ref() == Some(d) {
-        return;
-    }
-    member.described = Some(d.clone());
-    head.members_generation += 1;
 }
 
 /// What [`publish`] committed.

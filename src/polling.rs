@@ -81,11 +81,12 @@ pub fn page_max_bytes(events: &EventsConfig) -> usize {
     (events.max_response_bytes - events.max_response_bytes / 8).min(PAGE_MAX_BYTES)
 }
 
-/// The call's timeout: a long poll may legitimately take `long_poll_ms` before it answers.
+/// The call's timeout: a long poll may legitimately take `long_poll_ms` before it answers; a
+/// dump (the whole cache) gets `dump_timeout_ms`.
 pub fn call_timeout_ms(events: &EventsConfig, kind: CallKind) -> u64 {
     match kind {
         CallKind::Events { .. } => events.timeout_ms.saturating_add(events.long_poll_ms),
-        CallKind::Dump => events.timeout_ms,
+        CallKind::Dump => events.dump_timeout_ms,
     }
 }
 
@@ -398,7 +399,11 @@ mod tests {
             "the wait plus the usual timeout"
         );
         assert_eq!(call_path(&long, DUMP), "/kv/dump");
-        assert_eq!(call_timeout_ms(&long, DUMP), 1000, "dumps do not wait");
+        assert_eq!(
+            call_timeout_ms(&long, DUMP),
+            10_000,
+            "dumps do not wait, and have their own timeout"
+        );
     }
 
     #[test]

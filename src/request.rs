@@ -127,8 +127,9 @@ pub fn parse_header_pin(
     Ok(Pin { worker_id, dp_rank })
 }
 
-/// How much of the client's routing hints to read (see [`ParseOptions`]).
-pub const DEFAULT_MAX_HINT_ITEMS: usize = 64;
+/// How much of the client's routing hints to read (see [`ParseOptions`]); the configuration's
+/// default, defined there.
+pub use crate::config::DEFAULT_MAX_HINT_ITEMS;
 
 /// What [`parse_request_with`] reads besides the prompt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -61,11 +61,18 @@ pub struct RouteInput<'a> {
     pub arrivals_per_ms: f64,
 }
 
-/// Per-VM selection state: the random source and the round-robin counter.
+/// Requests per slot the request-share term remembers (`ttft.share_weight`).
+const SHARE_MEMORY_PER_SLOT: f64 = 16.0;
+
+/// Per-VM selection state: the random source, the round-robin counter and the recent requests
+/// per slot.
 #[derive(Clone, Debug)]
 pub struct SelectorState {
     pub rng: Rng,
     pub round_robin_counter: u64,
+    /// Per slot, the requests this VM sent it, decayed by `1 / (16 x slots)` per request: the
+    /// last ~16 per slot.
+    recent: Vec<f64>,
 }
 
 impl SelectorState {
@@ -73,6 +80,22 @@ impl SelectorState {
         SelectorState {
             rng: Rng::new(seed),
             round_robin_counter: 0,
+            recent: Vec::new(),
+        }
+    }
+
+    /// `slot` received a request. Allocates only when the number of slots changes.
+    fn record_request(&mut self, slots: usize, slot: SlotIdx) {
+        if self.recent.len() != slots {
+            self.recent.clear();
+            self.recent.resize(slots, 0.0);
+        }
+        let keep = 1.0 - 1.0 / (SHARE_MEMORY_PER_SLOT * slots as f64);
+        for r in &mut self.recent {
+            *r *= keep;
+        }
+        if let Some(r) = self.recent.get_mut(usize::from(slot)) {
+            *r += 1.0;
         }
     }
 }
@@ -264,6 +287,25 @@ pub fn decide(
                 costs.push(score);
                 scores.push((slot, score));
             }
+            // The adaptive policy's request-share term (`ttft.share_weight`).
+            let share_weight = match (&config.ttft, config.policy) {
+                (Some(t), KvPolicy::Adaptive) if t.share_weight > 0.0 => t.share_weight,
+                _ => 0.0,
+            };
+            if share_weight > 0.0 && candidates.len() > 1 {
+                let min = weigh_by_share(
+                    config,
+                    speed,
+                    &state.recent,
+                    share_weight,
+                    &candidates,
+                    &mut costs,
+                );
+                for (score, cost) in scores.iter_mut().zip(&costs) {
+                    score.1 = *cost;
+                }
+                min_cost = Some(min);
+            }
             let affine = match &config.affinity {
                 Some(affinity) if has_prefix => {
                     let gate: Vec<AffinityCandidate> = scores
@@ -300,6 +342,9 @@ pub fn decide(
     };
     // eligible_slots never returns an empty set, so every mode picks; stay total anyway.
     let slot = chosen.ok_or(RouteError::AllWorkersOverloaded { eligible: 0 })?;
+    if config.mode == RoutingMode::Kv && config.policy == KvPolicy::Adaptive {
+        state.record_request(config.slots.len(), slot);
+    }
 
     let reason = match (config.mode, pin.worker_id.is_some()) {
         (RoutingMode::Direct, _) => Reason::Direct,
@@ -360,6 +405,44 @@ fn relative_slowness(config: &Config, learned: &LearnedTimings, slot: SlotIdx) -
         Some(s) if learned.fleet > 0.0 => learned.factor(usize::from(s.worker)) / learned.fleet,
         _ => 1.0,
     }
+}
+
+/// Multiplies each candidate's cost by `1 + weight * excess`, `excess` being how far the slot's
+/// share of the recent requests is above its fair share (its speed over the candidates', speed
+/// being the inverse of the learned relative slowness); returns the new minimum. The shares
+/// start from `8 x candidates` pseudo-requests spread fairly, so the first requests (and a VM
+/// that has seen few) do not look lopsided.
+fn weigh_by_share(
+    config: &Config,
+    learned: Option<&LearnedTimings>,
+    recent: &[f64],
+    weight: f64,
+    candidates: &[SlotIdx],
+    costs: &mut [f64],
+) -> f64 {
+    let recent_of = |slot: SlotIdx| recent.get(usize::from(slot)).copied().unwrap_or(0.0);
+    let speed_of =
+        |slot: SlotIdx| learned.map_or(1.0, |l| 1.0 / relative_slowness(config, l, slot));
+    let (mut total_recent, mut total_speed) = (0.0, 0.0);
+    for &slot in candidates {
+        total_recent += recent_of(slot);
+        total_speed += speed_of(slot);
+    }
+    let prior = SHARE_MEMORY_PER_SLOT / 2.0 * candidates.len() as f64;
+    let mut min = f64::INFINITY;
+    for (cost, &slot) in costs.iter_mut().zip(candidates) {
+        if total_speed > 0.0 {
+            let fair = speed_of(slot) / total_speed;
+            let share = (recent_of(slot) + prior * fair) / (total_recent + prior);
+            // Rounding leaves a fair share a hair above 1: no penalty below one part in 10^6.
+            let excess = share / fair - 1.0;
+            if excess > 1e-6 && excess.is_finite() {
+                *cost *= 1.0 + weight * excess;
+            }
+        }
+        min = min.min(*cost);
+    }
+    min
 }
 
 /// The balance guard (`ttft.max_load_ratio`): drops the candidates with more requests in flight
@@ -661,6 +744,61 @@ mod tests {
             arrivals_per_ms: 0.0,
         };
         decide(c, &input, &mut SelectorState::new(seed))
+    }
+
+    const FOUR: &str = r#"{"id": 1, "address": "10.0.0.1:8000"},
+                          {"id": 2, "address": "10.0.0.2:8000"},
+                          {"id": 3, "address": "10.0.0.3:8000"},
+                          {"id": 4, "address": "10.0.0.4:8000"}"#;
+
+    /// Sends `n` requests of 40 blocks through one VM's state, worker 1 holding `held` blocks of
+    /// each (nothing else loaded), and counts the requests per worker.
+    fn share_run(c: &Config, held: u32, n: usize, state: &mut SelectorState) -> [usize; 4] {
+        let req = tokens(40 * 16);
+        let overlaps = [dev(held), dev(0), dev(0), dev(0)];
+        let load = decode_load(&[0.0; 4]);
+        let mut count = [0; 4];
+        for _ in 0..n {
+            let input = RouteInput {
+                request: &req,
+                header_pin: Pin::default(),
+                prompt_blocks: prompt_blocks(c, &req),
+                overlaps: &overlaps,
+                load: &load,
+                stale_slots: &[],
+                kv_usage: &[],
+                learned: None,
+                arrivals_per_ms: 0.0,
+            };
+            let d = decide(c, &input, state).unwrap();
+            count[usize::from(d.slot)] += 1;
+        }
+        count
+    }
+
+    #[test]
+    fn new_sessions_spread_by_their_share_and_sessions_stay_on_their_history() {
+        // A new session whose shared 2-block system prompt one worker holds: 76 there against
+        // 80 elsewhere. Without the share term every such session lands on the holder.
+        let off = config(
+            r#""block_size": 16, "policy": "adaptive", "ttft": {"share_weight": 0}"#,
+            FOUR,
+        );
+        let count = share_run(&off, 2, 40, &mut SelectorState::new(1));
+        assert_eq!(count, [40, 0, 0, 0]);
+        // At the defaults the holder keeps a lead of a few requests, and the rest spread.
+        let on = config(r#""block_size": 16, "policy": "adaptive""#, FOUR);
+        let mut state = SelectorState::new(1);
+        let count = share_run(&on, 2, 40, &mut state);
+        assert!(count.iter().all(|&c| (7..=13).contains(&c)), "{count:?}");
+        assert!(
+            count[0] >= count[1].max(count[2]).max(count[3]),
+            "{count:?}"
+        );
+        // A continuing session (36 of its 40 blocks on worker 1: 8 there against 80) stays,
+        // though worker 1 then holds every one of the last requests.
+        let count = share_run(&on, 36, 40, &mut state);
+        assert_eq!(count, [40, 0, 0, 0]);
     }
 
     #[test]

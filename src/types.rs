@@ -15,6 +15,11 @@ pub type DpRank = u32;
 /// The index, the load table and the scorer all address workers by slot.
 pub type SlotIdx = u16;
 
+/// The largest effective `index.max_blocks`: the index's 24-bit entry-id space (`index::pool`) less
+/// a margin of 2^16 ids, so the pool never runs out of ids. Here, below both, because the
+/// configuration checks against it and the index enforces it (`index::MAX_BOUND`).
+pub const MAX_INDEX_BLOCKS: usize = (1 << 24) - 1 - (1 << 16);
+
 /// XXH3-64 (seed 1337, or a salted seed) of one full block's token ids as little-endian u32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct LocalBlockHash(pub u64);

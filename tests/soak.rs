@@ -1,4 +1,4 @@
-//! The soak (`make soak`; not part of `make test`): mixed traffic through the real Envoy for
+//! The soak (`make soak`; a 3-minute run in `make test`, `SOAK_SECONDS=180`): mixed traffic through the real Envoy for
 //! `SOAK_MINUTES` (default 30) while faults are injected on a schedule, Envoy's resident memory
 //! sampled every `SOAK_SAMPLE_SECS` (default 5) into a CSV.
 //!
@@ -10,7 +10,8 @@
 //! and during a streamed answer. Joins and leaves use the static worker list (stop/restart);
 //! dynamic membership is another branch's work.
 //!
-//! At the end: load back to 0 (no leaked bookings, none reaped), the index equal to the blocks the
+//! At the end: no client error but those of requests in flight on a worker that died (at most one
+//! per client per death), load back to 0 (no leaked bookings, none reaped), the index equal to the blocks the
 //! workers' dumps hold, Envoy's memory flat after warm-up. Results go to `target/soak/` (or
 //! `SOAK_OUT_DIR`): `memory.csv` (one sample per line) and `summary.json`, also printed.
 //! `SOAK_SECONDS` overrides the duration for a short try-out.
@@ -45,11 +46,14 @@ struct Tally {
     streamed_ok: AtomicU64,
     /// Client-visible errors by kind (status + Envoy's reason, or the transport error).
     errors: Mutex<BTreeMap<String, u64>>,
+    /// When each error was seen, to tell those of a worker's death from any other.
+    error_times: Mutex<Vec<Instant>>,
 }
 
 impl Tally {
     fn error(&self, kind: String) {
         *self.errors.lock().unwrap().entry(kind).or_insert(0) += 1;
+        self.error_times.lock().unwrap().push(Instant::now());
     }
     fn error_count(&self) -> u64 {
         self.errors.lock().unwrap().values().sum()
@@ -257,6 +261,9 @@ fn soak() {
     let mut fault_n = 0usize;
     let mut disconnect_requests = 0u64;
     let mut samples: Vec<(u64, u64)> = Vec::new();
+    // While a worker dies (killed or restarted) the requests in flight on it may fail: at most
+    // one per client, from the fault's start to a second after it is undone.
+    let mut death_windows: Vec<(Instant, Instant)> = Vec::new();
     while start.elapsed() < duration {
         let now = Instant::now();
         if now >= next_sample {
@@ -280,7 +287,11 @@ fn soak() {
         if now >= next_fault {
             let fault = SCHEDULE[fault_n % SCHEDULE.len()];
             let victim = (fault_n / SCHEDULE.len()) % WORKERS as usize;
+            let began = Instant::now();
             disconnect_requests += inject(fault, &workers, victim, &envoy.listener);
+            if matches!(fault, Fault::WorkerRestart | Fault::WorkerLeaveJoin) {
+                death_windows.push((began, Instant::now() + Duration::from_secs(1)));
+            }
             *faults.entry(name(fault)).or_insert(0) += 1;
             fault_n += 1;
             next_fault = Instant::now() + fault_every;
@@ -322,6 +333,36 @@ fn soak() {
         .max()
         .unwrap_or(0);
     let errors = tally.errors.lock().unwrap().clone();
+    let error_times = tally.error_times.lock().unwrap().clone();
+    let in_window = |t: &Instant| death_windows.iter().any(|(a, b)| a <= t && t <= b);
+    let errors_outside_faults = error_times.iter().filter(|t| !in_window(t)).count();
+    let worst_window = death_windows
+        .iter()
+        .map(|(a, b)| error_times.iter().filter(|t| a <= *t && *t <= b).count())
+        .max()
+        .unwrap_or(0);
+    // Memory: the least-squares slope of RSS over the last two thirds, projected over them.
+    let tail: Vec<(f64, f64)> = samples
+        .iter()
+        .filter(|(t, _)| *t >= duration.as_secs() / 3)
+        .map(|&(t, r)| (t as f64, r as f64))
+        .collect();
+    let slope_kib_per_s = {
+        let n = tail.len() as f64;
+        let (mt, mr) = (
+            tail.iter().map(|p| p.0).sum::<f64>() / n.max(1.0),
+            tail.iter().map(|p| p.1).sum::<f64>() / n.max(1.0),
+        );
+        let var: f64 = tail.iter().map(|p| (p.0 - mt).powi(2)).sum();
+        let cov: f64 = tail.iter().map(|p| (p.0 - mt) * (p.1 - mr)).sum();
+        if var > 0.0 {
+            cov / var
+        } else {
+            0.0
+        }
+    };
+    let tail_span_s = tail.last().map_or(0.0, |l| l.0) - tail.first().map_or(0.0, |f| f.0);
+    let projected_growth_kib = slope_kib_per_s * tail_span_s;
     let summary = json!({
         "seconds": duration.as_secs(),
         "requests_sent": tally.sent.load(Ordering::Relaxed) + disconnect_requests,
@@ -330,6 +371,9 @@ fn soak() {
         "streamed_ok": tally.streamed_ok.load(Ordering::Relaxed),
         "client_errors": errors.values().sum::<u64>(),
         "client_errors_by_kind": errors,
+        "client_errors_outside_worker_deaths": errors_outside_faults,
+        "worker_deaths": death_windows.len(),
+        "most_errors_in_one_worker_death": worst_window,
         "faults_injected": faults,
         "faults_total": fault_n,
         "leaked_load_entries": leaked,
@@ -345,18 +389,34 @@ fn soak() {
             "events_fetch_failed": envoy.router_stat("events.fetch_failed"),
         },
         "envoy_rss_kib": {"start": rss_start, "after_warmup": rss_warm, "warmup_s": warmup_s,
-                          "max_after_warmup": rss_max_after_warmup, "end": rss_end},
+                          "max_after_warmup": rss_max_after_warmup, "end": rss_end,
+                          "slope_last_two_thirds_kib_per_min": slope_kib_per_s * 60.0,
+                          "growth_over_last_two_thirds_kib": projected_growth_kib},
     });
     let text = serde_json::to_string_pretty(&summary).unwrap();
     std::fs::write(out_dir.join("summary.json"), &text).unwrap();
     println!("soak summary ({}):\n{text}", out_dir.display());
 
+    assert_eq!(
+        errors_outside_faults, 0,
+        "client errors outside worker deaths: {errors:?}"
+    );
+    assert!(
+        worst_window <= CLIENTS,
+        "{worst_window} errors in one worker death, more than the {CLIENTS} clients"
+    );
     assert!(drained && leaked == 0, "leaked load entries: {leaked}");
     assert_eq!(per_rank_leaks, 0, "load gauges left above 0");
     assert_eq!(reaped, 0, "bookings reaped instead of released");
     assert!(
         consistent,
         "index {index_entries} entries, dumps {expected_blocks} blocks"
+    );
+    // No trend: over the last two thirds the fitted slope adds under 5% of the memory.
+    assert!(
+        projected_growth_kib <= rss_warm as f64 * 0.05,
+        "envoy RSS trends up: {:.0} KiB/min over the last two thirds ({projected_growth_kib:.0} KiB)",
+        slope_kib_per_s * 60.0
     );
     // Flat after warm-up: within 10% of the post-warm-up figure (allocator noise, no trend).
     assert!(

@@ -138,44 +138,6 @@ pub fn parse_models(body: &str) -> Result<Vec<String>, String> {
     Ok(ids)
 }
 
-/// Reads the engine's `/v1/models` every `interval` into the description's `models`.
-pub async fn run_models(
-    shared: std::sync::Arc<crate::state::Shared>,
-    url: String,
-    interval: std::time::Duration,
-) {
-    let client = match reqwest::Client::builder()
-        .timeout(interval.max(std::time::Duration::from_millis(500)))
-        .build()
-    {
-        Ok(c) => c,
-        Err(e) => {
-            log::warn!("engine models: cannot build the HTTP client: {e}; no models reported");
-            return;
-        }
-    };
-    let mut shutdown = shared.shutdown_watch();
-    let mut ticker = tokio::time::interval(interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = ticker.tick() => {}
-            _ = shutdown.wait_for(|&s| s) => return,
-        }
-        let reply = async {
-            let r = client.get(&url).send().await.map_err(|e| e.to_string())?;
-            if !r.status().is_success() {
-                return Err(format!("HTTP {}", r.status()));
-            }
-            r.text().await.map_err(|e| e.to_string())
-        };
-        match reply.await.and_then(|body| parse_models(&body)) {
-            Ok(models) => shared.set_worker_models(models),
-            Err(e) => log::debug!("engine models: {url}: {e}"),
-        }
-    }
-}
-
 /// Splices `,"worker":{...}` into a page or dump body (a JSON object).
 pub fn splice(mut body: String, worker: Option<&str>) -> String {
     if let Some(w) = worker {

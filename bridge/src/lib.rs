@@ -63,7 +63,7 @@ impl Bridge {
             tasks.spawn(engine::run(Arc::clone(&shared), spec, config.timing));
         }
         if let Some(url) = config.engine_models_url.clone() {
-            tasks.spawn(describe::run_models(
+            tasks.spawn(load::run_models(
                 Arc::clone(&shared),
                 url,
                 config.engine_metrics_interval,

@@ -4,7 +4,8 @@
 //! (a fraction 0..1 despite the name; older versions: `vllm:gpu_cache_usage_perc`).
 //! SGLang: `sglang:num_queue_reqs`, `sglang:num_running_reqs`, `sglang:token_usage`.
 //! Series of several engines (DP ranks, label `engine="N"`) and of several scraped URLs add up;
-//! the cache usage is their mean.
+//! the cache usage is their mean. [`run_models`] reads its `/v1/models` into the page's `worker`
+//! description ([`crate::describe`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -194,6 +195,43 @@ async fn scrape(client: &reqwest::Client, url: &str) -> Result<String, String> {
         return Err(format!("HTTP {}", response.status()));
     }
     response.text().await.map_err(|e| e.to_string())
+}
+
+/// Reads the engine's `/v1/models` every `interval` into the description's `models`.
+pub async fn run_models(shared: Arc<Shared>, url: String, interval: std::time::Duration) {
+    let client = match reqwest::Client::builder()
+        .timeout(interval.max(std::time::Duration::from_millis(500)))
+        .build()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            log::warn!("engine models: cannot build the HTTP client: {e}; no models reported");
+            return;
+        }
+    };
+    let mut shutdown = shared.shutdown_watch();
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = shutdown.wait_for(|&s| s) => return,
+        }
+        let reply = async {
+            let r = client.get(&url).send().await.map_err(|e| e.to_string())?;
+            if !r.status().is_success() {
+                return Err(format!("HTTP {}", r.status()));
+            }
+            r.text().await.map_err(|e| e.to_string())
+        };
+        match reply
+            .await
+            .and_then(|body| crate::describe::parse_models(&body))
+        {
+            Ok(models) => shared.set_worker_models(models),
+            Err(e) => log::debug!("engine models: {url}: {e}"),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -30,7 +30,7 @@ impl Default for EnginePriorityConfig {
 
 /// Rules serde cannot express.
 pub(super) fn check_engine_priority(c: &EnginePriorityConfig) -> Result<(), ConfigError> {
-    super::compile::f64_in(
+    super::check::f64_in(
         "engine_priority.arrival_weight",
         c.arrival_weight,
         0.0,

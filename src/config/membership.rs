@@ -7,12 +7,10 @@
 //! models, taints); its address is filled in when a host occupies it. A static worker whose
 //! address the cluster lists keeps its own entry: the static list is the per-host override.
 
-use serde::Deserialize;
-
-use super::compile::{non_empty, u64_in, url_path};
-use super::raw::RawWorker;
-use super::{ConfigError, Device, WorkerConfig, WorkerKvMode};
-use crate::types::{DpRank, WorkerId};
+use super::check::{non_empty, u64_in, url_path};
+use super::raw::{PoolTemplate, RawMembership, RawWorker};
+use super::{ConfigError, WorkerConfig};
+use crate::types::WorkerId;
 
 /// Largest accepted `membership.max_workers`.
 pub const MAX_POOL_WORKERS: u64 = 4096;
@@ -41,74 +39,6 @@ pub struct MembershipConfig {
     pub events_port: u16,
     /// Index into `Config::workers` of the first pool entry (= number of static workers).
     pub first_pool_worker: u16,
-}
-
-/// `membership` as written.
-#[derive(Debug, Deserialize)]
-#[serde(default, deny_unknown_fields, expecting = "the membership object")]
-pub(super) struct RawMembership {
-    /// Required; `Option` so that its absence reads as "required field is missing".
-    cluster: Option<String>,
-    admin_cluster: String,
-    admin_path: String,
-    poll_interval_ms: u64,
-    timeout_ms: u64,
-    max_response_bytes: u64,
-    max_workers: u64,
-    first_id: Option<WorkerId>,
-    events_port: u64,
-    worker: PoolTemplate,
-}
-
-impl Default for RawMembership {
-    fn default() -> Self {
-        RawMembership {
-            cluster: None,
-            admin_cluster: "envoy_admin".to_string(),
-            admin_path: "/clusters?format=json".to_string(),
-            poll_interval_ms: 500,
-            timeout_ms: 1000,
-            max_response_bytes: 4 << 20,
-            max_workers: 16,
-            first_id: None,
-            events_port: 0,
-            worker: PoolTemplate::default(),
-        }
-    }
-}
-
-/// `membership.worker`: a worker entry without its identity and addresses, given to every pool
-/// entry.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(default, deny_unknown_fields, expecting = "a worker template object")]
-struct PoolTemplate {
-    dp_start: DpRank,
-    dp_size: u32,
-    device: Device,
-    taints: Vec<String>,
-    kv_capacity_blocks: Option<u32>,
-    max_num_batched_tokens: Option<u32>,
-    models: Vec<String>,
-    kv_mode: WorkerKvMode,
-    prefill_time_ms_poly: Option<Vec<f64>>,
-    decode_step_ms_poly: Option<Vec<f64>>,
-}
-
-impl Default for PoolTemplate {
-    fn default() -> Self {
-        PoolTemplate {
-            dp_start: 0,
-            dp_size: 1,
-            device: Device::Gpu,
-            taints: Vec::new(),
-            kv_capacity_blocks: None,
-            max_num_batched_tokens: None,
-            models: Vec::new(),
-            kv_mode: super::raw::events_and_predictions(),
-            prefill_time_ms_poly: None,
-            decode_step_ms_poly: None,
-        }
-    }
 }
 
 impl PoolTemplate {

@@ -1,6 +1,7 @@
 //! The configuration as written: the root object and the workers, read by serde with every default
 //! filled in. The sub-objects (`cost`, `busy`, `load`, `events`, `index`) deserialize straight
-//! into their compiled types; [`super::compile`] checks ranges and derives the rest.
+//! into their compiled types; [`super::compile`] checks ranges and derives the rest. `membership`
+//! as written is here too; [`super::membership`] compiles it.
 
 use serde::de::IgnoredAny;
 use serde::Deserialize;
@@ -42,7 +43,7 @@ pub(super) struct RawConfig {
     pub affinity: Option<super::AffinityConfig>,
     pub ttft: Option<super::TtftConfig>,
     pub engine_priority: Option<super::EnginePriorityConfig>,
-    pub membership: Option<super::membership::RawMembership>,
+    pub membership: Option<RawMembership>,
     /// Required; `Option` so that its absence reads as "workers: required field is missing".
     pub workers: Option<Vec<RawWorker>>,
     /// Removed; read only to name its replacement.
@@ -65,7 +66,7 @@ impl Default for RawConfig {
             max_body_bytes: 8 * 1024 * 1024,
             response_headers: false,
             client_routing_hints: ClientHints::Ignore,
-            client_routing_hints_max_items: crate::request::DEFAULT_MAX_HINT_ITEMS,
+            client_routing_hints_max_items: super::DEFAULT_MAX_HINT_ITEMS,
             router_temperature: 0.0,
             cost: CostWeights::default(),
             busy: BusyThresholds::default(),
@@ -133,4 +134,72 @@ fn gpu() -> Device {
 /// reaches one worker before its first event arrives).
 pub(super) fn events_and_predictions() -> WorkerKvMode {
     WorkerKvMode::EventsAndApproximate
+}
+
+/// `membership` as written.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields, expecting = "the membership object")]
+pub(super) struct RawMembership {
+    /// Required; `Option` so that its absence reads as "required field is missing".
+    pub(super) cluster: Option<String>,
+    pub(super) admin_cluster: String,
+    pub(super) admin_path: String,
+    pub(super) poll_interval_ms: u64,
+    pub(super) timeout_ms: u64,
+    pub(super) max_response_bytes: u64,
+    pub(super) max_workers: u64,
+    pub(super) first_id: Option<WorkerId>,
+    pub(super) events_port: u64,
+    pub(super) worker: PoolTemplate,
+}
+
+impl Default for RawMembership {
+    fn default() -> Self {
+        RawMembership {
+            cluster: None,
+            admin_cluster: "envoy_admin".to_string(),
+            admin_path: "/clusters?format=json".to_string(),
+            poll_interval_ms: 500,
+            timeout_ms: 1000,
+            max_response_bytes: 4 << 20,
+            max_workers: 16,
+            first_id: None,
+            events_port: 0,
+            worker: PoolTemplate::default(),
+        }
+    }
+}
+
+/// `membership.worker`: a worker entry without its identity and addresses, given to every pool
+/// entry.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields, expecting = "a worker template object")]
+pub(super) struct PoolTemplate {
+    pub(super) dp_start: DpRank,
+    pub(super) dp_size: u32,
+    pub(super) device: Device,
+    pub(super) taints: Vec<String>,
+    pub(super) kv_capacity_blocks: Option<u32>,
+    pub(super) max_num_batched_tokens: Option<u32>,
+    pub(super) models: Vec<String>,
+    pub(super) kv_mode: WorkerKvMode,
+    pub(super) prefill_time_ms_poly: Option<Vec<f64>>,
+    pub(super) decode_step_ms_poly: Option<Vec<f64>>,
+}
+
+impl Default for PoolTemplate {
+    fn default() -> Self {
+        PoolTemplate {
+            dp_start: 0,
+            dp_size: 1,
+            device: Device::Gpu,
+            taints: Vec::new(),
+            kv_capacity_blocks: None,
+            max_num_batched_tokens: None,
+            models: Vec::new(),
+            kv_mode: events_and_predictions(),
+            prefill_time_ms_poly: None,
+            decode_step_ms_poly: None,
+        }
+    }
 }

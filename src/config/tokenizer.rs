@@ -4,7 +4,7 @@
 
 use serde::Deserialize;
 
-use super::compile::url_path;
+use super::check::url_path;
 use super::ConfigError;
 
 /// Compiled `tokenizer` object. Absent = text requests are never sent to a tokenizer.

@@ -39,6 +39,14 @@ pub struct TtftConfig {
     /// copied to more workers before its holder becomes a hot spot, whatever the predictions
     /// say. 0 turns the guard off; else `1..=100`.
     pub max_load_ratio: f64,
+    /// Weight of the request-share term of the adaptive policy: a worker that received more
+    /// than its share of this VM's recent requests (the last ~16 per worker, its share weighed
+    /// by its learned speed) has its cost multiplied by `1 + weight * excess`, where `excess` is
+    /// how far its share is above its fair one (0.3 = 30% above). Requests in flight miss the
+    /// sessions that are between turns, whose next turns will land where their history is; this
+    /// spreads new sessions before a worker collects more of them than the rest. 0 turns it
+    /// off; else `0..=100`.
+    pub share_weight: f64,
     /// Learn each worker's timing from the responses (observed against predicted time to first
     /// token, [`crate::learn`]) and scale its predictions by it. On by default.
     pub learn: bool,
@@ -62,6 +70,7 @@ impl Default for TtftConfig {
             decode_step_ms_poly: vec![5.74, 54.01, -25.74],
             compute_weight: None,
             max_load_ratio: 1.3,
+            share_weight: 2.0,
             learn: true,
             admission_wait: false,
             default_output_tokens: 256,
@@ -78,7 +87,7 @@ pub(super) fn check_ttft(c: &TtftConfig) -> Result<(), ConfigError> {
             got: c.chunk_tokens.to_string(),
         });
     }
-    super::compile::timing_poly("ttft.decode_step_ms_poly", &c.decode_step_ms_poly)?;
+    super::check::timing_poly("ttft.decode_step_ms_poly", &c.decode_step_ms_poly)?;
     if c.default_output_tokens == 0 || c.default_output_tokens > MAX_CHUNK_TOKENS {
         return Err(ConfigError::OutOfRange {
             field: "ttft.default_output_tokens".to_string(),
@@ -91,6 +100,13 @@ pub(super) fn check_ttft(c: &TtftConfig) -> Result<(), ConfigError> {
             field: "ttft.max_load_ratio".to_string(),
             expected: "0 (off) or within [1, 100]",
             got: c.max_load_ratio.to_string(),
+        });
+    }
+    if !(0.0..=100.0).contains(&c.share_weight) {
+        return Err(ConfigError::OutOfRange {
+            field: "ttft.share_weight".to_string(),
+            expected: "within [0, 100]",
+            got: c.share_weight.to_string(),
         });
     }
     if let Some(w) = c.compute_weight {

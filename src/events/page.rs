@@ -21,8 +21,8 @@ use serde::Deserialize;
 
 use super::{EventError, EventPage, IndexEvent, NumberedEvent, ReportedLoad, MAX_EVENT_ID};
 use crate::hashing::{hash_seed, local_block_hashes};
-use crate::membership::description::WorkerDescription;
 use crate::types::{DpRank, ExternalBlockHash, LocalBlockHash, StorageTier};
+use crate::worker_description::WorkerDescription;
 
 // ---------------------------------------------------------------------------------------------
 // Wire types

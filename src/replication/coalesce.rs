@@ -13,8 +13,8 @@
 
 use super::log::{append_with, LogHead};
 use crate::events::{encode_log_batch_refs, LogRecord, ReportedLoad};
-use crate::membership::description::WorkerDescription;
 use crate::store::SharedStore;
+use crate::worker_description::WorkerDescription;
 
 /// A batch is appended as soon as its queued replies reach this size (bytes of the replies as
 /// received, an upper bound of their encoded size), so a batch's value stays bounded: every
@@ -181,7 +181,7 @@ fn apply(head: &mut LogHead, reply: &QueuedReply) -> bool {
     w.stale = false;
     w.reported = reply.reported;
     if let Some(d) = &reply.described {
-        crate::membership::set_description(head, reply.worker, d);
+        super::head::set_description(head, reply.worker, d);
     }
     true
 }

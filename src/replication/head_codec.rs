@@ -20,7 +20,7 @@
 //! Only the membership table (addresses, descriptions) is variable-sized; a head without
 //! membership is 64 + 57 B per worker at most.
 
-use super::log::{LogHead, Member, WorkerPollState};
+use super::head::{LogHead, Member, WorkerPollState};
 use crate::events::ReportedLoad;
 
 const MAGIC: u32 = u32::from_le_bytes(*b"EKRH");

@@ -9,7 +9,6 @@
 //! The calls block the calling thread on a process-wide async runtime (one I/O thread), so they
 //! must not be made from inside an async task.
 
-use std::error::Error as _;
 use std::io;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -50,31 +49,7 @@ fn client() -> io::Result<&'static reqwest::Client> {
     Ok(CLIENT.get_or_init(|| c))
 }
 
-/// Maps a `reqwest` error to an `io::Error` whose kind says what happened (`TimedOut`,
-/// `ConnectionRefused`, ...) and whose message names the innermost cause.
-pub fn to_io_error(e: reqwest::Error) -> io::Error {
-    let mut kind = if e.is_timeout() {
-        io::ErrorKind::TimedOut
-    } else {
-        io::ErrorKind::Other
-    };
-    let mut source = e.source();
-    let mut innermost = None;
-    while let Some(s) = source {
-        if let Some(ioe) = s.downcast_ref::<io::Error>() {
-            if kind == io::ErrorKind::Other {
-                kind = ioe.kind();
-            }
-        }
-        innermost = Some(s.to_string());
-        source = s.source();
-    }
-    let msg = match innermost {
-        Some(cause) => format!("{e}: {cause}"),
-        None => e.to_string(),
-    };
-    io::Error::new(kind, msg)
-}
+pub use crate::util::to_io_error;
 
 fn timed_out(what: &str) -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, what.to_string())

@@ -15,7 +15,8 @@ use crate::harness::{
     require_kv_event_bridge, Bridge, BridgeOptions, Envoy, EnvoyOptions, Worker, ZMQ_PUBLISH_ARGS,
 };
 use crate::loadgen::{
-    print_comparison_table, run_workload, write_svg_chart, RunOptions, RunStats, Workload,
+    print_comparison_table, run_workload, run_workload_on, write_svg_chart, RunOptions, RunStats,
+    Workload,
 };
 use crate::mock::timing;
 use crate::peer::{
@@ -324,6 +325,20 @@ pub fn run_mode(
     run_arm(mode, fleet, None, workload, opts)
 }
 
+/// `kv*3` -> (`kv`, 3): the arm run on that many Envoy replicas; 1 without the suffix.
+fn split_replicas(mode: &str) -> io::Result<(&str, usize)> {
+    match mode.rsplit_once('*') {
+        None => Ok((mode, 1)),
+        Some((base, n)) => match n.parse::<usize>() {
+            Ok(n) if (1..=16).contains(&n) => Ok((base, n)),
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{mode}: expected <arm>*<replicas>, 1 to 16 replicas"),
+            )),
+        },
+    }
+}
+
 /// [`run_mode`], on `engines` (emptied first) instead of a fresh mock fleet when given.
 fn run_arm(
     mode: &str,
@@ -337,6 +352,7 @@ fn run_arm(
     }
     let arm = mode;
     let (mode, wasm) = fleet.arm_build(arm)?;
+    let (mode, replicas) = split_replicas(mode)?;
     let workers = fleet.spawn_workers(engines)?;
     let mut opts = opts.clone();
     // Text arms: the filter mode is `kv` with a text feature switched on.
@@ -446,6 +462,16 @@ fn run_arm(
                 None,
             )
         }
+        // The default policy with `ttft.share_weight` W (the request-share term; 0 = off).
+        m if m.starts_with("kv+share:") => {
+            let w: f64 = m.trim_start_matches("kv+share:").parse().map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("{m}: expected kv+share:<weight>"),
+                )
+            })?;
+            ("kv", json!({"ttft": {"share_weight": w}}), None)
+        }
         "kv+ids" => {
             opts.chat_as_ids = true;
             opts.path = "/v1/completions".to_string();
@@ -488,24 +514,33 @@ fn run_arm(
     // No deadline, as in the shipped configs.
     envoy_opts.route_timeout = Duration::ZERO;
     envoy_opts.log_level = "warning";
-    let envoy = Envoy::start(&envoy_opts)?;
+    // `kv*N`: N independent Envoys (no shared state but the fleet), the requests spread
+    // round-robin over them as a load balancer in front of a gateway's replicas would.
+    let envoys = (0..replicas)
+        .map(|_| Envoy::start(&envoy_opts))
+        .collect::<io::Result<Vec<Envoy>>>()?;
     // In kv mode, the poller takes every worker's (empty) dump before traffic starts.
     if filter_mode == "kv" {
         let dumps = workers.len() as u64;
-        if !envoy.wait_for(Duration::from_secs(10), |e| {
-            e.router_stat("events.resyncs") >= dumps
-        }) {
-            eprintln!("{arm}: the filter had not read every worker's dump within 10 s");
+        for envoy in &envoys {
+            if !envoy.wait_for(Duration::from_secs(10), |e| {
+                e.router_stat("events.resyncs") >= dumps
+            }) {
+                eprintln!("{arm}: the filter had not read every worker's dump within 10 s");
+            }
         }
     }
     opts.worker_addrs = workers.iter().map(|w| w.addr.clone()).collect();
     opts.label = arm.to_string();
-    let stats = run_workload(&envoy.listener, workload, &opts);
-    print_filter_stats(arm, &envoy);
-    if tokenizer.is_some() {
-        print_tokenizer_stats(&envoy);
+    let listeners: Vec<String> = envoys.iter().map(|e| e.listener.clone()).collect();
+    let stats = run_workload_on(&listeners, workload, &opts);
+    for envoy in &envoys {
+        print_filter_stats(arm, envoy);
+        if tokenizer.is_some() {
+            print_tokenizer_stats(envoy);
+        }
     }
-    drop(envoy);
+    drop(envoys);
     drop(tokenizer);
     drop(workers);
     Ok(stats)
@@ -925,6 +960,16 @@ fn mock_timing_at(speedup: f64, capacity_tokens: f64) -> (Vec<f64>, Vec<f64>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn replica_arms_name_their_count() {
+        assert_eq!(split_replicas("kv").unwrap(), ("kv", 1));
+        assert_eq!(split_replicas("kv*3").unwrap(), ("kv", 3));
+        assert_eq!(split_replicas("kv+share:0*2").unwrap(), ("kv+share:0", 2));
+        for bad in ["kv*0", "kv*17", "kv*x", "kv*"] {
+            assert!(split_replicas(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn tagged_arms_run_their_own_build() {

@@ -108,6 +108,20 @@ impl ProcessGuard {
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
+
+    /// SIGTERM, then a kill if it has not exited within `limit`.
+    pub fn terminate(&mut self, limit: Duration) {
+        if self.is_running() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &self.child.id().to_string()])
+                .status();
+            let deadline = Instant::now() + limit;
+            while self.is_running() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        self.kill();
+    }
 }
 
 impl Drop for ProcessGuard {
@@ -202,6 +216,12 @@ impl Worker {
     /// Kills the worker and starts a fresh one with the same id, flags and address: an engine
     /// restart (empty cache, event ids from 1 again). Not for bridged workers.
     pub fn restart(&mut self) -> std::io::Result<()> {
+        self.restart_with(&[])
+    }
+
+    /// [`Worker::restart`] with `extra` flags for this run only (e.g. `--events-fault http_500`:
+    /// the engine fills its cache before any router reads it); a later restart drops them.
+    pub fn restart_with(&mut self, extra: &[&str]) -> std::io::Result<()> {
         if self.process.is_none() {
             return Err(std::io::Error::other(format!(
                 "worker {} was not started here: cannot restart it",
@@ -214,13 +234,16 @@ impl Worker {
             .rsplit_once(':')
             .and_then(|(_, p)| p.parse().ok())
             .unwrap_or(0);
-        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        let base = self.args.clone();
+        let mut args: Vec<&str> = base.iter().map(String::as_str).collect();
+        args.extend_from_slice(extra);
         // The port was just freed; a listener in TIME_WAIT elsewhere can hold it for a moment.
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             match Worker::spawn_on(self.id, port, &args) {
                 Ok(fresh) => {
                     *self = fresh;
+                    self.args = base;
                     return Ok(());
                 }
                 Err(e) if Instant::now() >= deadline => return Err(e),
@@ -337,6 +360,8 @@ pub struct Bridge {
     pub log_path: PathBuf,
     dir: PathBuf,
     process: ProcessGuard,
+    /// How it was started, for [`Bridge::restart`].
+    opts: BridgeOptions,
 }
 
 /// The log line announcing the bridge's address: `kv-event-bridge on http://<addr> for ...`.
@@ -346,13 +371,37 @@ impl Bridge {
     /// Starts the bridge and waits (at most 30 s) until it is subscribed to the engine
     /// (`/health` answers 200).
     pub fn spawn(opts: &BridgeOptions) -> std::io::Result<Bridge> {
+        Bridge::spawn_on(opts, "127.0.0.1:0")
+    }
+
+    /// Kills the bridge and starts a fresh one with the same options on the same address (a
+    /// bridge restart: its mirror rebuilt from the engine's replay buffer, its event ids new).
+    pub fn restart(&mut self) -> std::io::Result<()> {
+        self.process.kill();
+        let (opts, addr) = (self.opts.clone(), self.addr.clone());
+        // The port was just freed; retry while something holds it for a moment.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match Bridge::spawn_on(&opts, &addr) {
+                Ok(fresh) => {
+                    *self = fresh;
+                    return Ok(());
+                }
+                Err(e) if Instant::now() >= deadline => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+
+    /// [`Bridge::spawn`] listening on `listen` (`127.0.0.1:0`: a free port).
+    pub fn spawn_on(opts: &BridgeOptions, listen: &str) -> std::io::Result<Bridge> {
         let bin = require_kv_event_bridge()?;
         let dir = scratch_dir()?;
         let log_path = dir.join("bridge.log");
         let mut cmd = Command::new(bin);
         cmd.args(["--engine", &opts.engine])
             .args(["--block-size", &opts.block_size.to_string()])
-            .args(["--listen", "127.0.0.1:0"]);
+            .args(["--listen", listen]);
         if let Some(replay) = &opts.replay {
             cmd.args(["--replay", replay]);
         }
@@ -408,6 +457,7 @@ impl Bridge {
             log_path,
             dir,
             process,
+            opts: opts.clone(),
         };
         let deadline = Instant::now() + Duration::from_secs(30);
         while !client::get(&bridge.addr, "/health").is_ok_and(|r| r.status == 200) {
@@ -489,6 +539,10 @@ pub struct EnvoyOptions {
     /// detection, and the `envoy_admin` cluster the filter's `membership` reads. `None`: a STATIC
     /// worker cluster as before.
     pub discovery: Option<Discovery>,
+    /// Start it so that [`Envoy::hot_restart`] can replace it: hot restart on (a base id of its
+    /// own), the listener on a fixed port (the new process takes over its socket), drains of 1 s
+    /// and the old process ended 3 s after the new one started.
+    pub hot_restart: bool,
 }
 
 /// How Envoy learns and judges the worker cluster's hosts (`EnvoyOptions::discovery`).
@@ -522,6 +576,7 @@ impl EnvoyOptions {
             wasm: None,
             upstream_http2: false,
             dynamic_listener: false,
+            hot_restart: false,
             discovery: None,
         }
     }
@@ -824,6 +879,41 @@ pub struct Envoy {
     /// With [`EnvoyOptions::dynamic_listener`]: the options the LDS file was written from.
     dynamic: Option<EnvoyOptions>,
     process: ProcessGuard,
+    /// With [`EnvoyOptions::hot_restart`]: what the next epoch needs.
+    hot: Option<HotRestart>,
+}
+
+/// What [`Envoy::hot_restart`] starts the next process with.
+struct HotRestart {
+    base_id: String,
+    epoch: u32,
+    /// Every flag but `--restart-epoch`, `--base-id` and `--admin-address-path`.
+    args: Vec<String>,
+    /// The previous epoch's process (it drains and exits; killed on drop if it has not).
+    parent: Option<ProcessGuard>,
+}
+
+/// Starts `envoy <args> <extra> [<extra_path>] --admin-address-path <admin_path>`, its log
+/// (stderr) to `log_path`.
+fn spawn_envoy(
+    args: &[String],
+    extra: &[&str],
+    extra_path: Option<&Path>,
+    admin_path: &Path,
+    log_path: &Path,
+) -> std::io::Result<Child> {
+    let log = std::fs::File::create(log_path)?;
+    let mut cmd = Command::new(envoy_bin());
+    cmd.args(args).args(extra);
+    if let Some(path) = extra_path {
+        cmd.arg(path);
+    }
+    cmd.arg("--admin-address-path")
+        .arg(admin_path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
 }
 
 impl Envoy {
@@ -848,34 +938,119 @@ impl Envoy {
             add_discovery(&mut doc, discovery, &dir, free_port()?);
             write_atomically(&dir.join("eds.json"), &eds_document(&opts.worker_addrs))?;
         }
+        if opts.hot_restart {
+            // The new process takes over the listener's socket by its address: not port 0.
+            let address = socket_address(&format!("127.0.0.1:{}", free_port()?));
+            if let Some(listener) = doc["static_resources"]["listeners"].get_mut(0) {
+                listener["address"] = address;
+            }
+        }
         std::fs::write(&config_path, doc.to_string())?;
         let admin_path = dir.join("admin-address");
-        let log = std::fs::File::create(dir.join("envoy.log"))?;
-        let child = Command::new(envoy_bin())
-            .arg("-c")
-            .arg(&config_path)
-            .arg("--admin-address-path")
-            .arg(&admin_path)
+        let mut args: Vec<String> = vec![
+            "-c".into(),
+            config_path.to_string_lossy().into_owned(),
+            "--concurrency".into(),
+            opts.concurrency.to_string(),
+            "-l".into(),
+            opts.log_level.into(),
+            "--component-log-level".into(),
+            "wasm:info".into(),
+        ];
+        let (child, hot) = if opts.hot_restart {
+            args.extend(["--drain-time-s", "1", "--parent-shutdown-time-s", "3"].map(String::from));
+            let base_id_path = dir.join("base-id");
+            let child = spawn_envoy(
+                &args,
+                &["--use-dynamic-base-id", "--base-id-path"],
+                Some(&base_id_path),
+                &admin_path,
+                &dir.join("envoy.log"),
+            )?;
+            (child, Some(base_id_path))
+        } else {
             // Tests kill Envoy; without hot restart it keeps no shared-memory file in /dev/shm.
-            .args([
-                "--disable-hot-restart",
-                "--concurrency",
-                &opts.concurrency.to_string(),
-            ])
-            .args(["-l", opts.log_level, "--component-log-level", "wasm:info"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()?;
+            let child = spawn_envoy(
+                &args,
+                &["--disable-hot-restart"],
+                None,
+                &admin_path,
+                &dir.join("envoy.log"),
+            )?;
+            (child, None)
+        };
         let mut envoy = Envoy {
             listener: String::new(),
             admin: String::new(),
             dir,
             dynamic,
             process: ProcessGuard { child },
+            hot: None,
         };
         envoy.wait_ready(&admin_path, Duration::from_secs(60))?;
+        if let Some(path) = hot {
+            let base_id = std::fs::read_to_string(&path)?.trim().to_string();
+            envoy.hot = Some(HotRestart {
+                base_id,
+                epoch: 0,
+                args,
+                parent: None,
+            });
+        }
         Ok(envoy)
+    }
+
+    /// An Envoy hot restart (needs [`EnvoyOptions::hot_restart`]): starts the next epoch with the
+    /// same configuration, which takes over the listener's socket and tells this process to
+    /// drain (1 s) and exit (3 s). Returns once the new process is ready; from then on this
+    /// handle (admin, stats, log) is the new process's. The filter's VM in it starts afresh.
+    pub fn hot_restart(&mut self) -> std::io::Result<()> {
+        let Some(hot) = self.hot.as_mut() else {
+            return Err(std::io::Error::other(
+                "Envoy was started without EnvoyOptions::hot_restart",
+            ));
+        };
+        hot.epoch += 1;
+        let epoch = hot.epoch.to_string();
+        let admin_path = self.dir.join(format!("admin-address-{epoch}"));
+        let child = spawn_envoy(
+            &hot.args,
+            &["--base-id", &hot.base_id, "--restart-epoch", &epoch],
+            None,
+            &admin_path,
+            &self.dir.join(format!("envoy-{epoch}.log")),
+        )?;
+        let old = std::mem::replace(&mut self.process, ProcessGuard { child });
+        hot.parent = Some(old);
+        let (listener, admin) = (self.listener.clone(), std::mem::take(&mut self.admin));
+        if let Err(e) = self.wait_ready(&admin_path, Duration::from_secs(60)) {
+            self.admin = admin;
+            return Err(e);
+        }
+        if self.listener != listener {
+            return Err(std::io::Error::other(format!(
+                "the new Envoy listens on {} instead of {listener}",
+                self.listener
+            )));
+        }
+        Ok(())
+    }
+
+    /// Waits (at most `limit`) until the process a [`Envoy::hot_restart`] replaced has exited.
+    pub fn wait_parent_exit(&mut self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            let running = self
+                .hot
+                .as_mut()
+                .and_then(|h| h.parent.as_mut())
+                .is_some_and(ProcessGuard::is_running);
+            if !running {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
     }
 
     fn wait_ready(&mut self, admin_path: &Path, limit: Duration) -> std::io::Result<()> {
@@ -1069,14 +1244,22 @@ impl Envoy {
         }
     }
 
+    /// The running process's log (after a [`Envoy::hot_restart`], the new epoch's).
+    fn log_path(&self) -> PathBuf {
+        match self.hot.as_ref().map_or(0, |h| h.epoch) {
+            0 => self.dir.join("envoy.log"),
+            epoch => self.dir.join(format!("envoy-{epoch}.log")),
+        }
+    }
+
     pub fn log_tail(&self, lines: usize) -> String {
-        let text = std::fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default();
+        let text = std::fs::read_to_string(self.log_path()).unwrap_or_default();
         let all: Vec<&str> = text.lines().collect();
         all[all.len().saturating_sub(lines)..].join("\n")
     }
 
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default()
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
     }
 
     pub fn is_running(&mut self) -> bool {
@@ -1086,6 +1269,15 @@ impl Envoy {
 
 impl Drop for Envoy {
     fn drop(&mut self) {
+        if let Some(hot) = self.hot.as_mut() {
+            if let Some(parent) = hot.parent.as_mut() {
+                parent.terminate(Duration::from_secs(5));
+            }
+            self.process.terminate(Duration::from_secs(5));
+            // Hot restart keeps its state in shared memory named by the base id (times 10), and
+            // Envoy leaves it behind even on a clean exit.
+            let _ = std::fs::remove_file(format!("/dev/shm/envoy_shared_memory_{}0", hot.base_id));
+        }
         self.process.kill();
         if std::thread::panicking() {
             eprintln!(

@@ -3,7 +3,8 @@
 //! * [`client`]: a small blocking HTTP client for tests, benches and the harness.
 //! * [`server`]: serving an axum router (foreground or on a background thread).
 //! * [`mock`]: the mock LLM worker (echo mode for tests, a vLLM-like engine for benchmarks).
-//! * [`loadgen`], [`compare`]: the async load generator and the mode-by-mode comparison.
+//! * [`loadgen`], [`compare`], [`race`]: the async load generator, the mode-by-mode comparison
+//!   and the repeated all-workloads, all-arms race on top of it.
 //! * [`calibrate`]: measures an engine's timing and fits the filter's TTFT polynomials.
 //! * [`peer`]: peer routers (`vllm-router`) as arms of the comparison.
 //! * [`harness`]: launches Envoy and mock workers for the integration tests and the demo.
@@ -16,6 +17,7 @@ pub mod loadgen;
 pub mod mock;
 pub mod peer;
 pub mod quality;
+pub mod race;
 pub mod server;
 pub mod sse;
 pub mod sys;

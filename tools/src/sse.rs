@@ -145,7 +145,7 @@ impl EventStream {
             let Some(response) = self.response.as_mut() else {
                 return Ok(None);
             };
-            match response.chunk().await.map_err(crate::client::to_io_error)? {
+            match response.chunk().await.map_err(crate::util::to_io_error)? {
                 Some(bytes) => self
                     .parser
                     .feed(&bytes, Instant::now(), &mut self.pending)?,
@@ -162,7 +162,7 @@ impl EventStream {
         let Some(response) = self.response.as_mut() else {
             return Ok(None);
         };
-        match response.chunk().await.map_err(crate::client::to_io_error)? {
+        match response.chunk().await.map_err(crate::util::to_io_error)? {
             Some(bytes) => Ok(Some((Instant::now(), bytes))),
             None => {
                 self.response = None;

@@ -1,5 +1,8 @@
-//! Small shared helpers: deterministic mixing, percentiles, poison-tolerant locking.
+//! Small shared helpers: deterministic mixing, percentiles, poison-tolerant locking, `reqwest`
+//! errors as `io::Error`.
 
+use std::error::Error as _;
+use std::io;
 use std::sync::{Mutex, MutexGuard};
 
 /// Locks a mutex, ignoring poisoning (a panicking handler must not wedge the server).
@@ -32,6 +35,32 @@ pub fn mean(values: &[f64]) -> Option<f64> {
     } else {
         Some(values.iter().sum::<f64>() / values.len() as f64)
     }
+}
+
+/// Maps a `reqwest` error to an `io::Error` whose kind says what happened (`TimedOut`,
+/// `ConnectionRefused`, ...) and whose message names the innermost cause.
+pub fn to_io_error(e: reqwest::Error) -> io::Error {
+    let mut kind = if e.is_timeout() {
+        io::ErrorKind::TimedOut
+    } else {
+        io::ErrorKind::Other
+    };
+    let mut source = e.source();
+    let mut innermost = None;
+    while let Some(s) = source {
+        if let Some(ioe) = s.downcast_ref::<io::Error>() {
+            if kind == io::ErrorKind::Other {
+                kind = ioe.kind();
+            }
+        }
+        innermost = Some(s.to_string());
+        source = s.source();
+    }
+    let msg = match innermost {
+        Some(cause) => format!("{e}: {cause}"),
+        None => e.to_string(),
+    };
+    io::Error::new(kind, msg)
 }
 
 #[cfg(test)]

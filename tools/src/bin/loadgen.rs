@@ -11,7 +11,6 @@ use envoy_kv_router_tools::compare::{
     compare_modes, quality_table, report_comparison, worker_arg, worker_kv_blocks, EventsVia, Fleet,
 };
 use envoy_kv_router_tools::loadgen::generate::{generate, write_trace, TraceLoad, WorkloadKind};
-use envoy_kv_router_tools::loadgen::race::{race, RaceOptions, DEFAULT_ARMS, WORKLOADS};
 use envoy_kv_router_tools::loadgen::{
     chat, format_stats, load_mooncake, run_workload_on, synthetic, write_svg_chart, ChatSpec,
     ModelFit, RequestResult, RunOptions, RunStats, SyntheticSpec, Workload,
@@ -19,6 +18,7 @@ use envoy_kv_router_tools::loadgen::{
 use envoy_kv_router_tools::quality::{
     affinity_table, credit_table, load_miss_table, time_beyond_compute_table,
 };
+use envoy_kv_router_tools::race::{race, RaceOptions, DEFAULT_ARMS, EXTRA_WORKLOADS, WORKLOADS};
 use envoy_kv_router_tools::sys::raise_fd_limit;
 use envoy_kv_router_tools::vllm::{self, EngineConfig};
 use serde_json::Value;
@@ -283,10 +283,12 @@ fn run_race(a: &RaceArgs) {
             .cloned()
             .collect()
     };
-    if let Some(w) = workloads.iter().find(|w| !WORKLOADS.contains(&w.as_str())) {
+    let known = |w: &str| WORKLOADS.contains(&w) || EXTRA_WORKLOADS.contains(&w);
+    if let Some(w) = workloads.iter().find(|w| !known(w.as_str())) {
         fail(&format!(
-            "race: unknown workload {w:?} (known: {})",
-            WORKLOADS.join(",")
+            "race: unknown workload {w:?} (known: {},{})",
+            WORKLOADS.join(","),
+            EXTRA_WORKLOADS.join(",")
         ));
     }
     let mut arms: Vec<String> = if a.arms.is_empty() {

@@ -3,11 +3,11 @@
 //! token-id prompts, measuring TTFT, ITL, end-to-end latency, throughput, errors, achieved
 //! concurrency and the client's own CPU), the measurements (`stats`) and the reports
 //! (`report`: tables and a TTFT chart); generated multi-turn workloads in the Mooncake format
-//! (`generate`) and the repeated all-workloads, all-arms comparison (`race`).
+//! (`generate`). The repeated all-workloads, all-arms comparison built on these is
+//! [`crate::race`].
 
 mod chat;
 pub mod generate;
-pub mod race;
 mod replay;
 mod report;
 mod runner;
@@ -18,10 +18,10 @@ pub use replay::{affinity_replay, block_hashes, pooled_replay, Affinity};
 pub use report::{
     comparison_table, format_stats, print_comparison_table, svg_chart, write_svg_chart,
 };
-pub use runner::{run_workload, run_workload_on, RequestResult, RunOptions};
+pub use runner::{run_workload, run_workload_on, RunOptions};
 pub use stats::{
-    metric_value, scrape_hit_rate, scrape_workers, CacheCounters, ClientUsage, RunStats, Summary,
-    WorkerCounters,
+    metric_value, scrape_hit_rate, scrape_workers, CacheCounters, ClientUsage, RequestResult,
+    RunStats, Summary, WorkerCounters,
 };
 
 use std::io::{self, BufRead, BufReader};
@@ -195,7 +195,9 @@ impl Workload {
 }
 
 /// `groups=G,prefix=P,isl=I,osl=O,requests=N,rate=R` (Poisson arrivals, req/s) or
-/// `...,concurrency=C` (closed loop); optional `seed=S`.
+/// `...,concurrency=C` (closed loop); optional `seed=S`; `burst=B`: requests come in bursts of
+/// B that arrive together and share a prefix no earlier request had (G is then ignored), the
+/// bursts Poisson at R / B a second.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SyntheticSpec {
     pub groups: usize,
@@ -206,6 +208,8 @@ pub struct SyntheticSpec {
     pub rate: Option<f64>,
     pub concurrency: Option<usize>,
     pub seed: u64,
+    /// Requests per burst of a new prefix (0: no bursts).
+    pub burst: usize,
 }
 
 impl SyntheticSpec {
@@ -219,6 +223,7 @@ impl SyntheticSpec {
             rate: None,
             concurrency: None,
             seed: 42,
+            burst: 0,
         };
         for part in s.split(',').filter(|p| !p.trim().is_empty()) {
             let (k, v) = part
@@ -237,6 +242,7 @@ impl SyntheticSpec {
                 "requests" => spec.requests = num(v)?,
                 "concurrency" => spec.concurrency = Some(num(v)?.max(1)),
                 "seed" => spec.seed = num(v)? as u64,
+                "burst" => spec.burst = num(v)?,
                 "rate" => {
                     let r: f64 = v
                         .trim()
@@ -271,7 +277,13 @@ pub fn synthetic(spec: &SyntheticSpec) -> Workload {
     let mut t = 0.0;
     let requests = (0..spec.requests)
         .map(|n| {
-            let group = next() % spec.groups as u64;
+            let burst = spec.burst.max(1);
+            let group = if spec.burst > 0 {
+                // A fresh prefix per burst: no earlier group's (nor another seed's).
+                (spec.seed << 24) ^ (n / burst) as u64 ^ (1 << 31)
+            } else {
+                next() % spec.groups as u64
+            };
             let mut tokens: Vec<u32> = (0..spec.prefix)
                 .map(|i| (splitmix64(0xC0FFEE ^ (group << 32) ^ i as u64) % VOCAB) as u32)
                 .collect();
@@ -279,8 +291,9 @@ pub fn synthetic(spec: &SyntheticSpec) -> Workload {
             tokens.extend(
                 (spec.prefix..spec.isl).map(|i| (splitmix64(unique ^ i as u64) % VOCAB) as u32),
             );
-            if let Some(rate) = spec.rate {
-                // Exponential inter-arrival times.
+            if let Some(rate) = spec.rate.filter(|_| n % burst == 0) {
+                let rate = rate / burst as f64;
+                // Exponential inter-arrival times (of bursts, when bursty).
                 let u = ((next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
                 t += -u.ln() / rate * 1000.0;
             }
@@ -402,5 +415,17 @@ mod tests {
         assert_eq!(c.arrival, Arrival::Concurrency(2));
         assert!(SyntheticSpec::parse("prefix=10,isl=5").is_err());
         assert!(SyntheticSpec::parse("bogus=1").is_err());
+        // Bursts: 4 of 5 requests each, every burst at one instant with a prefix of its own.
+        let b = synthetic(
+            &SyntheticSpec::parse("burst=5,prefix=8,isl=12,requests=20,rate=10").unwrap(),
+        );
+        for burst in b.requests.chunks(5) {
+            assert!(burst.iter().all(|r| r.at_ms == burst[0].at_ms));
+            assert!(burst.iter().all(|r| r.tokens[..8] == burst[0].tokens[..8]));
+        }
+        let firsts: std::collections::HashSet<&[u32]> =
+            b.requests.iter().map(|r| &r.tokens[..8]).collect();
+        assert_eq!(firsts.len(), 4);
+        assert!(b.requests[5].at_ms > b.requests[4].at_ms);
     }
 }

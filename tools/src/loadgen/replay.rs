@@ -21,7 +21,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
-use super::runner::RequestResult;
+use super::stats::RequestResult;
 use super::Workload;
 use crate::util::splitmix64;
 

@@ -314,7 +314,7 @@ pub fn write_svg_chart(path: &Path, rows: &[(&str, RunStats)]) -> io::Result<()>
 
 #[cfg(test)]
 mod tests {
-    use super::super::runner::RequestResult;
+    use super::super::stats::RequestResult;
     use super::super::stats::{ClientUsage, WorkerCounters};
     use super::*;
 

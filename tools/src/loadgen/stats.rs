@@ -7,9 +7,39 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::runner::RequestResult;
 use crate::client;
 use crate::util::{mean, percentile};
+
+/// What happened to one request.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct RequestResult {
+    pub index: usize,
+    pub ok: bool,
+    pub status: u16,
+    pub error: Option<String>,
+    /// Offset of the send from the start of the run.
+    pub sent_at_ms: f64,
+    /// How late the send was relative to the scheduled arrival (timed workloads).
+    pub send_delay_ms: f64,
+    pub ttft_ms: Option<f64>,
+    pub itl_ms: Vec<f64>,
+    pub e2e_ms: f64,
+    pub prompt_tokens: usize,
+    pub output_tokens: usize,
+    /// `usage.prompt_tokens_details.cached_tokens` when reported.
+    pub cached_tokens: Option<usize>,
+    /// The `x-worker-id` response header.
+    pub worker_id: Option<String>,
+    /// The filter's `x-kv-router-overlap-blocks` and `x-kv-router-max-overlap-blocks` (with
+    /// `response_headers` on): the chosen worker's overlap and the longest one in its index.
+    pub router_overlap_blocks: Option<u32>,
+    pub router_max_overlap_blocks: Option<u32>,
+    /// The filter's `x-kv-router-worker` and `x-kv-router-loads` (every candidate's booked
+    /// prefill tokens, requests in flight and overlap as the decision saw them).
+    pub router_worker: Option<String>,
+    pub router_loads: Option<String>,
+}
 
 /// Prefix-cache counters summed over mock workers (`/metrics`).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

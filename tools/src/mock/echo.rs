@@ -26,8 +26,8 @@ use futures_util::stream;
 use serde_json::{json, Value};
 
 use super::event_log::{is_stored_event, EventLog, PageLimits};
+use super::openai::json_response;
 use super::openai::{self, Shape};
-use super::routes::json_response;
 use super::InFlight;
 use crate::util::lock;
 

@@ -15,8 +15,8 @@ use serde_json::Value;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::engine::{Engine, Output, ReqId};
+use super::openai::json_response;
 use super::openai::{self, Shape};
-use super::routes::json_response;
 use super::InFlight;
 
 /// Aborts the engine request when dropped before it finished.

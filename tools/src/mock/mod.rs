@@ -197,6 +197,11 @@ pub struct Options {
     /// Bytes of batches kept for replay.
     #[arg(long, default_value_t = 64 << 20, value_parser = positive)]
     pub kv_events_replay_bytes: usize,
+    /// The `/kv/events` and `/kv/dump` fault from the start (as `POST /admin/events_fault`
+    /// sets it later): `none`, `http_500`, `malformed`, `hang`, `wrong_block_size`, `oversized`.
+    /// An engine restarted with `http_500` can fill its cache before any router sees it.
+    #[arg(long, default_value = "none", value_parser = events_fault)]
+    pub events_fault: EventsFault,
 }
 
 impl Default for Options {
@@ -270,6 +275,10 @@ pub enum EventsFault {
     WrongBlockSize,
     /// A valid page padded with an 8 MiB `padding` string.
     Oversized,
+}
+
+fn events_fault(s: &str) -> Result<EventsFault, String> {
+    EventsFault::parse(s).ok_or_else(|| format!("unknown events fault {s:?}"))
 }
 
 impl EventsFault {
@@ -349,12 +358,13 @@ impl MockWorker {
                 ))
             }
         };
+        let fault = opts.events_fault;
         Ok(Arc::new(MockWorker {
             opts,
             worker_id,
             id_header,
             backend,
-            fault: Mutex::new(EventsFault::None),
+            fault: Mutex::new(fault),
             load_override: Mutex::new(None),
             description: Mutex::new(None),
             health_status: AtomicU64::new(200),

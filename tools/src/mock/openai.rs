@@ -1,8 +1,11 @@
 //! OpenAI request fields the mock reads and the response shapes it writes (completions and chat,
-//! whole or streamed as SSE).
+//! whole or streamed as SSE), and [`json_response`] for a JSON reply.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use axum::http::header::CONTENT_TYPE;
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
 /// Which endpoint a request came in on.
@@ -221,6 +224,18 @@ pub fn worker_id_text(worker_id: &Value) -> String {
         Value::String(s) => s.clone(),
         other => other.to_string(),
     }
+}
+
+/// A JSON response with `status` (500 if `status` is not a valid code).
+pub fn json_response(status: u16, body: &Value) -> Response {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let bytes = serde_json::to_vec(body).unwrap_or_default();
+    (
+        status,
+        [(CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+        bytes,
+    )
+        .into_response()
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use axum::response::Response;
 use serde_json::{json, Value};
 
 use super::openai;
-use super::routes::json_response;
+use super::openai::json_response;
 use super::MockWorker;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -16,7 +16,7 @@ use axum::Router;
 use serde_json::{json, Value};
 
 use super::event_log::{splice_events, PageLimits};
-use super::openai::{self, ApiKind, Shape};
+use super::openai::{self, json_response, ApiKind, Shape};
 use super::render;
 use super::{
     echo, engine_api, Backend, EventsFault, MockWorker, MAX_REQUEST_BODY_BYTES,
@@ -61,18 +61,6 @@ async fn stamp_worker_id(State(w): Worker, req: Request, next: Next) -> Response
     resp.headers_mut()
         .insert("x-worker-id", w.id_header.clone());
     resp
-}
-
-/// A JSON response with `status` (500 if `status` is not a valid code).
-pub fn json_response(status: u16, body: &Value) -> Response {
-    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let bytes = serde_json::to_vec(body).unwrap_or_default();
-    (
-        status,
-        [(CONTENT_TYPE, HeaderValue::from_static("application/json"))],
-        bytes,
-    )
-        .into_response()
 }
 
 fn parse_json(body: &Bytes) -> serde_json::Result<Value> {

@@ -12,11 +12,12 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
-use super::generate::{self, AgentSpec, ConversationSpec, TraceLoad, TraceRequest};
-use super::{
-    chat, load_mooncake, write_svg_chart, ChatSpec, ModelFit, RunOptions, RunStats, Workload,
-};
 use crate::compare::{compare_modes_repeated, Fleet};
+use crate::loadgen::generate::{self, AgentSpec, ConversationSpec, TraceLoad, TraceRequest};
+use crate::loadgen::{
+    chat, load_mooncake, synthetic, write_svg_chart, ChatSpec, ModelFit, RunOptions, RunStats,
+    SyntheticSpec, Workload,
+};
 use crate::peer::vllm_router_policy;
 use crate::vllm::{self, EngineConfig};
 
@@ -29,6 +30,10 @@ pub const WORKLOADS: [&str; 6] = [
     "agent-mixed",
     "vllm",
 ];
+
+/// Workloads run only when named in `--workloads`: `burst` (bursts of requests sharing a new
+/// prefix, for replicas of the router: `--arms kv,kv*3`).
+pub const EXTRA_WORKLOADS: [&str; 1] = ["burst"];
 
 /// The arms: the filter at its defaults, its round-robin mode, and vllm-router's policies.
 pub const DEFAULT_ARMS: [&str; 5] = [
@@ -57,6 +62,9 @@ pub const CHAT_TEXT_SPEC: &str = "conversations=200,turns=6,system_prompts=4,sys
 user_chars=4000,reply_chars=1600,osl=64,rate=30,seed=1";
 /// `agent` and `agent-mixed`: [`AgentSpec`] overrides (the rest at its defaults), time scale 1.
 pub const AGENT_PARAMS: &str = "seed=1,sessions=150";
+/// `burst`: the synthetic spec (`--synthetic`) with bursts of 16 requests, each burst sharing a
+/// new 8,192-token prefix, 1,024 tokens of its own per request, at 12 requests a second.
+pub const BURST_SPEC: &str = "burst=16,prefix=8192,isl=9216,osl=64,requests=480,rate=12,seed=1";
 /// `vllm`: two real vLLM CPU engines (tiny model) and a small agent workload fitted to them.
 pub const VLLM_ENGINES: u64 = 2;
 pub const VLLM_BLOCK_SIZE: u32 = 32;
@@ -355,12 +363,30 @@ pub fn prepare(name: &str, opts: &RaceOptions) -> io::Result<Result<RaceWorkload
                 run_opts,
             }
         }
+        "burst" => {
+            let mut spec = SyntheticSpec::parse(BURST_SPEC).map_err(io::Error::other)?;
+            // Whole bursts only.
+            spec.requests = scaled(spec.requests / spec.burst, opts.scale) * spec.burst;
+            RaceWorkload {
+                name: name.into(),
+                description: mock(&format!(
+                    "bursts of requests sharing a new prefix (`--synthetic {BURST_SPEC}`, with requests={})",
+                    spec.requests
+                )),
+                params: json!({"synthetic": BURST_SPEC, "requests": spec.requests}),
+                load: None,
+                workload: synthetic(&spec),
+                fleet: mock_fleet(),
+                run_opts,
+            }
+        }
         other => {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!(
-                    "unknown workload {other:?} (known: {})",
-                    WORKLOADS.join(",")
+                    "unknown workload {other:?} (known: {},{})",
+                    WORKLOADS.join(","),
+                    EXTRA_WORKLOADS.join(",")
                 ),
             ))
         }
@@ -1352,7 +1378,8 @@ mod tests {
             synthetic_trace: trace,
             ..RaceOptions::default()
         };
-        for name in WORKLOADS {
+        for name in WORKLOADS.iter().chain(&EXTRA_WORKLOADS) {
+            let name = *name;
             match prepare(name, &opts).unwrap() {
                 Ok(w) => {
                     assert!(!w.workload.requests.is_empty(), "{name}");
