@@ -740,8 +740,10 @@ fn router_worked_example_end_to_end() {
 fn router_random_ties_are_the_same_sequence_on_every_target() {
     // Equal costs everywhere: the pick comes from the seeded RNG. Pinned values (computed
     // natively) must come out identically on wasm32, or replicas would diverge by platform.
+    // The seed's cost, so that the costs stay equal (the default's request-share term would
+    // tell the slots apart after the first pick).
     let config = Config::from_json(
-        br#"{"workers": [
+        br#"{"policy": "dynamo", "workers": [
               {"id": 1, "address": "10.0.0.1:8000"}, {"id": 2, "address": "10.0.0.2:8000"},
               {"id": 3, "address": "10.0.0.3:8000"}, {"id": 4, "address": "10.0.0.4:8000"},
               {"id": 5, "address": "10.0.0.5:8000"}]}"#,
