@@ -71,7 +71,7 @@ pub fn call_path(events: &EventsConfig, kind: CallKind) -> String {
 /// largest vLLM events (~50 KiB of JSON with their token ids); the poller makes twice as many
 /// calls for a backlog: events applied inside Envoy (`benches/envoy_cpu.rs -- --only events`)
 /// 209-390 k/s per replica, median 252k, against 204-406 k/s, median 343k, with 256 KiB
-/// (five runs each, alternating, a loaded 2-core machine; docs/BENCHMARKS.md).
+/// (five runs each, alternating, a loaded 2-core machine; docs/history/benchmark-log.md).
 pub const PAGE_MAX_BYTES: usize = 1 << 17;
 
 /// The event bytes a page may hold (`&max_bytes=`): [`PAGE_MAX_BYTES`], or 7/8 of
