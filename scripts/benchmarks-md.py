@@ -19,8 +19,8 @@ RACES = os.path.join(ROOT, "docs", "race")
 TABLE = os.path.join(ROOT, "scripts", "race-table.py")
 
 
-def table(paths):
-    out = subprocess.run([sys.executable, TABLE, *paths], check=True, capture_output=True, text=True)
+def table(paths, *flags):
+    out = subprocess.run([sys.executable, TABLE, *flags, *paths], check=True, capture_output=True, text=True)
     return out.stdout.strip()
 
 
@@ -38,9 +38,9 @@ def main():
     print("[history/benchmark-log.md](history/benchmark-log.md).\n")
     for name in sorted(os.listdir(RACES), reverse=True):
         d = os.path.join(RACES, name)
-        results = [os.path.join(d, "results.json")]
-        results += [os.path.join(d, sub, "results.json") for sub in ("vllm", "replicas")]
+        results = [os.path.join(d, "results.json"), os.path.join(d, "vllm", "results.json")]
         results = [p for p in results if os.path.isfile(p)]
+        replicas = os.path.join(d, "replicas", "results.json")
         if not results:
             continue
         with open(results[0]) as f:
@@ -55,6 +55,10 @@ def main():
         if cmd:
             print("```sh\n" + cmd + "\n```\n")
         print(table(results) + "\n")
+        if os.path.isfile(replicas):
+            print("One Envoy (`kv`) against three in front of the same fleet (`kv*3`), "
+                  f"[summary](race/{name}/replicas/summary.md):\n")
+            print(table([replicas], "--no-targets") + "\n")
 
 
 if __name__ == "__main__":

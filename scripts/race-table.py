@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Prints the README's race table from `loadgen race` result files (results.json).
 
-Usage: scripts/race-table.py RESULTS.json [MORE.json ...]
+Usage: scripts/race-table.py [--no-targets] RESULTS.json [MORE.json ...]
 
 One row per workload, one column per arm: TTFT mean / p99 (ms), prefix hit rate, max/mean
 requests per worker (on a mixed fleet: the largest share of requests over the worker's share of
@@ -26,7 +26,7 @@ def cell(m):
     return f'{t["mean"]:.0f} / {t["p99"]:.0f} / {100 * m["hit_rate"]:.1f}% / {m["balance"]:.2f}'
 
 
-def main(paths):
+def main(paths, targets=True):
     workloads, arms, candidate, runs = {}, [], "kv", set()
     for path in paths:
         with open(path) as f:
@@ -44,21 +44,24 @@ def main(paths):
     peers = [a for a in arms if a.startswith("vllm-router:")]
     order = [candidate] + peers + [a for a in arms if a != candidate and a not in peers]
     head = ["workload"] + [f"**{a}**" if a == candidate else SHORT.get(a, a) for a in order]
-    head += ["best peer / kv", "targets met"]
+    if targets:
+        head += ["best peer / kv", "targets met"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for name, w in workloads.items():
         med = w["medians"]
         row = [name] + [cell(med.get(a)) for a in order]
-        ratio = w.get("targets", {}).get("ttft_mean_ratio_candidate_over_best_peer")
-        row.append(f"{1 / ratio:.2f}x" if ratio else "-")
-        targets = w.get("targets", {}).get("targets", [])
-        met = [n for n, t in zip(TARGET_NAMES, targets) if t.get("pass")]
-        row.append(", ".join(met) if met else "none")
+        if targets:
+            ratio = w.get("targets", {}).get("ttft_mean_ratio_candidate_over_best_peer")
+            row.append(f"{1 / ratio:.2f}x" if ratio else "-")
+            judged = w.get("targets", {}).get("targets", [])
+            met = [n for n, t in zip(TARGET_NAMES, judged) if t.get("pass")]
+            row.append(", ".join(met) if met else "none")
         print("| " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    main([a for a in args if a != "--no-targets"], targets="--no-targets" not in args)
