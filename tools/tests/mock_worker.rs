@@ -516,7 +516,6 @@ fn engine_mode_takes_the_simulated_prefill_time() {
         "--jitter",
         "0",
     ]);
-    std::thread::sleep(Duration::from_millis(300)); // the engine idles before the first request
     let body = json!({"model": "m", "prompt": (0..6144).collect::<Vec<u32>>(), "max_tokens": 1});
     let started = Instant::now();
     let resp = post_json(&w.addr, "/v1/completions", &body).expect("cold request");
