@@ -29,8 +29,22 @@ pub fn eligible_slots(
     pin: Pin,
     load: &[SlotLoad],
 ) -> Result<Vec<SlotIdx>, RouteError> {
+    let mut slots = Vec::new();
+    eligible_slots_into(config, request, pin, load, &mut slots)?;
+    Ok(slots)
+}
+
+/// [`eligible_slots`] into `slots` (cleared first), so that the request path reuses one buffer.
+pub fn eligible_slots_into(
+    config: &Config,
+    request: &LlmRequest,
+    pin: Pin,
+    load: &[SlotLoad],
+    slots: &mut Vec<SlotIdx>,
+) -> Result<(), RouteError> {
     let num_slots = SlotIdx::try_from(config.slots.len()).unwrap_or(SlotIdx::MAX);
-    let mut slots: Vec<SlotIdx> = (0..num_slots).collect();
+    slots.clear();
+    slots.extend(0..num_slots);
     let worker_ok = |slots: &mut Vec<SlotIdx>,
                      keep: &dyn Fn(&crate::config::WorkerConfig) -> bool| {
         slots.retain(|s| config.worker_of_slot(*s).is_some_and(keep));
@@ -53,7 +67,7 @@ pub fn eligible_slots(
             .iter()
             .all(|s| usize::from(s.worker) < config.workers.len());
     if !all_routable {
-        worker_ok(&mut slots, &|w| w.routable);
+        worker_ok(slots, &|w| w.routable);
     }
     if slots.is_empty() {
         return Err(RouteError::NoWorkers);
@@ -61,7 +75,7 @@ pub fn eligible_slots(
 
     // 1. Allow-list.
     if let Some(allowed) = &request.allowed_worker_ids {
-        worker_ok(&mut slots, &|w| allowed.contains(&w.id));
+        worker_ok(slots, &|w| allowed.contains(&w.id));
         if slots.is_empty() {
             return Err(RouteError::NoCompatibleWorker {
                 reason: Incompatibility::AllowList {
@@ -109,7 +123,8 @@ pub fn eligible_slots(
                     reason: Incompatibility::PinnedOutsideAllowList { worker_id },
                 });
             }
-            slots = vec![slot];
+            slots.clear();
+            slots.push(slot);
         }
         (None, Some(dp_rank)) => {
             slots.retain(|s| config.slot(*s).is_some_and(|sl| sl.dp_rank == dp_rank));
@@ -125,7 +140,7 @@ pub fn eligible_slots(
     // 4. Model.
     // (Skipped when every worker serves every model.)
     if let Some(model) = request.model.as_ref().filter(|_| any_model_list) {
-        worker_ok(&mut slots, &|w| w.serves_model(model));
+        worker_ok(slots, &|w| w.serves_model(model));
         if slots.is_empty() {
             return Err(RouteError::NoCompatibleWorker {
                 reason: Incompatibility::ModelNotServed {
@@ -137,7 +152,7 @@ pub fn eligible_slots(
 
     // 5. Required taints.
     if !request.required_taints.is_empty() {
-        worker_ok(&mut slots, &|w| {
+        worker_ok(slots, &|w| {
             request.required_taints.iter().all(|t| w.taints.contains(t))
         });
         if slots.is_empty() {
@@ -164,7 +179,7 @@ pub fn eligible_slots(
             None => RouteError::AllWorkersOverloaded { eligible },
         });
     }
-    Ok(slots)
+    Ok(())
 }
 
 /// Whether `slot` is over any configured busy threshold (strictly greater than).

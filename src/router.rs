@@ -73,6 +73,19 @@ pub struct SelectorState {
     /// Per slot, the requests this VM sent it, decayed by `1 / (16 x slots)` per request: the
     /// last ~16 per slot.
     recent: Vec<f64>,
+    /// Buffers a decision reuses, so that a decision allocates nothing once they have grown
+    /// (the scores and fallbacks come back through [`SelectorState::recycle`]).
+    buffers: Buffers,
+}
+
+/// See [`SelectorState::buffers`].
+#[derive(Clone, Debug, Default)]
+struct Buffers {
+    candidates: Vec<SlotIdx>,
+    costs: Vec<f64>,
+    scores: Vec<(SlotIdx, f64)>,
+    fallbacks: Vec<SlotIdx>,
+    best: Vec<((SlotIdx, f64), std::net::SocketAddr)>,
 }
 
 impl SelectorState {
@@ -81,7 +94,21 @@ impl SelectorState {
             rng: Rng::new(seed),
             round_robin_counter: 0,
             recent: Vec::new(),
+            buffers: Buffers::default(),
         }
+    }
+
+    /// Takes back a decision's vectors for the next one (a caller done with `decision`).
+    pub fn recycle(&mut self, decision: Decision) {
+        let Decision {
+            mut scores,
+            mut fallbacks,
+            ..
+        } = decision;
+        scores.clear();
+        fallbacks.clear();
+        self.buffers.scores = scores;
+        self.buffers.fallbacks = fallbacks;
     }
 
     /// `slot` received a request. Allocates only when the number of slots changes.
@@ -187,7 +214,8 @@ pub fn decide(
     if config.mode == RoutingMode::Direct && pin.worker_id.is_none() {
         return Err(RouteError::PinRequired);
     }
-    let mut candidates = filters::eligible_slots(config, request, pin, input.load)?;
+    let mut candidates = std::mem::take(&mut state.buffers.candidates);
+    filters::eligible_slots_into(config, request, pin, input.load, &mut candidates)?;
     // The balance guard is the predicted policy's: the Dynamo cost's decode term balances alone.
     let predicted = config.policy == KvPolicy::Predicted;
     if let (RoutingMode::Kv, Some(t), None, true) =
@@ -221,7 +249,11 @@ pub fn decide(
             .unwrap_or_default()
     };
 
-    let mut scores: Vec<(SlotIdx, f64)> = Vec::new();
+    let mut scores = std::mem::take(&mut state.buffers.scores);
+    scores.clear();
+    // The scores' costs alone, contiguous for the pick (`kv` mode).
+    let mut costs = std::mem::take(&mut state.buffers.costs);
+    costs.clear();
     let rng = &mut state.rng;
     let chosen = match config.mode {
         RoutingMode::Kv => {
@@ -229,8 +261,7 @@ pub fn decide(
             // Per-request terms hoisted out of the per-slot loop (at 1,000 slots it dominates).
             let kv = cost::KvCost::new(&config.cost, config.block_size, isl, input.prompt_blocks);
             let no_taints = request.preferred_taints.is_empty();
-            // The scores' costs alone, contiguous for the pick.
-            let mut costs: Vec<f64> = Vec::with_capacity(candidates.len());
+            costs.reserve(candidates.len());
             let mut min_cost = None;
             // The worker's learned slowness relative to the fleet scales its cost (`adaptive`).
             let speed = match (&config.ttft, input.learned) {
@@ -340,6 +371,7 @@ pub fn decide(
             select::device_aware_weighted(config, &candidates, input.load, rng)
         }
     };
+    state.buffers.costs = costs;
     // eligible_slots never returns an empty set, so every mode picks; stay total anyway.
     let slot = chosen.ok_or(RouteError::AllWorkersOverloaded { eligible: 0 })?;
     if config.mode == RoutingMode::Kv && config.policy == KvPolicy::Adaptive {
@@ -360,11 +392,20 @@ pub fn decide(
         (RoutingMode::DeviceAwareWeighted, false) => Reason::DeviceAwareWeighted,
     };
 
-    let fallbacks = if pin.worker_id.is_some() {
-        Vec::new()
-    } else {
-        fallbacks(config, slot, &candidates, &scores, input.load)
-    };
+    let mut fallbacks = std::mem::take(&mut state.buffers.fallbacks);
+    fallbacks.clear();
+    if pin.worker_id.is_none() {
+        fallbacks_into(
+            config,
+            slot,
+            &candidates,
+            &scores,
+            input.load,
+            &mut fallbacks,
+            &mut state.buffers.best,
+        );
+    }
+    state.buffers.candidates = candidates;
 
     let overlap = overlap_of(slot);
     let predicted_base_ms = match &config.ttft {
@@ -590,6 +631,7 @@ fn ttft_score(
 /// the worst kept is dropped at one compare (at 1,000 slots nearly all are), one that does
 /// replaces its address's entry if it beats it, or else takes a place. Slots sharing an address
 /// (DP ranks of one engine, or entries on one host) cost no sort.
+#[cfg(test)]
 fn fallbacks(
     config: &Config,
     chosen: SlotIdx,
@@ -597,9 +639,32 @@ fn fallbacks(
     scores: &[(SlotIdx, f64)],
     load: &[SlotLoad],
 ) -> Vec<SlotIdx> {
+    let mut out = Vec::new();
+    fallbacks_into(
+        config,
+        chosen,
+        candidates,
+        scores,
+        load,
+        &mut out,
+        &mut Vec::new(),
+    );
+    out
+}
+
+/// The fallbacks into `out`, `best` as scratch (both reused across decisions).
+fn fallbacks_into(
+    config: &Config,
+    chosen: SlotIdx,
+    candidates: &[SlotIdx],
+    scores: &[(SlotIdx, f64)],
+    load: &[SlotLoad],
+    out: &mut Vec<SlotIdx>,
+    best: &mut Vec<((SlotIdx, f64), std::net::SocketAddr)>,
+) {
     let k = config.fallback_count;
     if k == 0 {
-        return Vec::new();
+        return;
     }
     let by_load = |s: &SlotIdx| {
         (
@@ -611,10 +676,11 @@ fn fallbacks(
     let address = |s: SlotIdx| config.worker_of_slot(s).map(|w| w.address);
     let taken = address(chosen);
     if scores.is_empty() {
-        best_on_distinct_addresses(candidates.iter().map(by_load), k, taken, address)
+        best_on_distinct_addresses(candidates.iter().map(by_load), k, taken, address, best);
     } else {
-        best_on_distinct_addresses(scores.iter().copied(), k, taken, address)
+        best_on_distinct_addresses(scores.iter().copied(), k, taken, address, best);
     }
+    out.extend(best.iter().map(|((slot, _), _)| *slot));
 }
 
 /// The pass of [`fallbacks`] over `items`, in a loop of its own: the worst kept stays in
@@ -624,12 +690,14 @@ fn best_on_distinct_addresses(
     k: usize,
     taken: Option<std::net::SocketAddr>,
     address: impl Fn(SlotIdx) -> Option<std::net::SocketAddr>,
-) -> Vec<SlotIdx> {
+    best: &mut Vec<((SlotIdx, f64), std::net::SocketAddr)>,
+) {
     // Total (slots are distinct).
     let better = |a: &(SlotIdx, f64), b: &(SlotIdx, f64)| {
         a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)) == std::cmp::Ordering::Less
     };
-    let mut best: Vec<((SlotIdx, f64), std::net::SocketAddr)> = Vec::with_capacity(k + 1);
+    best.clear();
+    best.reserve(k + 1);
     // The worst kept once `k` are kept: a higher score, or the same score (bit for bit) on a
     // higher slot, loses at once (anything else, such as -0 against +0, is left to `better`).
     let mut bar: Option<(SlotIdx, f64)> = None;
@@ -658,7 +726,6 @@ fn best_on_distinct_addresses(
             bar = best.last().map(|(worst, _)| *worst);
         }
     }
-    best.into_iter().map(|((slot, _), _)| slot).collect()
 }
 
 #[cfg(test)]

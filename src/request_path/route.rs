@@ -261,6 +261,7 @@ impl RequestPath {
                     (None, None) => Vec::new(),
                 };
                 record_prediction(host, vm, config, &decision, record_hashes, from_text, now);
+                vm.selector.recycle(decision);
                 Action::Continue
             }
             Err(RouteError::NonFiniteCost { slot, cost }) => {
