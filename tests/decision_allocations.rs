@@ -88,6 +88,7 @@ fn allocations_per_decision(policy: &str, n: u64) -> (u64, usize) {
                 kv_usage: &[],
                 learned: Some(&learned),
                 arrivals_per_ms: 0.0,
+                recent_stored: &[],
             };
             let decision = decide(&config, &input, &mut state).unwrap();
             assert_eq!(decision.fallbacks.len(), 2);

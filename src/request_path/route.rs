@@ -244,6 +244,7 @@ impl RequestPath {
             kv_usage,
             learned: learning.then_some(&vm.learned),
             arrivals_per_ms,
+            recent_stored: &vm.replica.recent_stored,
         };
         let decided = decide(config, &input, &mut vm.selector);
         vm.overlaps = overlaps;

@@ -472,6 +472,31 @@ fn run_arm(
             })?;
             ("kv", json!({"ttft": {"share_weight": w}}), None)
         }
+        // The defaults with fields set: `kv+set:ttft.learn=false+set:ttft.share_weight=3`
+        // (each value read as JSON, else as a string), for experiments without a new arm.
+        m if m.starts_with("kv+set:") => {
+            let mut extra = json!({});
+            for assignment in m.trim_start_matches("kv+").split('+') {
+                let bad = || {
+                    io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("{m}: expected kv+set:<a.b>=<value>[+set:...]"),
+                    )
+                };
+                let (path, value) = assignment
+                    .strip_prefix("set:")
+                    .and_then(|a| a.split_once('='))
+                    .ok_or_else(bad)?;
+                let value: Value =
+                    serde_json::from_str(value).unwrap_or_else(|_| json!(value.to_string()));
+                let mut at = &mut extra;
+                for key in path.split('.') {
+                    at = &mut at[key];
+                }
+                *at = value;
+            }
+            ("kv", extra, None)
+        }
         "kv+ids" => {
             opts.chat_as_ids = true;
             opts.path = "/v1/completions".to_string();
@@ -575,6 +600,22 @@ fn print_filter_stats(mode: &str, envoy: &Envoy) {
         })
         .collect();
     eprintln!("filter stats [{mode}]: {}", line.join(" "));
+    // The learned timing factors (observed over predicted TTFT, x1000) per worker: whether a
+    // uniform fleet's workers were learned alike.
+    let mut factors: Vec<(String, u64)> = stats
+        .iter()
+        .filter_map(|(k, v)| {
+            let id = k
+                .strip_prefix("wasmcustom.kv_router.worker.")?
+                .strip_suffix(".timing_factor_milli")?;
+            Some((id.to_string(), *v))
+        })
+        .collect();
+    factors.sort();
+    if !factors.is_empty() {
+        let line: Vec<String> = factors.iter().map(|(w, v)| format!("{w}={v}")).collect();
+        eprintln!("timing factors x1000 [{mode}]: {}", line.join(" "));
+    }
 }
 
 /// The render call's added latency and the render cache's hit rate, from the filter's stats.

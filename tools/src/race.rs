@@ -92,6 +92,8 @@ pub struct RaceOptions {
     /// Prepare and describe the workloads, run nothing.
     pub dry_run: bool,
     pub quiet: bool,
+    /// Filter builds for `kv@TAG` arms (`--arm-wasm TAG=PATH`), as the compare tool's.
+    pub arm_wasm: Vec<(String, PathBuf)>,
 }
 
 impl Default for RaceOptions {
@@ -106,6 +108,7 @@ impl Default for RaceOptions {
             synthetic_trace: PathBuf::from("bench-data/mooncake_synthetic_trace.jsonl"),
             dry_run: false,
             quiet: false,
+            arm_wasm: Vec::new(),
         }
     }
 }
@@ -425,6 +428,12 @@ pub struct ArmRun {
     /// The engines' modelled prefill time and whole-step time over workers x arrival window.
     pub prefill_util: Option<f64>,
     pub busy_util: Option<f64>,
+    /// The mean time each request's uncached tokens take alone on an idle engine (ms, uniform
+    /// mock fleets only): the part of the TTFT mean no router takes away at this hit rate.
+    pub alone_ms: Option<f64>,
+    /// The same requests' hit rate in one cache pooling every worker's (the affinity replay's
+    /// ceiling: what placement could reach, near enough; LRU is not optimal).
+    pub ceiling_hit: Option<f64>,
 }
 
 impl ArmRun {
@@ -479,6 +488,8 @@ impl ArmRun {
             wall_s: s.wall_s,
             prefill_util: util.map(|u| u.0),
             busy_util: util.map(|u| u.1),
+            alone_ms: alone_ms(fleet, s),
+            ceiling_hit: None,
         }
     }
 
@@ -521,8 +532,30 @@ impl ArmRun {
             "wall_s": f(self.wall_s),
             "prefill_utilization": self.prefill_util,
             "busy_utilization": self.busy_util,
+            "alone_ms": self.alone_ms,
+            "ceiling_hit_rate": self.ceiling_hit,
         })
     }
+}
+
+/// [`ArmRun::alone_ms`]: on mock engines of one speed only (their step-time model prices it).
+fn alone_ms(fleet: &Fleet, s: &RunStats) -> Option<f64> {
+    if fleet.vllm.is_some() || !fleet.speedups.is_empty() {
+        return None;
+    }
+    let chunk = crate::compare::worker_arg::<f64>(&fleet.worker_args, "--max-batched-tokens")
+        .unwrap_or(8192.0);
+    crate::quality::time_beyond_compute(&s.results, fleet.worker_speedup(), chunk)
+        .map(|t| t.alone_ms)
+}
+
+/// [`ArmRun::ceiling_hit`]: the requests replayed through one cache of every worker's blocks.
+fn ceiling_hit(w: &RaceWorkload, s: &RunStats) -> Option<f64> {
+    let blocks = usize::try_from(w.fleet.worker_kv_blocks()).ok()?;
+    let workers = usize::try_from(w.fleet.workers).ok()?;
+    let pooled = blocks.checked_mul(workers.max(1));
+    crate::loadgen::pooled_replay(&w.workload, &s.results, w.fleet.block_size, pooled)
+        .modelled_hit_rate()
 }
 
 /// The median of the finite values (the mean of the middle two for an even count).
@@ -554,6 +587,8 @@ pub struct ArmSummary {
     pub balance: Option<f64>,
     pub prefill_util: Option<f64>,
     pub busy_util: Option<f64>,
+    pub alone_ms: Option<f64>,
+    pub ceiling_hit: Option<f64>,
     pub errors: usize,
     pub requests: usize,
 }
@@ -574,6 +609,8 @@ impl ArmSummary {
             balance: m(ArmRun::balance),
             prefill_util: m(|r| r.prefill_util.unwrap_or(f64::NAN)),
             busy_util: m(|r| r.busy_util.unwrap_or(f64::NAN)),
+            alone_ms: m(|r| r.alone_ms.unwrap_or(f64::NAN)),
+            ceiling_hit: m(|r| r.ceiling_hit.unwrap_or(f64::NAN)),
             errors: ok.iter().map(|r| r.errors).sum(),
             requests: ok.iter().map(|r| r.requests).max().unwrap_or(0),
         }
@@ -586,6 +623,7 @@ impl ArmSummary {
                         "p99": self.ttft_p99},
             "hit_rate": self.hit_rate, "balance": self.balance,
             "prefill_utilization": self.prefill_util, "busy_utilization": self.busy_util,
+            "alone_ms": self.alone_ms, "ceiling_hit_rate": self.ceiling_hit,
             "errors": self.errors, "requests": self.requests,
         })
     }
@@ -829,7 +867,7 @@ impl WorkloadResult {
         };
         let _ = writeln!(
             s,
-            "\nMedians of {runs} run(s):\n\n| arm | runs | TTFT mean | p50 | p90 | p99 | hit | {balance} | prefill / busy | errors |\n|---|---|---|---|---|---|---|---|---|---|"
+            "\nMedians of {runs} run(s):\n\n| arm | runs | TTFT mean | p50 | p90 | p99 | hit | {balance} | prefill / busy | errors | alone | ceiling |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
         );
         for a in &self.arms {
             let name = if a.arm == candidate {
@@ -839,7 +877,7 @@ impl WorkloadResult {
             };
             let _ = writeln!(
                 s,
-                "| {name} | {}{} | {} | {} | {} | {} | {} | {} | {} / {} | {} |",
+                "| {name} | {}{} | {} | {} | {} | {} | {} | {} | {} / {} | {} | {} | {} |",
                 a.runs,
                 if a.failed_runs > 0 {
                     format!(" ({} failed)", a.failed_runs)
@@ -854,9 +892,18 @@ impl WorkloadResult {
                 fmt_x(a.balance),
                 fmt_pct(a.prefill_util),
                 fmt_pct(a.busy_util),
-                a.errors
+                a.errors,
+                fmt_ms(a.alone_ms),
+                fmt_pct(a.ceiling_hit),
             );
         }
+        let _ = writeln!(
+            s,
+            "\n(alone: the mean time each request's uncached tokens take on an idle mock engine, \
+             the part of the TTFT mean no router takes away at that hit rate; ceiling: the same \
+             requests' hit rate in one cache of every worker's blocks, as the client-side replay \
+             models it)"
+        );
         if let Some(t) = &self.targets {
             let peers = if t.peers_are_vllm_router {
                 format!("peers: {}", t.peers.join(", "))
@@ -1068,7 +1115,10 @@ pub fn race(opts: &RaceOptions) -> io::Result<RaceReport> {
     };
     for name in &opts.workloads {
         let prepared = match prepare(name, opts)? {
-            Ok(p) => p,
+            Ok(mut p) => {
+                p.fleet.arm_wasm.clone_from(&opts.arm_wasm);
+                p
+            }
             Err(why) => {
                 eprintln!("race: workload {name} skipped: {why}");
                 report.workloads.push(WorkloadResult::skipped(name, why));
@@ -1158,7 +1208,10 @@ fn run_workload(
         opts.runs,
         |run, arm, stats| {
             let mut r = match &stats {
-                Ok(s) => ArmRun::measure(&w.name, arm, run + 1, &w.fleet, s),
+                Ok(s) => ArmRun {
+                    ceiling_hit: ceiling_hit(w, s),
+                    ..ArmRun::measure(&w.name, arm, run + 1, &w.fleet, s)
+                },
                 Err(e) => ArmRun {
                     workload: w.name.clone(),
                     arm: arm.into(),

@@ -251,6 +251,9 @@ struct RaceArgs {
     /// Fewer progress lines.
     #[arg(long)]
     quiet: bool,
+    /// A filter build for the arms tagged TAG (`kv@TAG`, `kv*3@TAG`), repeatable: TAG=PATH.
+    #[arg(long = "arm-wasm")]
+    arm_wasm: Vec<String>,
 }
 
 fn gen_workload(a: &GenWorkloadArgs) {
@@ -317,6 +320,14 @@ fn run_race(a: &RaceArgs) {
         synthetic_trace: a.synthetic_trace.clone(),
         dry_run: a.dry_run,
         quiet: a.quiet,
+        arm_wasm: a
+            .arm_wasm
+            .iter()
+            .map(|spec| match spec.split_once('=') {
+                Some((tag, path)) if !tag.is_empty() => (tag.to_string(), PathBuf::from(path)),
+                _ => fail(&format!("--arm-wasm {spec}: expected TAG=PATH")),
+            })
+            .collect(),
     };
     if let Err(e) = race(&opts) {
         fail(&format!("race: {e}"));
