@@ -902,7 +902,9 @@ def check_rendered(bootstrap: dict, m: Manifests, scenario: str) -> list[str]:
                           "(ORIGINAL_DST, original_dst_lb_config.use_http_header: true)")
         if "membership" in config:
             errors += check_membership(config["membership"], bootstrap, clusters, listener, where)
-        errors += check_block_sizes(config.get("block_size", FILTER_DEFAULTS["block_size"]), m, where)
+        # `engine: vllm` presets the block size (src/config/preset.rs) unless it is written.
+        default_block = 16 if config.get("engine") == "vllm" else FILTER_DEFAULTS["block_size"]
+        errors += check_block_sizes(config.get("block_size", default_block), m, where)
         filename = wasm.get("vm_config", {}).get("code", {}).get("local", {}).get("filename", "")
         if os.path.dirname(filename) not in wasm_mount_paths(m, scenario):
             errors.append(f"{where}: {filename} is not in a mounted {WASM_CONFIGMAP} ConfigMap "
@@ -1196,7 +1198,16 @@ def src_metrics(src: Path) -> list[tuple[str, str]]:
     for method, t in found:
         kind = kinds.get(method, "counter")
         out += [(t.replace("{name}", n), kind) for n in nested] if "{name}" in t else [(t, kind)]
+    # The request path's per-reason counters are static names picked by a `match`
+    # (src/request_path/counters.rs, `... => "routed.kv"`): each family once, as `family.{}`.
+    families = re.findall(r"=> \"([a-z_.]+)\.[a-z_-]+\"", counters_rs(src))
+    out += [(f + ".{}", "counter") for f in dict.fromkeys(families)]
     return out
+
+
+def counters_rs(src: Path) -> str:
+    path = src / "request_path" / "counters.rs"
+    return path.read_text() if path.exists() else ""
 
 
 def src_metric_templates(src: Path) -> list[str]:
@@ -1218,6 +1229,7 @@ def src_enumerations(src: Path) -> dict[str, set[str]]:
     text = "\n".join(p.read_text() for p in sorted(src.rglob("*.rs")))
     reasons = set(re.findall(r"Reason::\w+ => \"([a-z-]+)\"", text))
     whys = set(re.findall(r"self\.fallback\([^;]*?\"([a-z_]+)\"\)", text))
+    whys |= set(re.findall(r"Fallback::\w+ => \"fallback\.([a-z_]+)\"", counters_rs(src)))
     for block in re.findall(r"let why = match .*?\};", text, re.S):
         whys |= set(re.findall(r"=> \"([a-z_]+)\"", block))
     kinds = set(re.findall(r"RouteError::\w+(?: \{ \.\. \})? => \"([a-z_]+)\"", text))

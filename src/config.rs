@@ -30,6 +30,7 @@ mod check;
 mod compile;
 mod engine_priority;
 mod membership;
+mod preset;
 mod raw;
 mod tokenizer;
 mod ttft;
@@ -38,6 +39,7 @@ pub use affinity::AffinityConfig;
 pub use approximate::{ApproximateConfig, WorkerKvMode};
 pub use engine_priority::EnginePriorityConfig;
 pub use membership::{MembershipConfig, MAX_POOL_WORKERS};
+pub use preset::{Engine, BRIDGE_LONG_POLL_MS, BRIDGE_PORT, VLLM_BLOCK_SIZE};
 pub use tokenizer::TokenizerConfig;
 pub use ttft::{TtftConfig, MAX_COMPUTE_WEIGHT};
 
@@ -364,6 +366,8 @@ pub struct Slot {
 /// The compiled, validated configuration. Immutable; see the module invariants.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
+    /// The `engine` preset the configuration named, if any (its fields are already filled in).
+    pub engine: Option<Engine>,
     pub mode: RoutingMode,
     /// Tokens per KV block, `1..=1024`.
     pub block_size: u32,
@@ -447,19 +451,22 @@ impl Config {
             });
         }
         // Syntax first, so that every later error is about a field.
-        let value: serde_json::Value =
+        let mut value: serde_json::Value =
             serde_json::from_slice(bytes).map_err(|e| ConfigError::InvalidJson {
                 detail: e.to_string(),
             })?;
         // A derived struct would also accept a JSON array, field by field in order.
-        if !value.is_object() {
+        let Some(root) = value.as_object_mut() else {
             return Err(ConfigError::Parse {
                 field: "(root)".to_string(),
                 detail: "the configuration must be a JSON object".to_string(),
             });
-        }
-        let raw = serde_path_to_error::deserialize(value).map_err(ConfigError::from_serde)?;
-        compile(raw)
+        };
+        // The preset fills in what the configuration leaves out (see `preset`).
+        let filled = preset::apply(root)?;
+        let raw = serde_path_to_error::deserialize(value)
+            .map_err(|e| filled.explain(ConfigError::from_serde(e)))?;
+        compile(raw).map_err(|e| filled.explain(e))
     }
 
     /// Slot of `(worker_idx, dp_rank)`, if the worker exists and owns that rank.
@@ -591,6 +598,20 @@ impl fmt::Display for ConfigError {
 impl std::error::Error for ConfigError {}
 
 impl ConfigError {
+    /// The field the error names (`None`: the JSON itself, or the whole worker list).
+    pub fn field(&self) -> Option<&str> {
+        match self {
+            ConfigError::InvalidJson { .. } | ConfigError::TooManySlots { .. } => None,
+            ConfigError::Missing { field }
+            | ConfigError::Parse { field, .. }
+            | ConfigError::OutOfRange { field, .. }
+            | ConfigError::BadAddress { field, .. }
+            | ConfigError::DuplicateWorkerId { field, .. }
+            | ConfigError::Invalid { field, .. }
+            | ConfigError::MissingCapacity { field, .. } => Some(field),
+        }
+    }
+
     /// A serde error with the path it happened at.
     fn from_serde(e: serde_path_to_error::Error<serde_json::Error>) -> ConfigError {
         ConfigError::Parse {
@@ -1068,6 +1089,110 @@ mod tests {
             br#"{"mode": "direct", "client_routing_hints": "honor", "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#
         )
         .is_ok());
+    }
+
+    #[test]
+    fn engine_vllm_fills_what_the_configuration_leaves_out() {
+        let c = Config::from_json(
+            br#"{"engine": "vllm", "workers": [{"id": 1, "address": "10.0.0.1:8000"}, {"id": 2, "address": "[::1]:9000"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.engine, Some(Engine::Vllm));
+        assert_eq!(c.block_size, 16);
+        assert_eq!(c.events.long_poll_ms, 1000);
+        assert_eq!(c.workers[0].events_address_text, "10.0.0.1:8200");
+        assert_eq!(c.workers[1].events_address_text, "[::1]:8200");
+        assert_eq!(c.workers[0].address_text, "10.0.0.1:8000");
+        // Everything else keeps its default.
+        let plain = Config::from_json(ONE.as_bytes()).unwrap();
+        assert_eq!(plain.engine, None);
+        assert_eq!(plain.block_size, 64);
+        assert_eq!(plain.events.long_poll_ms, 0);
+        assert_eq!(plain.workers[0].events_address_text, "10.0.0.1:8000");
+        assert_eq!(c.events.timeout_ms, plain.events.timeout_ms);
+        assert_eq!(c.policy, plain.policy);
+        assert_eq!(c.ttft, plain.ttft);
+        assert_eq!(c.cost, plain.cost);
+        // With membership: the bridge's port on every discovered host.
+        let c =
+            Config::from_json(br#"{"engine": "vllm", "membership": {"cluster": "llm"}}"#).unwrap();
+        assert_eq!(c.membership.as_ref().unwrap().events_port, 8200);
+        assert_eq!(c.events.long_poll_ms, 1000);
+    }
+
+    #[test]
+    fn an_explicit_field_overrides_the_engine_preset() {
+        let c = Config::from_json(
+            br#"{"engine": "vllm", "block_size": 32, "events": {"long_poll_ms": 0},
+                 "workers": [{"id": 1, "address": "10.0.0.1:8000", "events_address": "10.0.0.9:7000"},
+                             {"id": 2, "address": "10.0.0.2:8000", "events_address": null}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.block_size, 32);
+        assert_eq!(c.events.long_poll_ms, 0);
+        assert_eq!(c.workers[0].events_address_text, "10.0.0.9:7000");
+        // `null` is written: "not set", so the worker's own address, as without a preset.
+        assert_eq!(c.workers[1].events_address_text, "10.0.0.2:8000");
+        let c = Config::from_json(
+            br#"{"engine": "vllm", "membership": {"cluster": "llm", "events_port": 9100}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.membership.as_ref().unwrap().events_port, 9100);
+        // SGLang: the block size is the operator's (its page size), the bridge as for vLLM.
+        let c = Config::from_json(
+            br#"{"engine": "sglang", "block_size": 32, "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.engine, Some(Engine::Sglang));
+        assert_eq!(c.block_size, 32);
+        assert_eq!(c.events.long_poll_ms, 1000);
+        assert_eq!(c.workers[0].events_address_text, "10.0.0.1:8200");
+    }
+
+    #[test]
+    fn engine_errors_name_the_field() {
+        let e = err(r#"{"engine": "trt", "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#);
+        assert_eq!(
+            e,
+            r#"engine: unknown engine "trt", expected "vllm" or "sglang" (or leave it out: no preset)"#
+        );
+        let e = err(r#"{"engine": 1, "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#);
+        assert!(e.starts_with("engine: unknown engine 1"), "{e}");
+        // `null` is "not set": no preset.
+        let c = Config::from_json(
+            br#"{"engine": null, "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#,
+        )
+        .unwrap();
+        assert_eq!((c.engine, c.block_size), (None, 64));
+        let e = err(r#"{"engine": "sglang", "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#);
+        assert!(
+            e.starts_with("block_size: required with engine \"sglang\""),
+            "{e}"
+        );
+        // Unknown fields and bad types are still named by their path under a preset.
+        let e = err(
+            r#"{"engine": "vllm", "events": {"long_pol_ms": 1}, "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#,
+        );
+        assert!(
+            e.starts_with("events.long_pol_ms: unknown field `long_pol_ms`"),
+            "{e}"
+        );
+        let e = err(
+            r#"{"engine": "vllm", "events": 3, "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#,
+        );
+        assert!(e.starts_with("events: invalid type: integer `3`"), "{e}");
+        let e = err(r#"{"engine": "vllm", "workers": [{"id": 1, "address": "worker-1:8000"}]}"#);
+        assert!(e.starts_with("workers[0].address:"), "{e}");
+        // A value the preset filled in that the rest of the configuration rules out says so.
+        let e = err(
+            r#"{"engine": "vllm", "events": {"stale_after_ms": 1500}, "workers": [{"id": 1, "address": "10.0.0.1:8000"}]}"#,
+        );
+        assert_eq!(
+            e,
+            "events.long_poll_ms: must be such that long_poll_ms + timeout_ms <= stale_after_ms, \
+             got 1000 (timeout_ms 1000, stale_after_ms 1500) (the value engine \"vllm\" sets; \
+             write the field to override it)"
+        );
     }
 
     #[test]

@@ -33,6 +33,10 @@ pub mod ttft;
 pub mod types;
 pub mod worker_description;
 
+// Test-only: the counting allocator of the unit tests that assert "no allocation".
+#[cfg(test)]
+mod alloc_count;
+
 // The adapter links proxy-wasm, whose exported `proxy_on_*` entry points import host functions
 // from the `env` module. The wasm32 logic tests (`--no-default-features`, run under Node) cannot
 // provide those, so the adapter is only compiled with the `filter` feature (on by default).

@@ -202,6 +202,21 @@ fn invalid_configuration_is_refused_with_the_field_named() {
 }
 
 #[test]
+fn an_unknown_engine_preset_is_refused_with_the_field_named() {
+    let workers = echo_workers(1, 16);
+    let config = filter_config(&workers, json!({"engine": "tensorrt"}));
+    let opts = EnvoyOptions::new(config, vec![workers[0].addr.clone()]);
+    let err = Envoy::start(&opts)
+        .err()
+        .expect("envoy must refuse the plugin");
+    assert!(
+        err.to_string()
+            .contains("engine: unknown engine \"tensorrt\""),
+        "{err}"
+    );
+}
+
+#[test]
 fn shipped_envoy_configs_validate() {
     let root = envoy_kv_router_tools::harness::workspace_root();
     for file in ["envoy/envoy.yaml", "envoy/envoy-original-dst.yaml"] {

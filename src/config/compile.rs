@@ -164,6 +164,7 @@ pub(super) fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     };
 
     Ok(Config {
+        engine: raw.engine,
         mode: raw.mode,
         block_size: raw.block_size,
         destination_header,

@@ -19,6 +19,8 @@ use crate::types::{DpRank, WorkerId};
     expecting = "the filter configuration, a JSON object"
 )]
 pub(super) struct RawConfig {
+    /// The preset, already applied to the JSON (`super::preset`); kept for the compiled config.
+    pub engine: Option<super::Engine>,
     pub mode: RoutingMode,
     pub policy: super::KvPolicy,
     pub block_size: u32,
@@ -53,6 +55,7 @@ pub(super) struct RawConfig {
 impl Default for RawConfig {
     fn default() -> Self {
         RawConfig {
+            engine: None,
             mode: RoutingMode::Kv,
             policy: super::KvPolicy::default(),
             block_size: 64,

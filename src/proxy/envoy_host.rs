@@ -125,17 +125,17 @@ impl Host for EnvoyHost<'_> {
     }
 
     #[inline]
-    fn count(&mut self, name: &str, amount: u64) {
+    fn count(&mut self, name: &'static str, amount: u64) {
         self.metrics.add(name, amount);
     }
 
     #[inline]
-    fn count_later(&mut self, name: &str, amount: u64) {
+    fn count_later(&mut self, name: &'static str, amount: u64) {
         self.metrics.add_later(name, amount);
     }
 
     #[inline]
-    fn histogram(&mut self, name: &str, value: u64) {
+    fn histogram(&mut self, name: &'static str, value: u64) {
         self.metrics.histogram(name, value);
     }
 

@@ -33,16 +33,42 @@ impl EventKinds {
     }
 }
 
-#[derive(Default)]
+/// The two host calls behind a counter: define a metric (its id), add to it. [`Metrics`] holds
+/// them as plain function pointers so that a test can count without a host.
+type DefineMetric = fn(MetricType, &str) -> Option<u32>;
+type IncrementMetric = fn(u32, i64);
+
+/// This VM's metric ids by name, defined on first use. A request's counters have static names
+/// (`request_path::counters`): once a name is defined, counting it is a map lookup by `&str` and
+/// no allocation (`counting_a_defined_counter_allocates_nothing` below).
 pub struct Metrics {
     counters: HashMap<String, u32>,
     gauges: HashMap<String, u32>,
     histograms: HashMap<String, u32>,
     /// Counter increments of the request path not yet handed to the host: `(metric id, amount)`.
     pending: Vec<(u32, u64)>,
+    define: DefineMetric,
+    increment: IncrementMetric,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::with_host(host::define_metric, host::increment_metric)
+    }
 }
 
 impl Metrics {
+    fn with_host(define: DefineMetric, increment: IncrementMetric) -> Metrics {
+        Metrics {
+            counters: HashMap::new(),
+            gauges: HashMap::new(),
+            histograms: HashMap::new(),
+            pending: Vec::new(),
+            define,
+            increment,
+        }
+    }
+
     /// The metric's id, defined on first use. Lookups by `&str` allocate nothing.
     fn id(&mut self, kind: MetricType, name: &str) -> Option<u32> {
         let ids = match kind {
@@ -53,7 +79,7 @@ impl Metrics {
         if let Some(id) = ids.get(name) {
             return Some(*id);
         }
-        let id = host::define_metric(kind, &format!("{PREFIX}{name}"))?;
+        let id = (self.define)(kind, &format!("{PREFIX}{name}"))?;
         ids.insert(name.to_string(), id);
         Some(id)
     }
@@ -67,7 +93,7 @@ impl Metrics {
             return;
         }
         if let Some(id) = self.id(MetricType::Counter, name) {
-            host::increment_metric(id, i64::try_from(amount).unwrap_or(i64::MAX));
+            (self.increment)(id, i64::try_from(amount).unwrap_or(i64::MAX));
         }
     }
 
@@ -93,7 +119,7 @@ impl Metrics {
     pub fn flush(&mut self) {
         for (id, amount) in &mut self.pending {
             if *amount > 0 {
-                host::increment_metric(*id, i64::try_from(*amount).unwrap_or(i64::MAX));
+                (self.increment)(*id, i64::try_from(*amount).unwrap_or(i64::MAX));
                 *amount = 0;
             }
         }
@@ -119,7 +145,7 @@ impl Metrics {
             return;
         }
         if let Some(id) = self.id(MetricType::Gauge, name) {
-            host::increment_metric(id, delta);
+            (self.increment)(id, delta);
         }
     }
 
@@ -139,6 +165,74 @@ impl Metrics {
     pub fn histogram(&mut self, name: &str, value: u64) {
         if let Some(id) = self.id(MetricType::Histogram, name) {
             host::record_metric(id, value);
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)] // test code
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+
+    thread_local! {
+        /// What the fake host saw: names defined (in order, id = index), increments.
+        static DEFINED: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
+        static TOTALS: RefCell<[i64; 64]> = const { RefCell::new([0; 64]) };
+    }
+
+    fn define(_: MetricType, name: &str) -> Option<u32> {
+        DEFINED.with(|d| {
+            let mut d = d.borrow_mut();
+            d.push(name.to_string());
+            u32::try_from(d.len() - 1).ok()
+        })
+    }
+
+    fn increment(id: u32, amount: i64) {
+        TOTALS.with(|t| t.borrow_mut()[id as usize] += amount);
+    }
+
+    fn total(name: &str) -> i64 {
+        let id = DEFINED.with(|d| d.borrow().iter().position(|n| n == name).unwrap());
+        TOTALS.with(|t| t.borrow()[id])
+    }
+
+    /// Every request bumps `routed.<reason>` (kept until the tick) and maybe `fallback.<why>`
+    /// or `rejected.<kind>` (now): after each name's first use has defined it, counting
+    /// allocates nothing, with the names the request path passes (`&'static str`).
+    #[test]
+    fn counting_a_defined_counter_allocates_nothing() {
+        let mut m = Metrics::with_host(define, increment);
+        let names = [
+            "routed.kv",
+            "routed.kv-text",
+            "routed.pinned",
+            "fallback.invalid_json",
+            "rejected.all_workers_overloaded",
+        ];
+        // Warm: each name defined once (its id, its key, its pending entry).
+        for name in names {
+            m.add_later(name, 1);
+            m.inc(name);
+        }
+        m.flush();
+        let before = crate::alloc_count::allocations();
+        for i in 0..1000u64 {
+            let name = names[(i % names.len() as u64) as usize];
+            m.add_later(name, 1);
+            m.inc(name);
+            if i % 100 == 99 {
+                m.flush();
+            }
+        }
+        m.flush();
+        assert_eq!(crate::alloc_count::allocations() - before, 0);
+        // Each name defined once, with the prefix, and every count arrived.
+        let defined = DEFINED.with(|d| d.borrow().clone());
+        assert_eq!(defined.len(), names.len());
+        for name in names {
+            assert_eq!(total(&format!("{PREFIX}{name}")), 2 + 400);
         }
     }
 }

@@ -215,7 +215,8 @@ impl RootContext for RouterRoot {
         }
         let _ = hostcalls::set_tick_period(Duration::from_millis(config.tick_ms));
         info!(
-            "kv-router: configured: mode {:?}, {} workers ({} slots), block size {}",
+            "kv-router: configured: engine {}, mode {:?}, {} workers ({} slots), block size {}",
+            config.engine.map_or("(none)", |e| e.as_str()),
             config.mode,
             workers,
             config.slots.len(),

@@ -8,6 +8,7 @@
 //! `on_log`, which Envoy calls for every stream however it ended, releases whatever is still
 //! booked.
 
+use super::counters::Fallback;
 use super::host::Host;
 use super::state::{RoutingState, Sample};
 use crate::config::{ClientHints, Config};
@@ -15,6 +16,7 @@ use crate::load::Ticket;
 use crate::request::{
     parse_header_pin, Endpoint, LlmRequest, Pin, HEADER_DP_RANK, HEADER_WORKER_ID,
 };
+use std::borrow::Cow;
 use std::rc::Rc;
 
 /// What a callback tells the host: go on with the stream, or hold it.
@@ -27,7 +29,7 @@ pub enum Action {
 /// What the response headers report about the decision: the reason always (a short word from a
 /// fixed set, e.g. `kv` or `fallback:invalid_json`), the rest only with `response_headers`.
 pub(super) struct Outcome {
-    pub reason: String,
+    pub reason: Cow<'static, str>,
     pub detail: Option<OutcomeDetail>,
 }
 
@@ -143,7 +145,7 @@ impl RequestPath {
         let config = Rc::clone(&vm.config);
         if body_size > config.max_body_bytes {
             self.decided = true;
-            self.fallback(host, vm, &config, "body_too_large");
+            self.fallback(host, vm, &config, Fallback::BodyTooLarge);
             return Action::Continue;
         }
         if !end_of_stream {
@@ -153,7 +155,7 @@ impl RequestPath {
             Some(body) => self.route(host, vm, &body),
             None => {
                 self.decided = true;
-                self.fallback(host, vm, &config, "body_unreadable");
+                self.fallback(host, vm, &config, Fallback::BodyUnreadable);
                 Action::Continue
             }
         }

@@ -56,11 +56,12 @@ pub trait Host {
     /// The callout reply's body (`len` bytes).
     fn call_response_body(&self, len: usize) -> Option<Vec<u8>>;
 
-    /// Adds to a counter now.
-    fn count(&mut self, name: &str, amount: u64);
+    /// Adds to a counter now. Names are static (`request_path::counters`): a request never
+    /// formats one.
+    fn count(&mut self, name: &'static str, amount: u64);
     /// Adds to a counter that every request bumps: handed to the host on the next tick.
-    fn count_later(&mut self, name: &str, amount: u64);
-    fn histogram(&mut self, name: &str, value: u64);
+    fn count_later(&mut self, name: &'static str, amount: u64);
+    fn histogram(&mut self, name: &'static str, value: u64);
     /// Records into worker entry `worker_index`'s (id `worker_id`) histogram `kind`.
     fn worker_histogram(
         &mut self,

@@ -14,6 +14,7 @@
 
 mod body_priority;
 mod context;
+mod counters;
 mod host;
 mod response;
 mod route;

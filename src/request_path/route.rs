@@ -1,6 +1,7 @@
 //! Parse, hash, look up overlaps, read the load, decide: then steer, reject or fall back.
 
 use super::context::{Action, RequestPath};
+use super::counters::{self, Fallback};
 use super::host::Host;
 use super::state::RoutingState;
 use super::steer::{merge_predictions, record_prediction};
@@ -74,9 +75,11 @@ impl RequestPath {
             }
             Err(err) => {
                 let why = match err {
-                    RequestError::EmptyBody => "empty_body",
-                    RequestError::InvalidJson { .. } | RequestError::NotAnObject => "invalid_json",
-                    _ => "invalid_field",
+                    RequestError::EmptyBody => Fallback::EmptyBody,
+                    RequestError::InvalidJson { .. } | RequestError::NotAnObject => {
+                        Fallback::InvalidJson
+                    }
+                    _ => Fallback::InvalidField,
                 };
                 log::debug!(
                     "kv-router: cannot read the request ({err}); routing by the fallback rule"
@@ -119,7 +122,7 @@ impl RequestPath {
             Err(BadTokenIds) if lazy => self.route_parsed(host, vm, body, false),
             Err(BadTokenIds) => {
                 // Not from an eager parse (no span): never happens.
-                self.fallback(host, vm, &config, "invalid_field");
+                self.fallback(host, vm, &config, Fallback::InvalidField);
                 Action::Continue
             }
         }
@@ -138,7 +141,7 @@ impl RequestPath {
         self.decide_and_steer(host, vm, request, &[], text_hashes, note)
             .unwrap_or_else(|BadTokenIds| {
                 // Only a span's ids are checked late, and these requests have none.
-                self.fallback(host, vm, config, "invalid_field");
+                self.fallback(host, vm, config, Fallback::InvalidField);
                 Action::Continue
             })
     }
@@ -268,11 +271,11 @@ impl RequestPath {
             Err(RouteError::NonFiniteCost { slot, cost }) => {
                 // Corrupt load or overlap input: never fail the request for it.
                 log::error!("kv-router: slot {slot} scored a non-finite cost ({cost}); routing by the fallback rule");
-                self.fallback(host, vm, config, "non_finite_cost");
+                self.fallback(host, vm, config, Fallback::NonFiniteCost);
                 Action::Continue
             }
             Err(err) => {
-                host.count(&format!("rejected.{}", err.kind()), 1);
+                host.count(counters::rejected(&err), 1);
                 log::debug!("kv-router: request rejected: {err}");
                 reject(
                     host,

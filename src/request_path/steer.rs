@@ -3,6 +3,7 @@
 
 use super::body_priority::{settle_priority, ClientPriority};
 use super::context::{Booking, Outcome, OutcomeDetail, RequestPath};
+use super::counters::{self, Fallback};
 use super::host::Host;
 use super::state::{worker_id, RoutingState, Sample};
 use super::REASON_HEADER;
@@ -14,6 +15,7 @@ use crate::request::{LlmRequest, HEADER_DP_RANK};
 use crate::router::Decision;
 use crate::ttft::prefill_duration_ms;
 use crate::types::{Overlap, SequenceHash};
+use std::borrow::Cow;
 
 impl RequestPath {
     // The load snapshot rides along from the decision to the booking (one get, one decode).
@@ -30,11 +32,11 @@ impl RequestPath {
         load: load_store::Snapshot,
     ) {
         let Some(slot) = config.slots.get(usize::from(decision.slot)) else {
-            self.fallback(host, vm, config, "no_decision");
+            self.fallback(host, vm, config, Fallback::NoDecision);
             return;
         };
         let Some(worker) = config.workers.get(usize::from(slot.worker)) else {
-            self.fallback(host, vm, config, "no_decision");
+            self.fallback(host, vm, config, Fallback::NoDecision);
             return;
         };
         let mut destination = worker.address_text.clone();
@@ -51,8 +53,8 @@ impl RequestPath {
             }
         }
         let reason = match note {
-            Some(note) => format!("{}:{note}", decision.reason.as_str()),
-            None => decision.reason.as_str().to_string(),
+            Some(note) => Cow::Owned(format!("{}:{note}", decision.reason.as_str())),
+            None => Cow::Borrowed(decision.reason.as_str()),
         };
         self.set_destination(host, config, &destination);
         host.set_request_header(REASON_HEADER, Some(&reason));
@@ -129,7 +131,7 @@ impl RequestPath {
         }
 
         // Every request's counters: kept in the VM until the tick (see `Host::count_later`).
-        host.count_later(&format!("routed.{}", decision.reason.as_str()), 1);
+        host.count_later(counters::routed(decision.reason), 1);
         let overlap_blocks = decision.overlap.device_blocks;
         host.count_later("overlap_blocks", u64::from(overlap_blocks));
         host.histogram("overlap_blocks_per_request", u64::from(overlap_blocks));
@@ -149,16 +151,16 @@ impl RequestPath {
         host: &mut impl Host,
         vm: &mut RoutingState,
         config: &Config,
-        why: &str,
+        why: Fallback,
     ) {
         // Routable workers only (all of them without membership), without collecting them.
         let count = config.workers.iter().filter(|w| w.routable).count().max(1);
         let pick = usize::try_from(vm.new_request_key() % count as u64).unwrap_or(0);
-        let reason = format!("fallback:{why}");
+        let reason = why.reason();
         if let Some(worker) = config.workers.iter().filter(|w| w.routable).nth(pick) {
             self.set_destination(host, config, &worker.address_text);
             self.outcome = Some(Outcome {
-                reason: reason.clone(),
+                reason: Cow::Borrowed(reason),
                 detail: config.response_headers.then(|| OutcomeDetail {
                     worker: worker.id.to_string(),
                     overlap_blocks: 0,
@@ -168,16 +170,17 @@ impl RequestPath {
                 }),
             });
         }
-        host.set_request_header(REASON_HEADER, Some(&reason));
-        host.count(&format!("fallback.{why}"), 1);
+        host.set_request_header(REASON_HEADER, Some(reason));
+        host.count(why.counter(), 1);
         let priority = config
             .engine_priority
             .as_ref()
             .map(|e| request_priority(e, UNPRICED_PREFILL_MS, host.now_ms()));
         // The client's priority is looked for in the body, unless it is not all here.
-        let client = match why {
-            "body_too_large" | "body_unreadable" => ClientPriority::Unreadable,
-            _ => ClientPriority::Unparsed,
+        let client = if why.body_unread() {
+            ClientPriority::Unreadable
+        } else {
+            ClientPriority::Unparsed
         };
         settle_priority(host, config, priority, client);
     }

@@ -2,6 +2,7 @@
 //! until it answers), else the text's prefix hashes (approximate mode).
 
 use super::context::{Action, PendingRender, RequestPath};
+use super::counters;
 use super::host::Host;
 use super::state::RoutingState;
 use crate::config::Config;
@@ -99,7 +100,7 @@ impl RequestPath {
         failure: Option<RenderFailure>,
     ) -> Action {
         if let Some(f) = failure {
-            host.count(&format!("tokenizer.fallback.{}", f.as_str()), 1);
+            host.count(counters::tokenizer_fallback(f), 1);
         }
         let hashes = config.approximate.as_ref().map(|a| {
             text_prefix_hashes(

@@ -51,7 +51,7 @@ pub struct FakeHost {
     pub call_body: Vec<u8>,
     pub local_reply: Option<LocalReply>,
     pub resumed: u32,
-    pub counters: HashMap<String, u64>,
+    pub counters: HashMap<&'static str, u64>,
     pub histograms: Vec<(String, u64)>,
 }
 
@@ -203,13 +203,13 @@ impl Host for FakeHost {
         let end = len.min(self.call_body.len());
         self.call_body.get(..end).map(<[u8]>::to_vec)
     }
-    fn count(&mut self, name: &str, amount: u64) {
-        *self.counters.entry(name.to_string()).or_default() += amount;
+    fn count(&mut self, name: &'static str, amount: u64) {
+        *self.counters.entry(name).or_default() += amount;
     }
-    fn count_later(&mut self, name: &str, amount: u64) {
+    fn count_later(&mut self, name: &'static str, amount: u64) {
         self.count(name, amount);
     }
-    fn histogram(&mut self, name: &str, value: u64) {
+    fn histogram(&mut self, name: &'static str, value: u64) {
         self.histograms.push((name.to_string(), value));
     }
     fn worker_histogram(&mut self, _: usize, worker_id: u64, kind: WorkerHistogram, value: u64) {
