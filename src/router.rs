@@ -74,8 +74,10 @@ pub struct SelectorState {
     pub rng: Rng,
     pub round_robin_counter: u64,
     /// Per slot, the requests this VM sent it, decayed by `1 / (16 x slots)` per request: the
-    /// last ~16 per slot.
+    /// last ~16 per slot, in units of `recent_unit` (a request adds the unit, which grows by the
+    /// decay instead of every count shrinking by it: O(1) per request).
     recent: Vec<f64>,
+    recent_unit: f64,
     /// Buffers a decision reuses, so that a decision allocates nothing once they have grown
     /// (the scores and fallbacks come back through [`SelectorState::recycle`]).
     buffers: Buffers,
@@ -97,6 +99,7 @@ impl SelectorState {
             rng: Rng::new(seed),
             round_robin_counter: 0,
             recent: Vec::new(),
+            recent_unit: 1.0,
             buffers: Buffers::default(),
         }
     }
@@ -119,13 +122,18 @@ impl SelectorState {
         if self.recent.len() != slots {
             self.recent.clear();
             self.recent.resize(slots, 0.0);
+            self.recent_unit = 1.0;
         }
         let keep = 1.0 - 1.0 / (SHARE_MEMORY_PER_SLOT * slots as f64);
-        for r in &mut self.recent {
-            *r *= keep;
-        }
+        self.recent_unit /= keep;
         if let Some(r) = self.recent.get_mut(usize::from(slot)) {
-            *r += 1.0;
+            *r += self.recent_unit;
+        }
+        // Rescale long before the unit could overflow (every ~10^5 requests per slot).
+        if self.recent_unit > 1e100 {
+            let unit = self.recent_unit;
+            self.recent.iter_mut().for_each(|r| *r /= unit);
+            self.recent_unit = 1.0;
         }
     }
 }
@@ -332,6 +340,7 @@ pub fn decide(
                     speed,
                     Shares {
                         requests: &state.recent,
+                        request_unit: state.recent_unit,
                         stored: input.recent_stored,
                     },
                     share_weight,
@@ -457,7 +466,9 @@ fn relative_slowness(config: &Config, learned: &LearnedTimings, slot: SlotIdx) -
 /// What the request-share term weighs: per slot, the requests this VM sent it lately
 /// ([`SelectorState`]) and the device blocks its engine stored lately (every router's traffic).
 struct Shares<'a> {
+    /// In units of `request_unit` ([`SelectorState::recent`]).
     requests: &'a [f64],
+    request_unit: f64,
     stored: &'a [f64],
 }
 
@@ -487,11 +498,17 @@ fn weigh_by_share(
             .filter(|c| c.is_finite() && *c > 0.0)
             .unwrap_or(0.0)
     };
+    let unit = if shares.request_unit > 0.0 {
+        shares.request_unit
+    } else {
+        1.0
+    };
+    let requests_of = |slot: SlotIdx| of(shares.requests, slot) / unit;
     let speed_of =
         |slot: SlotIdx| learned.map_or(1.0, |l| 1.0 / relative_slowness(config, l, slot));
     let (mut total_requests, mut total_stored, mut total_speed) = (0.0, 0.0, 0.0);
     for &slot in candidates {
-        total_requests += of(shares.requests, slot);
+        total_requests += requests_of(slot);
         total_stored += of(shares.stored, slot);
         total_speed += speed_of(slot);
     }
@@ -502,8 +519,8 @@ fn weigh_by_share(
     for (cost, &slot) in costs.iter_mut().zip(candidates) {
         if total_speed > 0.0 {
             let fair = speed_of(slot) / total_speed;
-            let requests = (of(shares.requests, slot) + request_prior * fair)
-                / (total_requests + request_prior);
+            let requests =
+                (requests_of(slot) + request_prior * fair) / (total_requests + request_prior);
             let stored =
                 (of(shares.stored, slot) + stored_prior * fair) / (total_stored + stored_prior);
             // Rounding leaves a fair share a hair above 1: no penalty below one part in 10^6.
@@ -937,6 +954,30 @@ mod tests {
         // A session with 36 of its 40 blocks there stays.
         let held = [dev(36), dev(0), dev(0), dev(0)];
         assert_eq!(pick(&held, &[2100.0, 300.0, 300.0, 300.0]), 0);
+    }
+
+    /// The request counts, kept in growing units, are the decayed counts: each request keeps
+    /// `1 - 1/(16 x slots)` of every count and adds one to its slot's (also past a rescale).
+    #[test]
+    fn recent_requests_decay_per_request() {
+        let mut state = SelectorState::new(1);
+        let slots = 4;
+        let keep = 1.0 - 1.0 / (SHARE_MEMORY_PER_SLOT * slots as f64);
+        let mut naive = [0.0f64; 4];
+        for i in 0..200_000u32 {
+            let slot = [0u16, 0, 1, 3][(i % 4) as usize];
+            state.record_request(slots, slot);
+            naive.iter_mut().for_each(|c| *c *= keep);
+            naive[usize::from(slot)] += 1.0;
+        }
+        for (slot, want) in naive.iter().enumerate() {
+            let got = state.recent[slot] / state.recent_unit;
+            assert!(
+                (got - want).abs() < 1e-6 * want.max(1.0),
+                "slot {slot}: {got} vs {want}"
+            );
+        }
+        assert!(naive[0] > 31.0 && naive[2] == 0.0, "{naive:?}");
     }
 
     #[test]
