@@ -160,6 +160,10 @@ fn per_worker_and_per_reason_stats_are_labelled_in_prometheus() {
         std::thread::sleep(Duration::from_millis(100));
     };
 
+    // What an operator's scrape sees, kept for the docs when asked (`METRICS_TAGS_DUMP=path`).
+    if let Ok(path) = std::env::var("METRICS_TAGS_DUMP") {
+        std::fs::write(&path, &text).expect("write METRICS_TAGS_DUMP");
+    }
     // Worker and rank are labels of one metric per quantity, summable across workers.
     let total_routed: f64 = all
         .iter()
