@@ -36,6 +36,9 @@ pub mod worker_description;
 // Test-only: the counting allocator of the unit tests that assert "no allocation".
 #[cfg(test)]
 mod alloc_count;
+// Test-only: a warm kv decision allocates nothing (counted by `alloc_count`).
+#[cfg(test)]
+mod decision_allocations;
 
 // The adapter links proxy-wasm, whose exported `proxy_on_*` entry points import host functions
 // from the `env` module. The wasm32 logic tests (`--no-default-features`, run under Node) cannot

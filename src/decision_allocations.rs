@@ -1,50 +1,16 @@
 //! A `kv`-mode decision allocates nothing once the VM's buffers have grown: the candidates,
 //! costs, scores and fallbacks are reused through `SelectorState` (`decide`, then `recycle`).
-//! A counting global allocator (per thread, so the test harness's own threads do not count)
-//! measures `decide` over a thousand requests with the default policy and with the seed's cost.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    unsafe_code
-)] // test code; the allocator hook
+//! The counting allocator ([`crate::alloc_count`], per thread, so the test harness's own threads
+//! do not count) measures `decide` over a thousand requests with the default policy and with the
+//! seed's cost.
+#![allow(clippy::unwrap_used, clippy::indexing_slicing)] // test code
 
-use envoy_kv_router::config::Config;
-use envoy_kv_router::learn::LearnedTimings;
-use envoy_kv_router::load::SlotLoad;
-use envoy_kv_router::request::{parse_request, Endpoint, Pin};
-use envoy_kv_router::router::{decide, prompt_blocks, RouteInput, SelectorState};
-use envoy_kv_router::types::Overlap;
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
-
-thread_local! {
-    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
-}
-
-struct Counting;
-
-// SAFETY: forwards every call to the system allocator unchanged; only counts.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.with(|c| c.set(c.get() + 1));
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCATIONS.with(|c| c.set(c.get() + 1));
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static COUNTING: Counting = Counting;
-
-fn allocations() -> u64 {
-    ALLOCATIONS.with(Cell::get)
-}
+use crate::config::Config;
+use crate::learn::LearnedTimings;
+use crate::load::SlotLoad;
+use crate::request::{parse_request, Endpoint, Pin};
+use crate::router::{decide, prompt_blocks, RouteInput, SelectorState};
+use crate::types::Overlap;
 
 /// Allocations per decision over `n` decisions of a 4k-token prompt on 64 workers, after a
 /// warm-up, varying overlaps and load so that every decision picks and ranks anew.
@@ -70,6 +36,8 @@ fn allocations_per_decision(policy: &str, n: u64) -> (u64, usize) {
     learned.resize(64);
     let mut overlaps = vec![Overlap::default(); 64];
     let mut load = vec![SlotLoad::default(); 64];
+    // Every engine's recent stored blocks (the share term reads them), uneven.
+    let stored: Vec<f64> = (0..64).map(|i| f64::from(i % 5) * 40.0).collect();
     let mut state = SelectorState::new(7);
     // Preallocated: the test's own bookkeeping must not count.
     let mut picked = vec![false; 64];
@@ -88,7 +56,7 @@ fn allocations_per_decision(policy: &str, n: u64) -> (u64, usize) {
                 kv_usage: &[],
                 learned: Some(&learned),
                 arrivals_per_ms: 0.0,
-                recent_stored: &[],
+                recent_stored: &stored,
             };
             let decision = decide(&config, &input, &mut state).unwrap();
             assert_eq!(decision.fallbacks.len(), 2);
@@ -99,9 +67,9 @@ fn allocations_per_decision(policy: &str, n: u64) -> (u64, usize) {
         }
     };
     run(16, &mut picked);
-    let before = allocations();
+    let before = crate::alloc_count::allocations();
     run(n, &mut picked);
-    let allocated = allocations() - before;
+    let allocated = crate::alloc_count::allocations() - before;
     (allocated, picked.iter().filter(|p| **p).count())
 }
 
