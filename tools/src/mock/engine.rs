@@ -34,7 +34,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::block_hasher::{BlockHasher, Digest};
-use super::event_log::{EventLog, PageLimits};
+use super::event_log::{EventLog, PageLimits, DEFAULT_PAGE};
 use super::kv_cache::{BlockHash, CacheEvent, KvCache};
 use super::kv_zmq::KvPublisher;
 use super::openai::VOCAB;
@@ -903,7 +903,7 @@ impl Engine {
 
     /// The event page (DESIGN.md) including `load`.
     pub fn events_page(&self, after: u64) -> Value {
-        let (mut page, events) = self.events_page_parts(after, PageLimits::default());
+        let (mut page, events) = self.events_page_parts(after, DEFAULT_PAGE);
         page["events"] = serde_json::from_str(&events).unwrap_or_default();
         page
     }
