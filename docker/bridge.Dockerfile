@@ -12,6 +12,7 @@ COPY benches benches
 COPY tests tests
 COPY tools tools
 COPY bridge bridge
+COPY protocol protocol
 RUN cargo build --release --locked -p kv-event-bridge --bin kv-event-bridge
 
 FROM ${BASE_IMAGE}

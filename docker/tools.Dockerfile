@@ -16,6 +16,7 @@ COPY benches benches
 COPY tests tests
 COPY tools tools
 COPY bridge bridge
+COPY protocol protocol
 RUN cargo build --release --locked -p envoy-kv-router-tools --bin mock-worker --bin loadgen
 
 FROM ${BASE_IMAGE}

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The module layers of each crate, checked (`make lint` runs this).
 
-For each crate (the filter `src/`, `bridge/src`, `tools/src`) this builds the graph of which module
+For each crate (the filter `src/`, `protocol/src`, `bridge/src`, `tools/src`) this builds the graph of which module
 imports which, from `use crate::...`, `use super::...`, `use self::...`, bare paths into a child
 module, and fully qualified `crate::x::y` / `super::x` paths in code. Comments, strings,
 `#[cfg(test)]` items (test modules, test-only imports) and test files are left out. It fails:
@@ -38,8 +38,10 @@ LAYERS = [
     ("config", ["config"]),
     # 2. The request: parsing a body, the prompt's text and renderings, block hashes of its tokens.
     ("request", ["request", "prompt_text", "render", "hashing", "lazy_hash"]),
-    # 3. Wire: what workers send (the event page and its binary and log codecs, the worker's
-    #    description of itself). Parsing a page hashes its token ids, hence above `request`.
+    # 3. Wire: reading what workers send (the event page parser and the binary and log codecs, the
+    #    vetting of a worker's description of itself). The wire types shared with the bridge and
+    #    the mock (the description, the page's `load`, the id bound) are the `kv-router-protocol`
+    #    crate's, re-exported here. Parsing a page hashes its token ids, hence above `request`.
     ("wire", ["worker_description", "events"]),
     # 4. State the filter keeps, shared between VMs or not: the KV index, the load table and its
     #    store, approximate (predicted) blocks, the replicated log, membership, the polling plan.
@@ -64,6 +66,7 @@ ALLOWED_CYCLES = {
 
 CRATES = [
     ("src", "src/lib.rs"),
+    ("protocol", "protocol/src/lib.rs"),
     ("bridge", "bridge/src/lib.rs"),
     ("tools", "tools/src/lib.rs"),
 ]
@@ -566,7 +569,7 @@ def main():
         print(f"check-layers: {len(errors)} error(s); layers and exceptions are declared in "
               f"scripts/check-layers.py (see docs/DESIGN.md, Layers)", file=sys.stderr)
         return 1
-    print("check-layers: ok (src/, bridge/src, tools/src: no import cycles; src/ imports only "
+    print("check-layers: ok (src/, protocol/src, bridge/src, tools/src: no import cycles; src/ imports only "
           "downward)")
     return 0
 

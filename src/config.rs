@@ -140,14 +140,8 @@ pub enum DestinationFormat {
     OriginalDst,
 }
 
-/// Worker device class (for `device-aware-weighted`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Device {
-    /// Any non-CPU accelerator.
-    Gpu,
-    Cpu,
-}
+/// Worker device class (for `device-aware-weighted`); a wire type (workers describe themselves).
+pub use kv_router_protocol::worker::Device;
 
 /// Cost weights of Dynamo's KV router (`kv_router` config). All finite and `>= 0`; `overlap_score_credit <= 1`.
 #[derive(Clone, Copy, Debug, PartialEq, Deserialize)]

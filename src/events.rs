@@ -21,10 +21,8 @@ pub use log_codec::{
 };
 pub use page::{parse_dump, parse_event_page};
 
-/// Largest event id (and cursor) accepted: 2^63 - 1. Ids are counters from 0 or 1; anything
-/// near `u64::MAX` is a broken or hostile worker, and accepting it would leave no room for the
-/// next id (`cursor + 1`) to exist.
-pub const MAX_EVENT_ID: u64 = i64::MAX as u64;
+/// The page format's id bound (2^63 - 1), shared with the producers.
+pub use kv_router_protocol::page::MAX_EVENT_ID;
 
 /// One normalized cache change on one worker.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -54,14 +52,8 @@ pub struct NumberedEvent {
     pub event: IndexEvent,
 }
 
-/// Load counters a worker may report with its events.
-#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct ReportedLoad {
-    pub num_waiting: u32,
-    pub num_running: u32,
-    /// Fraction of the worker's KV cache in use, 0.0..=1.0 as reported (not clamped).
-    pub kv_usage: f64,
-}
+/// Load counters a worker may report with its events: the page's `load` object.
+pub use kv_router_protocol::page::Load as ReportedLoad;
 
 /// One validated page from a worker's event endpoint (or its dump).
 #[derive(Clone, Debug, PartialEq)]

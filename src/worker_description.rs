@@ -7,39 +7,10 @@
 //! (`dp_start`, `dp_size`) differs from the template's is not applied (the rest is); the poller
 //! counts and logs it.
 
-use serde::{Deserialize, Serialize};
+use crate::config::{is_timing_poly, WorkerConfig};
 
-use crate::config::{is_timing_poly, Device, WorkerConfig};
-
-/// At most this many models, each at most [`MAX_MODEL_BYTES`] (the description lives in the
-/// shared log head, which is bounded).
-pub const MAX_MODELS: usize = 32;
-pub const MAX_MODEL_BYTES: usize = 256;
-
-/// What a worker says about itself. Absent fields leave the template's value.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub struct WorkerDescription {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub block_size: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub dp_start: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub dp_size: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub device: Option<Device>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kv_capacity_blocks: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_num_batched_tokens: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub models: Option<Vec<String>>,
-    /// Its engine's prefill time (ms) per step by tokens, as `calibrate` measured it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub prefill_time_ms_poly: Option<Vec<f64>>,
-    /// Its engine's decode step time (ms) by KV fill.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub decode_step_ms_poly: Option<Vec<f64>>,
-}
+/// The description's wire type and bounds, shared with the bridge and the mock.
+pub use kv_router_protocol::worker::{WorkerDescription, MAX_MODELS, MAX_MODEL_BYTES};
 
 /// Why (part of) a description was not applied.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use kv_event_bridge::core::{Core, CoreLimits};
-use kv_event_bridge::wire::{decode_batch, EngineEvent};
+use kv_router_protocol::vllm::{decode_batch, EngineEvent};
 
 const BS: u64 = 32;
 

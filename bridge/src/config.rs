@@ -1,6 +1,6 @@
 //! Command-line flags.
 
-use crate::describe::WorkerDescription;
+use kv_router_protocol::worker::{Device, WorkerDescription};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -9,8 +9,8 @@ use clap::Parser;
 use crate::core::CoreLimits;
 use crate::engine::{EngineSpec, EngineTiming};
 use crate::http::HttpLimits;
-use crate::ring::PageLimits;
-use crate::wire::DEFAULT_MAX_PAYLOAD_BYTES;
+use kv_router_protocol::ring::PageLimits;
+use kv_router_protocol::vllm::DEFAULT_MAX_PAYLOAD_BYTES;
 
 /// Bridges vLLM / SGLang KV-cache events (ZMQ PUB, msgpack) to the HTTP event page that the
 /// envoy-kv-router filter polls (`GET /kv/events?after=N`, `GET /kv/dump`).
@@ -306,7 +306,12 @@ impl Args {
                 block_size: Some(self.block_size),
                 dp_start: self.worker_dp_start,
                 dp_size: self.worker_dp_size,
-                device: self.worker_device,
+                // The value parser admits only these two.
+                device: self.worker_device.as_deref().and_then(|d| match d {
+                    "gpu" => Some(Device::Gpu),
+                    "cpu" => Some(Device::Cpu),
+                    _ => None,
+                }),
                 kv_capacity_blocks: self.worker_kv_capacity_blocks,
                 max_num_batched_tokens: self.worker_max_num_batched_tokens,
                 models: (!self.worker_models.is_empty()).then_some(self.worker_models),

@@ -10,9 +10,9 @@ use std::collections::BTreeMap;
 use envoy_kv_router::types::StorageTier;
 
 use crate::mirror::{DpRank, Mirror, StoreError, StoreRequest};
-use crate::page::{dump_json, event_json, page_json, Load, PageEvent};
-use crate::ring::{EventRing, PageLimits};
-use crate::wire::{EngineEvent, StoredBlocks};
+use kv_router_protocol::page::{dump_json, event_json, page_json, Load, PageEvent};
+use kv_router_protocol::ring::{EventRing, PageLimits};
+use kv_router_protocol::vllm::{EngineEvent, StoredBlocks};
 
 /// Bounds and the block size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

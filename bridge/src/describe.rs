@@ -2,68 +2,7 @@
 //! "membership"). Flags (`--worker-*`) win; otherwise what the engine's metrics say
 //! (`vllm:cache_config_info`: `block_size`, `num_gpu_blocks`). Nothing known: no object.
 
-use serde::Serialize;
-
-/// What the bridge says about its worker. `None` fields are left out.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct WorkerDescription {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub block_size: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub dp_start: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub dp_size: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub device: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub kv_capacity_blocks: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_num_batched_tokens: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub models: Option<Vec<String>>,
-    /// Set by flags only (`calibrate` measures them).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub prefill_time_ms_poly: Option<Vec<f64>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub decode_step_ms_poly: Option<Vec<f64>>,
-}
-
-impl WorkerDescription {
-    /// `self` (the flags) over `learned`.
-    pub fn over(&self, learned: &WorkerDescription) -> WorkerDescription {
-        WorkerDescription {
-            block_size: self.block_size.or(learned.block_size),
-            dp_start: self.dp_start.or(learned.dp_start),
-            dp_size: self.dp_size.or(learned.dp_size),
-            device: self.device.clone().or_else(|| learned.device.clone()),
-            kv_capacity_blocks: self.kv_capacity_blocks.or(learned.kv_capacity_blocks),
-            max_num_batched_tokens: self
-                .max_num_batched_tokens
-                .or(learned.max_num_batched_tokens),
-            models: self.models.clone().or_else(|| learned.models.clone()),
-            prefill_time_ms_poly: self
-                .prefill_time_ms_poly
-                .clone()
-                .or_else(|| learned.prefill_time_ms_poly.clone()),
-            decode_step_ms_poly: self
-                .decode_step_ms_poly
-                .clone()
-                .or_else(|| learned.decode_step_ms_poly.clone()),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        *self == WorkerDescription::default()
-    }
-
-    /// The JSON object, or `None` when nothing is known.
-    pub fn to_json(&self) -> Option<String> {
-        if self.is_empty() {
-            return None;
-        }
-        serde_json::to_string(self).ok()
-    }
-}
+use kv_router_protocol::worker::{WorkerDescription, MAX_MODELS};
 
 /// `block_size` and `num_gpu_blocks` (the KV capacity of one engine, in blocks) from vLLM's
 /// `vllm:cache_config_info{block_size="16",num_gpu_blocks="3000",...} 1.0`.
@@ -120,10 +59,8 @@ fn labels(text: &str) -> Vec<(String, String)> {
     }
 }
 
-/// At most this many models are read from `/v1/models` (the filter refuses more than 32).
-pub const MAX_MODELS: usize = 32;
-
-/// The model ids of an OpenAI `/v1/models` reply (`{"data": [{"id": "..."}]}`).
+/// The model ids of an OpenAI `/v1/models` reply (`{"data": [{"id": "..."}]}`), at most
+/// [`MAX_MODELS`] (the filter refuses more).
 pub fn parse_models(body: &str) -> Result<Vec<String>, String> {
     let v: serde_json::Value = serde_json::from_str(body).map_err(|e| e.to_string())?;
     let data = v["data"].as_array().ok_or("no data array")?;
@@ -138,22 +75,10 @@ pub fn parse_models(body: &str) -> Result<Vec<String>, String> {
     Ok(ids)
 }
 
-/// Splices `,"worker":{...}` into a page or dump body (a JSON object).
-pub fn splice(mut body: String, worker: Option<&str>) -> String {
-    if let Some(w) = worker {
-        if body.ends_with('}') {
-            body.pop();
-            body.push_str(",\"worker\":");
-            body.push_str(w);
-            body.push('}');
-        }
-    }
-    body
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kv_router_protocol::worker::splice;
 
     #[test]
     fn learns_from_vllm_cache_config_info_and_flags_win() {

@@ -29,7 +29,7 @@ use crate::core::Refusal;
 use crate::mirror::DpRank;
 use crate::replay::{Replay, ReplayError};
 use crate::state::Shared;
-use crate::wire::{decode_batch, split_frames, EngineEvent};
+use kv_router_protocol::vllm::{decode_batch, split_frames, EngineEvent};
 
 /// One engine endpoint from the command line.
 #[derive(Clone, Debug, PartialEq, Eq)]

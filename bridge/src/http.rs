@@ -11,8 +11,8 @@ use axum::Router;
 use serde::Deserialize;
 
 use crate::metrics::render_gauge;
-use crate::ring::PageLimits;
 use crate::state::Shared;
+use kv_router_protocol::ring::PageLimits;
 
 /// Limits of the HTTP side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,10 +50,7 @@ struct EventsQuery {
 impl HttpLimits {
     /// The page bounds for one call: the bridge's caps, lowered to what the caller asked for.
     pub fn page_for(&self, limit: Option<usize>, max_bytes: Option<usize>) -> PageLimits {
-        PageLimits {
-            max_events: limit.map_or(self.page.max_events, |l| l.clamp(1, self.page.max_events)),
-            max_bytes: max_bytes.map_or(self.page.max_bytes, |b| b.clamp(1, self.page.max_bytes)),
-        }
+        PageLimits::asked(self.page, self.page, limit, max_bytes)
     }
 }
 
@@ -86,7 +83,7 @@ async fn events(State(app): State<AppState>, query: Query<EventsQuery>) -> Respo
     let load = shared.load();
     let limits = app.limits.page_for(query.limit, query.max_bytes);
     let body = shared.with_core(|core| core.page(after, limits, load));
-    let body = crate::describe::splice(body, shared.worker_json().as_deref());
+    let body = kv_router_protocol::worker::splice(body, shared.worker_json().as_deref());
     json(StatusCode::OK, body)
 }
 
@@ -95,7 +92,7 @@ async fn dump(State(app): State<AppState>) -> Response {
         .metrics
         .inc("kv_bridge_page_requests_total", &[("path", "/kv/dump")]);
     let body = app.shared.with_core(|core| core.dump());
-    let body = crate::describe::splice(body, app.shared.worker_json().as_deref());
+    let body = kv_router_protocol::worker::splice(body, app.shared.worker_json().as_deref());
     json(StatusCode::OK, body)
 }
 

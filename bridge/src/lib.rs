@@ -2,9 +2,10 @@
 //! event page envoy-kv-router polls.
 //!
 //! Data flow: `engine` (one task per endpoint: SUB stream, sequence tracking, replay) ->
-//! `wire` (frames, msgpack -> events) -> `core` (validation, `mirror` with reference counts,
-//! `ring` of page events with the bridge's ids) -> `http` (`/kv/events`, `/kv/dump`, `/health`,
-//! `/metrics`). `load` scrapes the engine's Prometheus metrics for the page's `load`.
+//! `kv_router_protocol::vllm` (frames, msgpack -> events) -> `core` (validation, `mirror` with
+//! reference counts, `kv_router_protocol::ring` of page events with the bridge's ids, written by
+//! `kv_router_protocol::page`) -> `http` (`/kv/events`, `/kv/dump`, `/health`, `/metrics`).
+//! `load` scrapes the engine's Prometheus metrics for the page's `load`.
 
 // Production code avoids unwrap/expect (lints in Cargo.toml); tests may use them.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
@@ -17,11 +18,8 @@ pub mod http;
 pub mod load;
 pub mod metrics;
 pub mod mirror;
-pub mod page;
 pub mod replay;
-pub mod ring;
 pub mod state;
-pub mod wire;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use log::{debug, warn};
 
-use crate::page::Load;
 use crate::state::Shared;
+use kv_router_protocol::page::Load;
 
 const WAITING: &[&str] = &["vllm:num_requests_waiting", "sglang:num_queue_reqs"];
 const RUNNING: &[&str] = &["vllm:num_requests_running", "sglang:num_running_reqs"];

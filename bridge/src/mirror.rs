@@ -12,8 +12,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
-/// Data-parallel rank of an engine.
-pub type DpRank = u32;
+pub use kv_router_protocol::page::{DpRank, DumpRun};
 
 /// One cached block of one rank on one medium.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -54,18 +53,6 @@ pub struct Removal {
     pub still_held: usize,
     /// Hashes the mirror did not hold (stored before the bridge saw the stream, or refused).
     pub unknown: usize,
-}
-
-/// One "stored" event of a dump: a run of blocks on one rank and medium, each following the one
-/// before it, the first following `parent`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DumpRun {
-    pub dp_rank: DpRank,
-    pub medium: String,
-    pub parent: Option<u64>,
-    pub block_hashes: Vec<u64>,
-    pub token_ids: Vec<u32>,
-    pub lora_name: Option<String>,
 }
 
 /// Per-rank blocks by medium.

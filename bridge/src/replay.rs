@@ -10,7 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::wire::{seq_from_frame, DecodeError};
+use kv_router_protocol::vllm::{seq_from_frame, DecodeError, END_SEQ};
 
 /// One reply message of the replay socket.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -63,7 +63,7 @@ pub fn parse_reply(frames: &[Bytes]) -> Result<ReplayReply, DecodeError> {
         [seq, payload] => (seq, payload),
         _ => return Err(DecodeError::FrameCount { got: frames.len() }),
     };
-    if seq.as_ref() == [0xff; 8] {
+    if seq.as_ref() == END_SEQ {
         return Ok(ReplayReply::End);
     }
     Ok(ReplayReply::Batch {

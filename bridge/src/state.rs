@@ -1,6 +1,6 @@
 //! State shared by the engine tasks, the load scraper and the HTTP server.
 
-use crate::describe::WorkerDescription;
+use kv_router_protocol::worker::WorkerDescription;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -9,7 +9,7 @@ use tokio::sync::watch;
 
 use crate::core::{ApplyOutcome, Core, CoreLimits};
 use crate::metrics::Metrics;
-use crate::page::Load;
+use kv_router_protocol::page::Load;
 
 /// What `/health` reports about one engine endpoint.
 #[derive(Clone, Debug, Default, Serialize)]

@@ -20,9 +20,9 @@ use kv_event_bridge::config::BridgeConfig;
 use kv_event_bridge::core::CoreLimits;
 use kv_event_bridge::engine::{EngineSpec, EngineTiming};
 use kv_event_bridge::http::HttpLimits;
-use kv_event_bridge::ring::PageLimits;
-use kv_event_bridge::wire::{decode_batch, EngineEvent};
 use kv_event_bridge::Bridge;
+use kv_router_protocol::ring::PageLimits;
+use kv_router_protocol::vllm::{decode_batch, EngineEvent};
 use serde_json::Value;
 use zeromq::{RouterSocket, Socket, SocketRecv, SocketSend, XPubSocket, ZmqMessage};
 

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use kv_event_bridge::wire::{
+use kv_router_protocol::vllm::{
     decode_batch, split_frames, DecodeError, EngineBatch, EngineEvent, StoredBlocks,
 };
 

@@ -1,7 +1,7 @@
 //! The bridge_msgpack fuzz target's inputs (fuzz/seeds/bridge_msgpack/: real vLLM batches, and
 //! fuzz/regressions/bridge_msgpack/: anything a fuzzer ever failed on) replayed in `cargo test`.
 
-use kv_event_bridge::wire::decode_batch;
+use kv_router_protocol::vllm::decode_batch;
 use std::path::Path;
 
 #[test]

@@ -1,6 +1,6 @@
 //! The bridge's engine msgpack decoder (vLLM / SGLang ZMQ frames): never panics.
 #![no_main]
-use kv_event_bridge::wire::{decode_batch, seq_from_frame, split_frames};
+use kv_router_protocol::vllm::{decode_batch, seq_from_frame, split_frames};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -34,13 +34,14 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::block_hasher::{BlockHasher, Digest};
-use super::event_log::{EventLog, PageLimits};
+use super::event_log::{EventLog, PageLimits, DEFAULT_PAGE};
 use super::kv_cache::{BlockHash, CacheEvent, KvCache};
 use super::kv_zmq::KvPublisher;
 use super::openai::VOCAB;
 use super::timing::{Chunk, Jitter, StepWork};
 use crate::util::lock;
 use crate::util::splitmix64;
+use kv_router_protocol::page::Load;
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -716,6 +717,17 @@ pub fn event_json(ev: &CacheEvent, block_size: usize, dp_rank: u32) -> Value {
     }
 }
 
+/// The event page's `load` object (the shared [`Load`]).
+fn load_json(num_waiting: usize, num_running: usize, kv_usage: f64) -> Value {
+    let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    serde_json::to_value(Load {
+        num_waiting: count(num_waiting),
+        num_running: count(num_running),
+        kv_usage,
+    })
+    .unwrap_or_default()
+}
+
 /// Live counters for `/metrics` and the event page's `load`.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct EngineMetrics {
@@ -898,12 +910,12 @@ impl Engine {
     /// `{"num_waiting", "num_running", "kv_usage"}`.
     pub fn load(&self) -> Value {
         let m = self.metrics();
-        json!({"num_waiting": m.num_waiting, "num_running": m.num_running, "kv_usage": m.kv_usage})
+        load_json(m.num_waiting, m.num_running, m.kv_usage)
     }
 
     /// The event page (DESIGN.md) including `load`.
     pub fn events_page(&self, after: u64) -> Value {
-        let (mut page, events) = self.events_page_parts(after, PageLimits::default());
+        let (mut page, events) = self.events_page_parts(after, DEFAULT_PAGE);
         page["events"] = serde_json::from_str(&events).unwrap_or_default();
         page
     }
@@ -913,11 +925,11 @@ impl Engine {
     pub fn events_page_parts(&self, after: u64, limits: PageLimits) -> (Value, String) {
         let g = lock(&self.inner);
         let (mut page, events) = g.log.page_parts(after, self.block_size, limits);
-        page["load"] = json!({
-            "num_waiting": g.core.num_waiting(),
-            "num_running": g.core.num_running(),
-            "kv_usage": g.core.kv_usage(),
-        });
+        page["load"] = load_json(
+            g.core.num_waiting(),
+            g.core.num_running(),
+            g.core.kv_usage(),
+        );
         (page, events)
     }
 

@@ -1,12 +1,14 @@
-//! A bounded, id-numbered buffer of KV events, served by `GET /kv/events?after=N`.
+//! The mock's KV events, served by `GET /kv/events?after=N`: the shared
+//! [`kv_router_protocol::ring::EventRing`] (ids, bounds, page cuts: the bridge's), keeping each
+//! event's value beside its JSON text (the echo mode's dump filters them).
 //!
 //! Invariants: ids are assigned consecutively from 1; the buffer holds a contiguous id range
 //! `first_id..=last_id` (empty when `first_id == last_id + 1`); dropping the oldest events (capacity)
 //! or skipping ids (a simulated loss) moves `first_id` forward, which tells the poller it missed
 //! events and must re-sync from the dump.
 
-use std::collections::VecDeque;
-
+use kv_router_protocol::ring::EventRing;
+pub use kv_router_protocol::ring::PageLimits;
 use serde_json::{json, Value};
 
 /// Most events in a page returned by [`EventLog::page`].
@@ -19,33 +21,20 @@ pub const MAX_PAGE_BYTES: usize = 1 << 20;
 pub const MAX_ASKED_PAGE_EVENTS: usize = 100_000;
 pub const MAX_ASKED_PAGE_BYTES: usize = 64 << 20;
 
-/// A page's bounds: [`MAX_PAGE_EVENTS`] and [`MAX_PAGE_BYTES`] unless the client asks for
-/// others (`&limit=`, `&max_bytes=`), up to [`MAX_ASKED_PAGE_EVENTS`] and
-/// [`MAX_ASKED_PAGE_BYTES`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PageLimits {
-    pub max_events: usize,
-    pub max_bytes: usize,
-}
+/// A page's bounds when the client asks for none: [`MAX_PAGE_EVENTS`] and [`MAX_PAGE_BYTES`].
+pub const DEFAULT_PAGE: PageLimits = PageLimits {
+    max_events: MAX_PAGE_EVENTS,
+    max_bytes: MAX_PAGE_BYTES,
+};
 
-impl Default for PageLimits {
-    fn default() -> Self {
-        PageLimits {
-            max_events: MAX_PAGE_EVENTS,
-            max_bytes: MAX_PAGE_BYTES,
-        }
-    }
-}
-
-impl PageLimits {
-    /// The limits a client asked for (each absent one: the default), capped.
-    pub fn asked(limit: Option<usize>, max_bytes: Option<usize>) -> PageLimits {
-        let d = PageLimits::default();
-        PageLimits {
-            max_events: limit.map_or(d.max_events, |l| l.clamp(1, MAX_ASKED_PAGE_EVENTS)),
-            max_bytes: max_bytes.map_or(d.max_bytes, |b| b.clamp(1, MAX_ASKED_PAGE_BYTES)),
-        }
-    }
+/// The limits a client asked for (`&limit=`, `&max_bytes=`; each absent one: [`DEFAULT_PAGE`]),
+/// up to [`MAX_ASKED_PAGE_EVENTS`] and [`MAX_ASKED_PAGE_BYTES`].
+pub fn asked(limit: Option<usize>, max_bytes: Option<usize>) -> PageLimits {
+    let cap = PageLimits {
+        max_events: MAX_ASKED_PAGE_EVENTS,
+        max_bytes: MAX_ASKED_PAGE_BYTES,
+    };
+    PageLimits::asked(DEFAULT_PAGE, cap, limit, max_bytes)
 }
 
 /// Default bound on the JSON size of all buffered events.
@@ -53,13 +42,8 @@ pub const DEFAULT_MAX_BUFFER_BYTES: usize = 64 << 20;
 
 #[derive(Debug)]
 pub struct EventLog {
-    /// (id, event, its JSON text): pages are served from the text, without re-serializing.
-    buf: VecDeque<(u64, Value, String)>,
-    next_id: u64,
-    first_id: u64,
-    capacity: usize,
-    max_bytes: usize,
-    bytes: usize,
+    /// Each event with its JSON text: pages are served from the text, without re-serializing.
+    ring: EventRing<Value>,
 }
 
 impl EventLog {
@@ -71,110 +55,63 @@ impl EventLog {
     /// A log of at most `capacity` events and `max_bytes` of JSON (the newest event always stays).
     pub fn with_limits(capacity: usize, max_bytes: usize) -> Self {
         EventLog {
-            buf: VecDeque::new(),
-            next_id: 1,
-            first_id: 1,
-            capacity: capacity.max(1),
-            max_bytes,
-            bytes: 0,
+            ring: EventRing::new(capacity, max_bytes),
         }
     }
 
     /// Appends an event, setting its `event_id` (inside `event` for Dynamo's wrapped shape).
     pub fn push(&mut self, mut event: Value) -> u64 {
-        let id = self.next_id;
-        self.next_id += 1;
-        set_event_id(&mut event, id);
+        set_event_id(&mut event, self.ring.next_id());
         let text = serde_json::to_string(&event).unwrap_or_default();
-        self.bytes += text.len();
-        self.buf.push_back((id, event, text));
-        while self.buf.len() > self.capacity || (self.bytes > self.max_bytes && self.buf.len() > 1)
-        {
-            if let Some((_, _, t)) = self.buf.pop_front() {
-                self.bytes -= t.len();
-            }
-        }
-        self.first_id = self.buf.front().map_or(self.next_id, |(id, _, _)| *id);
-        id
+        self.ring.push_item(event, text)
     }
 
     /// Consumes `count` ids without buffering them and forgets everything older: a gap.
     pub fn skip(&mut self, count: u64) {
-        self.buf.clear();
-        self.bytes = 0;
-        self.next_id += count;
-        self.first_id = self.next_id;
+        self.ring.skip(count);
     }
 
     /// The oldest buffered id (`last_id + 1` when empty).
     pub fn first_id(&self) -> u64 {
-        self.first_id
+        self.ring.first_id()
     }
 
     /// The newest id assigned (0 before any event).
     pub fn last_id(&self) -> u64 {
-        self.next_id - 1
+        self.ring.last_id()
     }
 
     pub fn len(&self) -> usize {
-        self.buf.len()
+        self.ring.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.buf.is_empty()
+        self.ring.is_empty()
     }
 
     /// Buffered events in id order.
     pub fn iter(&self) -> impl Iterator<Item = &Value> {
-        self.buf.iter().map(|(_, e, _)| e)
+        self.ring.items()
     }
 
     /// Up to `max` buffered events with id > `after`, stopping once `max_bytes` of JSON is
     /// reached (at least one event if any).
     pub fn events_after(&self, after: u64, max: usize, max_bytes: usize) -> Vec<Value> {
-        self.page_entries(after, max, max_bytes)
+        let limits = PageLimits {
+            max_events: max,
+            max_bytes,
+        };
+        self.ring
+            .entries_after(after, limits)
             .map(|(_, e, _)| e.clone())
             .collect()
-    }
-
-    /// The buffered entries [`EventLog::events_after`] picks.
-    fn page_entries(
-        &self,
-        after: u64,
-        max: usize,
-        max_bytes: usize,
-    ) -> impl Iterator<Item = &(u64, Value, String)> {
-        let start = after.saturating_add(1).max(self.first_id);
-        let skip = usize::try_from(start - self.first_id).unwrap_or(usize::MAX);
-        let mut total = 0usize;
-        let mut count = 0usize;
-        self.buf
-            .iter()
-            .skip(skip)
-            .take(max)
-            .take_while(move |(_, _, text)| {
-                let fits = count == 0 || total + text.len() <= max_bytes;
-                total += text.len();
-                count += 1;
-                fits
-            })
     }
 
     /// [`EventLog::page`] without its `events`, and the JSON text of that `events` array, cut
     /// from the texts kept at push (no per-event clone or re-serialization: serving a page costs
     /// a copy of its bytes, as in the bridge). Join them with [`splice_events`].
     pub fn page_parts(&self, after: u64, block_size: usize, limits: PageLimits) -> (Value, String) {
-        let mut events = String::from("[");
-        for (i, (_, _, text)) in self
-            .page_entries(after, limits.max_events, limits.max_bytes)
-            .enumerate()
-        {
-            if i > 0 {
-                events.push(',');
-            }
-            events.push_str(text);
-        }
-        events.push(']');
+        let events = self.ring.page_array(after, limits);
         let page = json!({
             "block_size": block_size,
             "first_event_id": self.first_id(),
@@ -300,31 +237,31 @@ mod tests {
     #[test]
     fn served_pages_equal_the_value_pages() {
         let mut log = EventLog::with_limits(5000, 1 << 20);
-        let (page, events) = log.page_parts(0, 16, PageLimits::default());
+        let (page, events) = log.page_parts(0, 16, DEFAULT_PAGE);
         let body: Value = serde_json::from_slice(&splice_events(&page, &events)).unwrap();
         assert_eq!(body, log.page(0, 16));
         for i in 0..1500u64 {
             log.push(json!({"type": "BlockRemoved", "block_hashes": [i], "medium": "GPU"}));
         }
         for after in [0, 1450, 1500, 2000] {
-            let (page, events) = log.page_parts(after, 16, PageLimits::default());
+            let (page, events) = log.page_parts(after, 16, DEFAULT_PAGE);
             let body: Value = serde_json::from_slice(&splice_events(&page, &events)).unwrap();
             assert_eq!(body, log.page(after, 16), "after {after}");
         }
         // Larger pages when asked, by count and by bytes.
-        let asked = PageLimits::asked(Some(5000), None);
-        let (_, events) = log.page_parts(0, 16, asked);
+        let limits = asked(Some(5000), None);
+        let (_, events) = log.page_parts(0, 16, limits);
         assert_eq!(
             serde_json::from_str::<Vec<Value>>(&events).unwrap().len(),
             1500
         );
-        let asked = PageLimits::asked(Some(5000), Some(200));
-        let (_, events) = log.page_parts(0, 16, asked);
+        let limits = asked(Some(5000), Some(200));
+        let (_, events) = log.page_parts(0, 16, limits);
         let got = serde_json::from_str::<Vec<Value>>(&events).unwrap();
         assert!(!got.is_empty() && got.len() < 5, "{} events", got.len());
-        assert_eq!(PageLimits::asked(Some(0), Some(1 << 40)).max_events, 1);
+        assert_eq!(asked(Some(0), Some(1 << 40)).max_events, 1);
         assert_eq!(
-            PageLimits::asked(Some(1 << 30), Some(1 << 40)).max_bytes,
+            asked(Some(1 << 30), Some(1 << 40)).max_bytes,
             MAX_ASKED_PAGE_BYTES
         );
     }

@@ -15,7 +15,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use serde_json::{json, Value};
 
-use super::event_log::{splice_events, PageLimits};
+use super::event_log::{self, splice_events};
 use super::openai::{self, json_response, ApiKind, Shape};
 use super::render;
 use super::{
@@ -171,7 +171,7 @@ async fn kv_events(State(w): Worker, RawQuery(query): RawQuery) -> Response {
         .and_then(|a| a.parse::<u64>().ok())
         .unwrap_or(0);
     let number = |name: &str| query_param(&query, name).and_then(|v| v.parse::<usize>().ok());
-    let limits = PageLimits::asked(number("limit"), number("max_bytes"));
+    let limits = event_log::asked(number("limit"), number("max_bytes"));
     let (mut page, events) = match &w.backend {
         Backend::Echo(e) => e.events_page_parts(after, limits),
         Backend::Engine(e) => e.events_page_parts(after, limits),

@@ -1,19 +1,13 @@
-//! vLLM 0.32's KV event wire format, written byte for byte as vLLM (msgspec) writes it, so that
-//! engine mode exercises the same decoder path as a real engine.
-//!
-//! * A live message is 3 ZMQ frames: `[topic, seq (8-byte big-endian, from 0), payload]`.
-//! * The payload is a batch `array(3) [ts: float64, events: array, dp_rank: int]`.
-//! * Each event is a map whose first key is `type`, then its fields in vLLM's declaration order;
-//!   integers take their smallest msgpack encoding (hashes are u64, often `uint64`).
-//!   - `BlockStored`: type, block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-//!     medium, lora_name, extra_keys (`[nil] * blocks`), group_idx, kv_cache_spec_kind;
-//!   - `BlockRemoved`: type, block_hashes, medium, group_idx;
-//!   - `AllBlocksCleared`: type.
-//! * Replay (ROUTER; the client's DEALER sends `[b"", start_seq]`): one reply
-//!   `[b"", topic, seq, payload]` per buffered batch with `seq >= start_seq`, then the end marker
-//!   `[b"", b"", ff x 8, b""]`.
+//! vLLM 0.32's KV event wire format for engine mode: the mock's [`CacheEvent`]s written by the
+//! shared encoder ([`kv_router_protocol::vllm::encode_batch`], byte for byte as vLLM's msgspec
+//! writes them; the bridge decodes with the same crate's types), so that engine mode exercises
+//! the same decoder path as a real engine. The frames, the batch shape and the replay are
+//! described there.
 
 use std::io;
+
+pub use kv_router_protocol::vllm::END_SEQ;
+use kv_router_protocol::vllm::{EngineEvent, StoredBlocks};
 
 use super::kv_cache::CacheEvent;
 
@@ -23,86 +17,30 @@ pub const DEFAULT_TOPIC: &str = "kv";
 /// vLLM's default topic (`KVEventsConfig.topic = ""`), the only one vllm-router's static
 /// `--kv-event-source` accepts (it has no topic option).
 pub const VLLM_DEFAULT_TOPIC: &str = "";
-/// The sequence frame of the replay's end marker (-1 as a signed 64-bit big-endian integer).
-pub const END_SEQ: [u8; 8] = [0xff; 8];
-/// vLLM's attention kind for a plain decoder model.
-const KV_CACHE_SPEC_KIND: &str = "full_attention";
 
-fn len_u32(len: usize) -> io::Result<u32> {
-    u32::try_from(len)
-        .map_err(|_| io::Error::other(format!("{len} items do not fit a msgpack array")))
-}
-
-fn write_hashes(out: &mut Vec<u8>, hashes: &[u64]) -> io::Result<()> {
-    rmp::encode::write_array_len(out, len_u32(hashes.len())?)?;
-    for &h in hashes {
-        rmp::encode::write_uint(out, h)?;
-    }
-    Ok(())
-}
-
-fn write_event(out: &mut Vec<u8>, event: &CacheEvent, block_size: usize) -> io::Result<()> {
-    use rmp::encode::{write_array_len, write_map_len, write_nil, write_str, write_uint};
+/// A cache event as the engine publishes it (no LoRA, block size on stores).
+fn engine_event(event: &CacheEvent, block_size: usize) -> EngineEvent {
     match event {
         CacheEvent::Stored {
             tier,
             parent,
             hashes,
             token_ids,
-        } => {
-            write_map_len(out, 11)?;
-            write_str(out, "type")?;
-            write_str(out, "BlockStored")?;
-            write_str(out, "block_hashes")?;
-            write_hashes(out, hashes)?;
-            write_str(out, "parent_block_hash")?;
-            match parent {
-                Some(p) => {
-                    write_uint(out, *p)?;
-                }
-                None => write_nil(out)?,
-            }
-            write_str(out, "token_ids")?;
-            write_array_len(out, len_u32(token_ids.len())?)?;
-            for &t in token_ids {
-                write_uint(out, u64::from(t))?;
-            }
-            write_str(out, "block_size")?;
-            write_uint(out, block_size as u64)?;
-            write_str(out, "lora_id")?;
-            write_nil(out)?;
-            write_str(out, "medium")?;
-            write_str(out, tier.medium())?;
-            write_str(out, "lora_name")?;
-            write_nil(out)?;
-            write_str(out, "extra_keys")?;
-            write_array_len(out, len_u32(hashes.len())?)?;
-            for _ in hashes {
-                write_nil(out)?;
-            }
-            write_str(out, "group_idx")?;
-            write_uint(out, 0)?;
-            write_str(out, "kv_cache_spec_kind")?;
-            write_str(out, KV_CACHE_SPEC_KIND)?;
-        }
-        CacheEvent::Removed { tier, hashes } => {
-            write_map_len(out, 4)?;
-            write_str(out, "type")?;
-            write_str(out, "BlockRemoved")?;
-            write_str(out, "block_hashes")?;
-            write_hashes(out, hashes)?;
-            write_str(out, "medium")?;
-            write_str(out, tier.medium())?;
-            write_str(out, "group_idx")?;
-            write_uint(out, 0)?;
-        }
-        CacheEvent::Cleared => {
-            write_map_len(out, 1)?;
-            write_str(out, "type")?;
-            write_str(out, "AllBlocksCleared")?;
-        }
+        } => EngineEvent::Stored(StoredBlocks {
+            block_hashes: hashes.clone(),
+            parent: *parent,
+            token_ids: token_ids.clone(),
+            block_size: Some(block_size as u64),
+            lora_id: None,
+            lora_name: None,
+            medium: Some(tier.medium().to_owned()),
+        }),
+        CacheEvent::Removed { tier, hashes } => EngineEvent::Removed {
+            block_hashes: hashes.clone(),
+            medium: Some(tier.medium().to_owned()),
+        },
+        CacheEvent::Cleared => EngineEvent::AllCleared,
     }
-    Ok(())
 }
 
 /// One batch payload: `[ts, [events...], dp_rank]`.
@@ -112,15 +50,10 @@ pub fn encode_batch(
     block_size: usize,
     dp_rank: u32,
 ) -> io::Result<Vec<u8>> {
-    let mut out = Vec::with_capacity(64 + events.len() * 128);
-    rmp::encode::write_array_len(&mut out, 3)?;
-    rmp::encode::write_f64(&mut out, ts)?;
-    rmp::encode::write_array_len(&mut out, len_u32(events.len())?)?;
-    for event in events {
-        write_event(&mut out, event, block_size)?;
-    }
-    rmp::encode::write_uint(&mut out, u64::from(dp_rank))?;
-    Ok(out)
+    let events: Vec<EngineEvent> = events.iter().map(|e| engine_event(e, block_size)).collect();
+    Ok(kv_router_protocol::vllm::encode_batch(
+        ts, &events, dp_rank,
+    )?)
 }
 
 #[cfg(test)]

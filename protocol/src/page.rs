@@ -1,9 +1,28 @@
-//! JSON of the event page and the dump, in the vLLM shape the filter reads
-//! (docs/DESIGN.md, "Worker event endpoint").
+//! The event page and the dump the filter polls (docs/DESIGN.md, "Worker event endpoint"): the
+//! vLLM-shaped events a producer (the bridge) writes, the `load` object, the id bound. The
+//! filter's reader (`events::parse_event_page`) takes these and the other shapes it accepts.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-use crate::mirror::{DpRank, DumpRun};
+/// A data-parallel rank.
+pub type DpRank = u32;
+
+/// Largest event id (and cursor) accepted: 2^63 - 1. Ids are counters from 0 or 1; anything
+/// near `u64::MAX` is a broken or hostile worker, and accepting it would leave no room for the
+/// next id (`cursor + 1`) to exist.
+pub const MAX_EVENT_ID: u64 = i64::MAX as u64;
+
+/// One "stored" event of a dump: a run of blocks on one rank and medium, each following the one
+/// before it, the first following `parent`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DumpRun {
+    pub dp_rank: DpRank,
+    pub medium: String,
+    pub parent: Option<u64>,
+    pub block_hashes: Vec<u64>,
+    pub token_ids: Vec<u32>,
+    pub lora_name: Option<String>,
+}
 
 /// An event as forwarded to the page.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -114,10 +133,11 @@ pub fn event_json(event_id: u64, event: &PageEvent, block_size: u32) -> String {
 }
 
 /// Worker-reported load, as the page's `load` object.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Load {
     pub num_waiting: u32,
     pub num_running: u32,
+    /// Fraction of the worker's KV cache in use, 0.0..=1.0 as reported (not clamped).
     pub kv_usage: f64,
 }
 

@@ -1,4 +1,6 @@
-//! The engines' wire format: ZMQ frames and msgpack event batches -> [`EngineBatch`].
+//! The engines' KV-event wire format: ZMQ frames and msgpack event batches <-> [`EngineBatch`].
+//! The bridge decodes ([`decode_batch`]); the mock worker's engine mode encodes ([`encode_batch`])
+//! from the same types, byte for byte as vLLM 0.32 (msgspec) writes them.
 //!
 //! What vLLM and SGLang really send (see `/kv/...` in the README and the captured fixtures):
 //! * a message is 3 frames: `[topic, seq (8-byte big-endian), payload]`;
@@ -18,6 +20,9 @@
 use core::fmt;
 
 use rmpv::ValueRef;
+
+/// The sequence frame of the replay's end marker (-1 as a signed 64-bit big-endian integer).
+pub const END_SEQ: [u8; 8] = [0xff; 8];
 
 /// The largest payload decoded; larger frames are refused before parsing.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 16 << 20;
@@ -453,4 +458,209 @@ pub fn fold_hash_bytes(bytes: &[u8]) -> u64 {
         dst.copy_from_slice(src);
     }
     u64::from_be_bytes(buf)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Encoding (vLLM 0.32, as msgspec writes it)
+// ---------------------------------------------------------------------------------------------
+//
+// * A live message is 3 ZMQ frames: `[topic, seq (8-byte big-endian, from 0), payload]`.
+// * The payload is a batch `array(3) [ts: float64, events: array, dp_rank: int]`.
+// * Each event is a map whose first key is `type`, then its fields in vLLM's declaration order;
+//   integers take their smallest msgpack encoding (hashes are u64, often `uint64`).
+//   - `BlockStored`: type, block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+//     medium, lora_name, extra_keys (`[nil] * blocks`), group_idx, kv_cache_spec_kind;
+//   - `BlockRemoved`: type, block_hashes, medium, group_idx;
+//   - `AllBlocksCleared`: type.
+// * Replay (ROUTER; the client's DEALER sends `[b"", start_seq]`): one reply
+//   `[b"", topic, seq, payload]` per buffered batch with `seq >= start_seq`, then the end marker
+//   `[b"", b"", END_SEQ, b""]`.
+
+/// vLLM's attention kind for a plain decoder model.
+const KV_CACHE_SPEC_KIND: &str = "full_attention";
+
+/// Why a batch could not be encoded.
+#[derive(Debug)]
+pub struct EncodeError(String);
+
+impl fmt::Display for EncodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for EncodeError {}
+
+impl From<rmp::encode::ValueWriteError> for EncodeError {
+    fn from(e: rmp::encode::ValueWriteError) -> Self {
+        EncodeError(e.to_string())
+    }
+}
+
+impl From<std::io::Error> for EncodeError {
+    fn from(e: std::io::Error) -> Self {
+        EncodeError(e.to_string())
+    }
+}
+
+impl From<EncodeError> for std::io::Error {
+    fn from(e: EncodeError) -> Self {
+        std::io::Error::other(e.0)
+    }
+}
+
+fn len_u32(len: usize) -> Result<u32, EncodeError> {
+    u32::try_from(len).map_err(|_| EncodeError(format!("{len} items do not fit a msgpack array")))
+}
+
+fn write_hashes(out: &mut Vec<u8>, hashes: &[u64]) -> Result<(), EncodeError> {
+    rmp::encode::write_array_len(out, len_u32(hashes.len())?)?;
+    for &h in hashes {
+        rmp::encode::write_uint(out, h)?;
+    }
+    Ok(())
+}
+
+fn write_opt_str(out: &mut Vec<u8>, s: Option<&str>) -> Result<(), EncodeError> {
+    match s {
+        Some(s) => rmp::encode::write_str(out, s)?,
+        None => rmp::encode::write_nil(out)?,
+    }
+    Ok(())
+}
+
+fn write_event(out: &mut Vec<u8>, event: &EngineEvent) -> Result<(), EncodeError> {
+    use rmp::encode::{
+        write_array_len, write_map_len, write_nil, write_sint, write_str, write_uint,
+    };
+    match event {
+        EngineEvent::Stored(s) => {
+            write_map_len(out, 11)?;
+            write_str(out, "type")?;
+            write_str(out, "BlockStored")?;
+            write_str(out, "block_hashes")?;
+            write_hashes(out, &s.block_hashes)?;
+            write_str(out, "parent_block_hash")?;
+            match s.parent {
+                Some(p) => {
+                    write_uint(out, p)?;
+                }
+                None => write_nil(out)?,
+            }
+            write_str(out, "token_ids")?;
+            write_array_len(out, len_u32(s.token_ids.len())?)?;
+            for &t in &s.token_ids {
+                write_uint(out, u64::from(t))?;
+            }
+            write_str(out, "block_size")?;
+            match s.block_size {
+                Some(b) => {
+                    write_uint(out, b)?;
+                }
+                None => write_nil(out)?,
+            }
+            write_str(out, "lora_id")?;
+            match s.lora_id {
+                Some(id) => {
+                    write_sint(out, id)?;
+                }
+                None => write_nil(out)?,
+            }
+            write_str(out, "medium")?;
+            write_opt_str(out, s.medium.as_deref())?;
+            write_str(out, "lora_name")?;
+            write_opt_str(out, s.lora_name.as_deref())?;
+            write_str(out, "extra_keys")?;
+            write_array_len(out, len_u32(s.block_hashes.len())?)?;
+            for _ in &s.block_hashes {
+                write_nil(out)?;
+            }
+            write_str(out, "group_idx")?;
+            write_uint(out, 0)?;
+            write_str(out, "kv_cache_spec_kind")?;
+            write_str(out, KV_CACHE_SPEC_KIND)?;
+        }
+        EngineEvent::Removed {
+            block_hashes,
+            medium,
+        } => {
+            write_map_len(out, 4)?;
+            write_str(out, "type")?;
+            write_str(out, "BlockRemoved")?;
+            write_str(out, "block_hashes")?;
+            write_hashes(out, block_hashes)?;
+            write_str(out, "medium")?;
+            write_opt_str(out, medium.as_deref())?;
+            write_str(out, "group_idx")?;
+            write_uint(out, 0)?;
+        }
+        EngineEvent::AllCleared => {
+            write_map_len(out, 1)?;
+            write_str(out, "type")?;
+            write_str(out, "AllBlocksCleared")?;
+        }
+    }
+    Ok(())
+}
+
+/// One batch payload as vLLM 0.32 writes it: `[ts, [events...], dp_rank]`.
+pub fn encode_batch(ts: f64, events: &[EngineEvent], dp_rank: u32) -> Result<Vec<u8>, EncodeError> {
+    let mut out = Vec::with_capacity(64 + events.len() * 128);
+    rmp::encode::write_array_len(&mut out, 3)?;
+    rmp::encode::write_f64(&mut out, ts)?;
+    rmp::encode::write_array_len(&mut out, len_u32(events.len())?)?;
+    for event in events {
+        write_event(&mut out, event)?;
+    }
+    rmp::encode::write_uint(&mut out, u64::from(dp_rank))?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hand_written_bytes_decode_and_encoding_round_trips() {
+        // [1.0, [["BlockStored", [7, -1], nil, [1, 2], 1, nil, "GPU"]], nil]: positional
+        // (SGLang's shape), a signed hash, nil rank; written by hand, not by the encoder.
+        let mut bytes = vec![0x93, 0xcb];
+        bytes.extend_from_slice(&1.0f64.to_be_bytes());
+        bytes.extend_from_slice(&[0x91, 0x97, 0xab]);
+        bytes.extend_from_slice(b"BlockStored");
+        bytes.extend_from_slice(&[0x92, 0x07, 0xff, 0xc0, 0x92, 0x01, 0x02, 0x01, 0xc0, 0xa3]);
+        bytes.extend_from_slice(b"GPU");
+        bytes.push(0xc0);
+        let batch = decode_batch(&bytes, DEFAULT_MAX_PAYLOAD_BYTES).unwrap();
+        let stored = StoredBlocks {
+            block_hashes: vec![7, u64::MAX],
+            parent: None,
+            token_ids: vec![1, 2],
+            block_size: Some(1),
+            lora_id: None,
+            lora_name: None,
+            medium: Some("GPU".into()),
+        };
+        assert_eq!(batch.dp_rank, None);
+        assert_eq!(batch.events, vec![EngineEvent::Stored(stored.clone())]);
+
+        let events = vec![
+            EngineEvent::Stored(StoredBlocks {
+                parent: Some(3),
+                lora_id: Some(-2),
+                lora_name: Some("l".into()),
+                ..stored
+            }),
+            EngineEvent::Removed {
+                block_hashes: vec![1 << 40],
+                medium: Some("CPU".into()),
+            },
+            EngineEvent::AllCleared,
+        ];
+        let payload = encode_batch(2.5, &events, 3).unwrap();
+        let back = decode_batch(&payload, DEFAULT_MAX_PAYLOAD_BYTES).unwrap();
+        assert_eq!((back.ts, back.dp_rank), (Some(2.5), Some(3)));
+        assert_eq!(back.events, events);
+        assert!(back.skipped.is_empty());
+    }
 }
