@@ -286,8 +286,7 @@ pub fn calibrate(target: &str, opts: &CalibrateOptions) -> io::Result<Calibratio
             arrival: Arrival::Concurrency(1),
         };
         let results = succeeded(run_workload(target, &workload, &run_opts).results)?;
-        let mut ttfts: Vec<f64> = results.iter().filter_map(|r| r.ttft_ms).collect();
-        ttfts.sort_by(f64::total_cmp);
+        let ttfts: Vec<f64> = results.iter().filter_map(|r| r.ttft_ms).collect();
         let ms = percentile(&ttfts, 50.0)
             .ok_or_else(|| io::Error::other(format!("no TTFT measured at {tokens} tokens")))?;
         prefill.push(PrefillPoint { tokens, ms });
@@ -341,11 +340,10 @@ fn measure_decode(
         let results = succeeded(run_workload(target, &workload, run_opts).results)?;
         // The first gaps share their steps with the other requests' prefills.
         let skip = requests as usize;
-        let mut gaps: Vec<f64> = results
+        let gaps: Vec<f64> = results
             .iter()
             .flat_map(|r| r.itl_ms.iter().skip(skip).copied())
             .collect();
-        gaps.sort_by(f64::total_cmp);
         let ms = percentile(&gaps, 50.0).ok_or_else(|| {
             io::Error::other(format!(
                 "no inter-token gaps at {requests} requests: raise --decode-output-tokens"

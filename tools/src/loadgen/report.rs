@@ -353,7 +353,8 @@ mod tests {
         let b = fake_stats(&[100.0, 2000.0]);
         assert_eq!(a.completed(), 4);
         assert_eq!(a.errors(), 1);
-        assert_eq!(a.ttft().p50, 20.0);
+        // The percentiles' HDR histogram: 3 significant digits.
+        assert!((a.ttft().p50 - 20.0).abs() <= 0.02, "{:?}", a.ttft());
         assert_eq!(a.ttft().mean, 25.0);
         assert_eq!(a.itl().mean, 6.0);
         assert_eq!(a.requests_per_s(), 2.0);
