@@ -386,16 +386,10 @@ fn kv_geometry(target: &str, opts: &CalibrateOptions) -> io::Result<(u32, u32)> 
 
 /// A numeric label of the `vllm:cache_config_info` sample in Prometheus text.
 pub fn cache_config_label(metrics: &str, name: &str) -> Option<u32> {
-    let line = metrics
-        .lines()
-        .find(|l| l.starts_with("vllm:cache_config_info{"))?;
-    let labels = line.split_once('{')?.1.split_once('}')?.0;
-    labels.split(',').find_map(|pair| {
-        let (key, value) = pair.split_once('=')?;
-        (key.trim() == name)
-            .then(|| value.trim().trim_matches('"').parse().ok())
-            .flatten()
-    })
+    crate::prom::Scrape::parse(metrics)
+        .label("vllm:cache_config_info", name)?
+        .parse()
+        .ok()
 }
 
 /// Every request of a calibration must succeed: a failed one says the engine is not idle or
