@@ -180,6 +180,12 @@ pub(super) fn render(w: &MockWorker) -> String {
                 get(&c.replays),
             );
             line(
+                "mock_worker_kv_zmq_connections_total",
+                "counter",
+                "Connections the KV event PUB socket accepted (subscribers).",
+                get(&c.connections),
+            );
+            line(
                 "mock_worker_kv_zmq_encode_errors_total",
                 "counter",
                 "Batches that could not be encoded (not published).",
