@@ -264,16 +264,16 @@ fn stored_event(prompt: &[u32], base: u64) -> Value {
         "block_size": BLOCK_SIZE, "medium": "GPU"})
 }
 
-/// Publishes `events` to `worker` and waits until `envoy`'s replicas applied them all.
+/// Publishes `events` to `worker` and waits until `envoy`'s replicas (`--concurrency 1`: the
+/// main thread's VM and the worker thread's) applied them all.
 fn feed(envoy: &Envoy, worker: &Worker, events: &Value) {
     let before = envoy.router_stat("events.applied");
+    let n = events.as_array().map_or(1, Vec::len) as u64;
     worker.admin("/admin/events", events).expect("publish");
     let ok = envoy.wait_for(Duration::from_secs(60), |e| {
-        e.router_stat("events.applied") > before
+        e.router_stat("events.applied") >= before + 2 * n
     });
     assert!(ok, "the filter did not apply the published events");
-    // Every replica (the main thread's VM and the worker thread's) catches up on its tick.
-    std::thread::sleep(Duration::from_millis(300));
 }
 
 fn kv_config(workers: Value, events: Value) -> Value {
@@ -678,12 +678,13 @@ fn fleet_paired(max_held: usize, http2: bool) {
                 })
                 .collect();
             for e in envoys.iter().filter(|_| !plain) {
+                // Mock 1's one event, applied by both replicas (the main thread's VM and the
+                // worker thread's).
                 let ok = e.wait_for(Duration::from_secs(60), |e| {
-                    e.router_stat("events.applied") > 0
+                    e.router_stat("events.applied") >= 2
                 });
                 assert!(ok, "the filter did not apply mock 1's events");
             }
-            std::thread::sleep(Duration::from_millis(300));
             let mut conns: Vec<Vec<Conn>> = envoys
                 .iter()
                 .map(|e| (0..CLIENTS).map(|_| Conn::new(&e.listener)).collect())
@@ -786,11 +787,11 @@ fn fleet_scale(quick: bool, max_held: usize, http2: bool) {
                 let events = json!({"poll_interval_ms": 10_000, "stale_after_ms": 3_600_000});
                 let config = kv_config(json!(workers), events);
                 let envoy = start_envoy_with(config, addrs.clone(), wasm.as_deref(), true, http2);
+                // Mock 1's one event, applied by both replicas.
                 let ok = envoy.wait_for(Duration::from_secs(60), |e| {
-                    e.router_stat("events.applied") > 0
+                    e.router_stat("events.applied") >= 2
                 });
                 assert!(ok, "the filter did not apply mock 1's events");
-                std::thread::sleep(Duration::from_millis(300));
                 let mut conns: Vec<Conn> =
                     (0..CLIENTS).map(|_| Conn::new(&envoy.listener)).collect();
                 closed_loop(&mut conns, &body, 4 * CLIENTS, envoy.pid());
@@ -934,8 +935,12 @@ fn events_per_second(quick: bool) {
     );
     config["tick_ms"] = json!(10);
     let envoy = start_envoy(config, vec![worker.addr.clone()], None, true);
-    // Settle: the first polls and any start-up re-sync.
-    std::thread::sleep(Duration::from_millis(500));
+    // Settled once the first poll read the worker's dump (the start-up re-sync).
+    assert!(
+        envoy.wait_for(Duration::from_secs(30), |e| e.router_stat("events.resyncs")
+            >= 1),
+        "the filter never read the worker's dump"
+    );
     let before = envoy.router_stat("events.applied");
     let received_before = envoy.router_stat("events.received");
     let body = Value::Array(wire);

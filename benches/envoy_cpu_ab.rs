@@ -136,8 +136,21 @@ fn main() {
             .collect();
         let stored = json!([{"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": null,
             "token_ids": prompt, "block_size": 64, "medium": "GPU"}]);
+        let before: Vec<u64> = variants
+            .iter()
+            .map(|v| v.envoy.router_stat("events.applied"))
+            .collect();
         worker.admin("/admin/events", &stored).expect("publish");
-        std::thread::sleep(Duration::from_millis(1500));
+        // Applied by both replicas (the main thread's VM and the worker thread's) of every kv
+        // filter build (the floor filter has no events; a routing mode that reads none is given
+        // up on after 10 s).
+        for (v, before) in variants.iter().zip(before) {
+            if v.name != "floor" {
+                let _ = v.envoy.wait_for(Duration::from_secs(10), |e| {
+                    e.router_stat("events.applied") >= before + 2
+                });
+            }
+        }
         let batch = 10usize;
         let rounds = if quick {
             3

@@ -45,8 +45,15 @@ fn main() {
             .collect();
         let stored = json!([{"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": null,
             "token_ids": prompt, "block_size": 64, "medium": "GPU"}]);
+        let before = with.router_stat("events.applied");
         worker.admin("/admin/events", &stored).expect("publish");
-        std::thread::sleep(Duration::from_millis(500));
+        // Applied by every replica: the main thread's VM and the 2 worker threads'.
+        assert!(
+            with.wait_for(Duration::from_secs(30), |e| {
+                e.router_stat("events.applied") >= before + 3
+            }),
+            "the filter did not apply the published blocks"
+        );
         let iters = if quick {
             20
         } else {

@@ -53,13 +53,10 @@ fn pinned(worker: u64, prompt: &[u32]) -> Value {
            "nvext": {"backend_instance_id": worker}})
 }
 
-fn bridge_metric(worker: &Worker, name: &str) -> u64 {
+fn bridge_metric(worker: &Worker, name: &str, labels: &[(&str, &str)]) -> u64 {
     let bridge = worker.bridge.as_ref().unwrap();
     let text = http::get(&bridge.addr, "/metrics").unwrap().text();
-    text.lines()
-        .filter(|l| l.starts_with(name))
-        .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
+    envoy_kv_router_tools::prom::sum(&text, name, labels).unwrap_or(0.0) as u64
 }
 
 #[test]
@@ -109,7 +106,12 @@ fn a_shared_prefix_is_routed_to_the_worker_holding_it_via_the_bridge() {
     // The filter polls the bridges' event pages.
     for w in &workers {
         let deadline = Instant::now() + Duration::from_secs(10);
-        while bridge_metric(w, "kv_bridge_page_requests_total{path=\"/kv/events\"}") == 0 {
+        while bridge_metric(
+            w,
+            "kv_bridge_page_requests_total",
+            &[("path", "/kv/events")],
+        ) == 0
+        {
             assert!(
                 Instant::now() < deadline,
                 "the filter does not poll worker {}'s bridge",
@@ -200,7 +202,11 @@ fn the_bridge_mirrors_the_engine_cache_through_eviction_offload_and_reset() {
     );
     assert!(dump_blocks(&dump).iter().all(|b| b.0 == 3), "DP rank 3");
     assert_bridge_mirrors_worker(w, "after evictions and offloads");
-    let removed = bridge_metric(w, "kv_bridge_engine_events_total{type=\"BlockRemoved\"}");
+    let removed = bridge_metric(
+        w,
+        "kv_bridge_engine_events_total",
+        &[("type", "BlockRemoved")],
+    );
     assert!(removed > 0, "evictions were published");
 
     http::post_json(&w.addr, "/admin/reset", &json!({})).unwrap();

@@ -10,7 +10,7 @@ use axum::routing::get;
 use axum::Router;
 use serde::Deserialize;
 
-use crate::metrics::render_gauge;
+use crate::metrics::Gauges;
 use crate::state::Shared;
 use kv_router_protocol::ring::PageLimits;
 
@@ -126,8 +126,7 @@ async fn metrics(State(app): State<AppState>) -> Response {
     shared
         .metrics
         .inc("kv_bridge_page_requests_total", &[("path", "/metrics")]);
-    let mut out = String::new();
-    shared.metrics.render_counters(&mut out);
+    let gauges = Gauges::default();
     let (blocks, max_blocks, ring_len, ring_bytes, ring_dropped, first, last) =
         shared.with_core(|c| {
             (
@@ -140,75 +139,57 @@ async fn metrics(State(app): State<AppState>) -> Response {
                 c.ring().last_id(),
             )
         });
-    let one = |v: f64| vec![(String::new(), v)];
-    render_gauge(
-        &mut out,
+    gauges.set(
         "kv_bridge_mirror_blocks",
         "Blocks in the mirror (rank, medium, hash entries).",
-        &one(blocks as f64),
+        blocks as f64,
     );
-    render_gauge(
-        &mut out,
+    gauges.set(
         "kv_bridge_mirror_max_blocks",
         "The mirror's bound (--max-blocks).",
-        &one(max_blocks as f64),
+        max_blocks as f64,
     );
-    render_gauge(
-        &mut out,
+    gauges.set(
         "kv_bridge_page_events",
         "Events buffered for the page.",
-        &one(ring_len as f64),
+        ring_len as f64,
     );
-    render_gauge(
-        &mut out,
+    gauges.set(
         "kv_bridge_page_bytes",
         "Bytes of buffered page events.",
-        &one(ring_bytes as f64),
+        ring_bytes as f64,
     );
-    render_gauge(
-        &mut out,
+    gauges.set(
         "kv_bridge_page_events_dropped",
         "Events pushed out of the page buffer by its bounds.",
-        &one(ring_dropped as f64),
+        ring_dropped as f64,
     );
-    render_gauge(
-        &mut out,
+    gauges.set(
         "kv_bridge_first_event_id",
         "Oldest buffered event id.",
-        &one(first as f64),
+        first as f64,
     );
-    render_gauge(
-        &mut out,
-        "kv_bridge_last_event_id",
-        "Newest event id.",
-        &one(last as f64),
-    );
+    gauges.set("kv_bridge_last_event_id", "Newest event id.", last as f64);
     let engines = shared.engine_statuses();
-    let per_engine = |f: &dyn Fn(&crate::state::EngineStatus) -> f64| -> Vec<(String, f64)> {
-        engines
-            .iter()
-            .enumerate()
-            .map(|(i, e)| (format!("engine=\"{i}\""), f(e)))
-            .collect()
+    let per_engine = |f: &dyn Fn(&crate::state::EngineStatus) -> f64| -> Vec<f64> {
+        engines.iter().map(f).collect()
     };
-    render_gauge(
-        &mut out,
+    gauges.set_per_engine(
         "kv_bridge_engine_connected",
         "1 when the engine's live stream is connected.",
         &per_engine(&|e| f64::from(u8::from(e.connected))),
     );
-    render_gauge(
-        &mut out,
+    gauges.set_per_engine(
         "kv_bridge_engine_last_seq",
         "Last sequence number applied (-1: none).",
         &per_engine(&|e| e.last_seq.map_or(-1.0, |s| s as f64)),
     );
-    render_gauge(
-        &mut out,
+    gauges.set_per_engine(
         "kv_bridge_engine_partial_history",
         "1 when the engine's blocks may be incomplete (late join or unrecoverable gap).",
         &per_engine(&|e| f64::from(u8::from(e.partial_history))),
     );
+    let out = shared.metrics.render(&gauges);
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

@@ -1,105 +1,147 @@
-//! Prometheus counters. Updated per batch (not per token), so one mutex is cheap enough; gauges
-//! are read from the live state when `/metrics` is rendered.
+//! Prometheus metrics, kept and encoded by the `prometheus` crate. Counters are updated per
+//! batch (not per token); gauges are read from the live state when `/metrics` is rendered.
 
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::sync::Mutex;
+use std::collections::HashMap;
 
-/// Every counter the bridge exports, with its help text. Names are fixed; labels are bounded
-/// (engine index, event type, reason, path).
-pub const COUNTERS: &[(&str, &str)] = &[
+use prometheus::{Encoder, GaugeVec, IntCounterVec, Opts, Registry, TextEncoder};
+
+/// Every counter the bridge exports, with its help text and label names. Names are fixed;
+/// labels are bounded (engine index, event type, reason, path).
+pub const COUNTERS: &[(&str, &str, &[&str])] = &[
     (
         "kv_bridge_batches_total",
         "Event batches received from the engine (live and replayed).",
+        &["engine"],
     ),
     (
         "kv_bridge_engine_events_total",
         "Engine events decoded, by type.",
+        &["type"],
     ),
     (
         "kv_bridge_forwarded_events_total",
         "Events appended to the event page, by type.",
+        &["type"],
     ),
     (
         "kv_bridge_refused_events_total",
         "Engine events not forwarded, by reason.",
+        &["reason"],
     ),
     (
         "kv_bridge_bad_frames_total",
         "Frames, batches or events that could not be decoded, by reason.",
+        &["engine", "reason"],
     ),
     (
         "kv_bridge_block_size_mismatch_total",
         "BlockStored events whose block_size differs from --block-size.",
+        &[],
     ),
     (
         "kv_bridge_removed_unknown_blocks_total",
         "Removed hashes the mirror did not hold.",
+        &[],
     ),
     (
         "kv_bridge_removed_still_held_total",
         "Removed copies of blocks another copy still holds (not forwarded).",
+        &[],
     ),
     (
         "kv_bridge_seq_gaps_total",
         "Sequence gaps on the live stream.",
+        &["engine"],
     ),
     (
         "kv_bridge_seq_duplicates_total",
         "Live batches already applied through a replay.",
+        &["engine"],
     ),
-    ("kv_bridge_replays_total", "Replay requests, by result."),
+    (
+        "kv_bridge_replays_total",
+        "Replay requests, by result.",
+        &["engine", "result"],
+    ),
     (
         "kv_bridge_replayed_batches_total",
         "Batches applied from replay replies.",
+        &["engine"],
     ),
     (
         "kv_bridge_resets_total",
         "Rank mirrors cleared and rebuilt, by cause.",
+        &["engine", "cause"],
     ),
     (
         "kv_bridge_resubscribes_total",
         "Live-stream reconnections (publisher gone or stream error).",
+        &["engine"],
     ),
     (
         "kv_bridge_idle_probes_total",
         "Liveness probes of a silent live stream, by result.",
+        &["engine", "result"],
     ),
     (
         "kv_bridge_page_requests_total",
         "HTTP requests served, by path.",
+        &["path"],
     ),
     (
         "kv_bridge_long_poll_wakeups_total",
         "Long polls answered because an event arrived.",
+        &[],
     ),
     (
         "kv_bridge_load_scrapes_total",
         "Engine /metrics scrapes, by result.",
+        &["result"],
     ),
 ];
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Metrics {
-    /// (name, rendered labels) -> value.
-    counters: Mutex<BTreeMap<(&'static str, String), u64>>,
+    registry: Registry,
+    counters: HashMap<&'static str, (IntCounterVec, &'static [&'static str])>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let registry = Registry::new();
+        let mut counters = HashMap::new();
+        for &(name, help, labels) in COUNTERS {
+            let Ok(vec) = IntCounterVec::new(Opts::new(name, help), labels) else {
+                continue;
+            };
+            // A counter without labels shows 0 before its first increment.
+            if labels.is_empty() {
+                let _ = vec.get_metric_with_label_values::<&str>(&[]);
+            }
+            if registry.register(Box::new(vec.clone())).is_ok() {
+                counters.insert(name, (vec, labels));
+            }
+        }
+        Metrics { registry, counters }
+    }
 }
 
 impl Metrics {
+    /// Adds `value` to counter `name` (one of [`COUNTERS`]) with `labels` (a label not given is
+    /// empty; one the counter does not declare is ignored).
     pub fn add(&self, name: &'static str, labels: &[(&str, &str)], value: u64) {
         if value == 0 {
             return;
         }
-        let mut rendered = String::new();
-        for (i, (k, v)) in labels.iter().enumerate() {
-            if i > 0 {
-                rendered.push(',');
-            }
-            let _ = write!(rendered, "{k}=\"{}\"", escape_label(v));
-        }
-        if let Ok(mut counters) = self.counters.lock() {
-            let slot = counters.entry((name, rendered)).or_insert(0);
-            *slot = slot.saturating_add(value);
+        let Some((vec, names)) = self.counters.get(name) else {
+            return;
+        };
+        let values: Vec<&str> = names
+            .iter()
+            .map(|n| labels.iter().find(|(k, _)| k == n).map_or("", |(_, v)| *v))
+            .collect();
+        if let Ok(c) = vec.get_metric_with_label_values(&values) {
+            c.inc_by(value);
         }
     }
 
@@ -107,66 +149,58 @@ impl Metrics {
         self.add(name, labels, 1);
     }
 
-    /// Sum of a counter over all label sets (tests and health).
+    /// Sum of a counter over all label sets.
     pub fn total(&self, name: &str) -> u64 {
-        self.counters.lock().map_or(0, |c| {
-            c.iter()
-                .filter(|((n, _), _)| *n == name)
-                .map(|(_, v)| *v)
-                .sum()
-        })
+        self.registry
+            .gather()
+            .iter()
+            .filter(|f| f.name() == name)
+            .flat_map(|f| f.get_metric())
+            .map(|m| m.get_counter().get_value() as u64)
+            .sum()
     }
 
-    /// The value of one labelled counter.
-    pub fn get(&self, name: &str, labels: &str) -> u64 {
-        self.counters.lock().map_or(0, |c| {
-            c.iter()
-                .find(|((n, l), _)| *n == name && l == labels)
-                .map_or(0, |(_, v)| *v)
-        })
+    /// The counters and `gauges` in Prometheus text format.
+    pub fn render(&self, gauges: &Gauges) -> String {
+        let mut families = self.registry.gather();
+        families.extend(gauges.registry.gather());
+        let mut out = Vec::new();
+        let _ = TextEncoder::new().encode(&families, &mut out);
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+/// Gauges read from the live state for one `/metrics` response.
+#[derive(Debug, Default)]
+pub struct Gauges {
+    registry: Registry,
+}
+
+impl Gauges {
+    /// One gauge without labels.
+    pub fn set(&self, name: &str, help: &str, value: f64) {
+        self.set_labelled(name, help, "", &[value]);
     }
 
-    /// Counters in Prometheus text format.
-    pub fn render_counters(&self, out: &mut String) {
-        let Ok(counters) = self.counters.lock() else {
+    /// One gauge per engine (`engine="<index>"`).
+    pub fn set_per_engine(&self, name: &str, help: &str, values: &[f64]) {
+        self.set_labelled(name, help, "engine", values);
+    }
+
+    fn set_labelled(&self, name: &str, help: &str, label: &str, values: &[f64]) {
+        let names: &[&str] = if label.is_empty() { &[] } else { &[label] };
+        let Ok(vec) = GaugeVec::new(Opts::new(name, help), names) else {
             return;
         };
-        for (name, help) in COUNTERS {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-            let mut any = false;
-            for ((n, labels), value) in counters.iter() {
-                if n == name {
-                    any = true;
-                    if labels.is_empty() {
-                        let _ = writeln!(out, "{name} {value}");
-                    } else {
-                        let _ = writeln!(out, "{name}{{{labels}}} {value}");
-                    }
-                }
-            }
-            if !any {
-                let _ = writeln!(out, "{name} 0");
+        for (i, v) in values.iter().enumerate() {
+            let index = i.to_string();
+            let labels: &[&str] = if label.is_empty() { &[] } else { &[&index] };
+            if let Ok(g) = vec.get_metric_with_label_values(labels) {
+                g.set(*v);
             }
         }
+        let _ = self.registry.register(Box::new(vec));
     }
-}
-
-/// Appends one gauge.
-pub fn render_gauge(out: &mut String, name: &str, help: &str, samples: &[(String, f64)]) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
-    for (labels, value) in samples {
-        if labels.is_empty() {
-            let _ = writeln!(out, "{name} {value}");
-        } else {
-            let _ = writeln!(out, "{name}{{{labels}}} {value}");
-        }
-    }
-}
-
-fn escape_label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 #[cfg(test)]
@@ -179,14 +213,24 @@ mod tests {
         m.inc("kv_bridge_batches_total", &[("engine", "0")]);
         m.add("kv_bridge_batches_total", &[("engine", "0")], 2);
         m.inc("kv_bridge_refused_events_total", &[("reason", "a\"b")]);
-        let mut out = String::new();
-        m.render_counters(&mut out);
+        let gauges = Gauges::default();
+        gauges.set("kv_bridge_mirror_blocks", "Blocks.", 5.0);
+        gauges.set_per_engine("kv_bridge_engine_connected", "Connected.", &[1.0, 0.0]);
+        let out = m.render(&gauges);
         assert!(
             out.contains("kv_bridge_batches_total{engine=\"0\"} 3\n"),
             "{out}"
         );
         assert!(out.contains("kv_bridge_refused_events_total{reason=\"a\\\"b\"} 1\n"));
-        assert!(out.contains("kv_bridge_seq_gaps_total 0\n"));
+        assert!(
+            out.contains("kv_bridge_block_size_mismatch_total 0\n"),
+            "{out}"
+        );
+        assert!(out.contains("kv_bridge_mirror_blocks 5\n"), "{out}");
+        assert!(
+            out.contains("kv_bridge_engine_connected{engine=\"1\"} 0\n"),
+            "{out}"
+        );
         assert_eq!(m.total("kv_bridge_batches_total"), 3);
     }
 }

@@ -301,11 +301,9 @@ async fn wait_for_seq(bridge: &Bridge, engine: usize, seq: u64) -> Value {
     .await
 }
 
-fn metric(text: &str, line_prefix: &str) -> u64 {
-    text.lines()
-        .filter(|l| l.starts_with(line_prefix))
-        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap() as u64)
-        .sum()
+/// The sum of the samples of `name` with `labels` (0 when there is none).
+fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> u64 {
+    envoy_kv_router_tools::prom::sum(text, name, labels).unwrap_or(0.0) as u64
 }
 
 async fn metrics(bridge: &Bridge) -> String {
@@ -618,10 +616,10 @@ async fn real_vllm_payloads_flow_to_the_page() {
         engine_stores
     );
     let m = metrics(&bridge).await;
-    assert_eq!(metric(&m, "kv_bridge_resets_total"), 0);
-    assert_eq!(metric(&m, "kv_bridge_bad_frames_total"), 0);
-    assert_eq!(metric(&m, "kv_bridge_refused_events_total"), 0);
-    assert_eq!(metric(&m, "kv_bridge_batches_total"), 18);
+    assert_eq!(metric(&m, "kv_bridge_resets_total", &[]), 0);
+    assert_eq!(metric(&m, "kv_bridge_bad_frames_total", &[]), 0);
+    assert_eq!(metric(&m, "kv_bridge_refused_events_total", &[]), 0);
+    assert_eq!(metric(&m, "kv_bridge_batches_total", &[]), 18);
     bridge.shutdown(Duration::from_secs(5)).await;
 }
 
@@ -646,8 +644,8 @@ async fn duplicate_stores_are_refcounted_through_the_page() {
     wait_for_seq(&bridge, 0, seq).await;
     assert!(assert_consistent(&bridge, &[&engine]).await.is_empty());
     let m = metrics(&bridge).await;
-    assert_eq!(metric(&m, "kv_bridge_removed_still_held_total"), 1);
-    assert_eq!(metric(&m, "kv_bridge_removed_unknown_blocks_total"), 1);
+    assert_eq!(metric(&m, "kv_bridge_removed_still_held_total", &[]), 1);
+    assert_eq!(metric(&m, "kv_bridge_removed_unknown_blocks_total", &[]), 1);
     bridge.shutdown(Duration::from_secs(5)).await;
 }
 
@@ -669,13 +667,13 @@ async fn a_gap_is_filled_by_replay() {
     wait_for_seq(&bridge, 0, seq).await;
     assert_consistent(&bridge, &[&engine]).await;
     let m = metrics(&bridge).await;
-    assert!(metric(&m, "kv_bridge_seq_gaps_total") >= 1, "{m}");
+    assert!(metric(&m, "kv_bridge_seq_gaps_total", &[]) >= 1, "{m}");
     assert_eq!(
-        metric(&m, "kv_bridge_resets_total"),
+        metric(&m, "kv_bridge_resets_total", &[]),
         0,
         "a replayable gap clears nothing"
     );
-    assert!(metric(&m, "kv_bridge_replayed_batches_total") >= 6);
+    assert!(metric(&m, "kv_bridge_replayed_batches_total", &[]) >= 6);
     let h = health(&bridge).await;
     assert_eq!(h["engines"][0]["partial_history"], false);
     bridge.shutdown(Duration::from_secs(5)).await;
@@ -712,7 +710,7 @@ async fn a_restart_clears_the_rank_and_rebuilds() {
     assert_eq!(events[clear]["dp_rank"], 0);
     assert!(k[clear + 1..].iter().all(|t| t == "BlockStored"));
     let m = metrics(&bridge).await;
-    assert_eq!(metric(&m, "kv_bridge_resets_total"), 1, "{m}");
+    assert_eq!(metric(&m, "kv_bridge_resets_total", &[]), 1, "{m}");
     bridge.shutdown(Duration::from_secs(5)).await;
 }
 
@@ -741,7 +739,11 @@ async fn a_restart_whose_sequence_passed_ours_is_caught_by_the_digest() {
     );
     let m = metrics(&bridge).await;
     assert_eq!(
-        metric(&m, "kv_bridge_resets_total{engine=\"0\",cause=\"restart\"}"),
+        metric(
+            &m,
+            "kv_bridge_resets_total",
+            &[("engine", "0"), ("cause", "restart")]
+        ),
         1,
         "{m}"
     );
@@ -839,7 +841,8 @@ async fn long_poll_answers_when_an_event_arrives() {
     // come back with the event, long before its 10 s).
     let before = metric(
         &metrics(&bridge).await,
-        "kv_bridge_page_requests_total{path=\"/kv/events\"}",
+        "kv_bridge_page_requests_total",
+        &[("path", "/kv/events")],
     );
     let url = format!(
         "http://{}/kv/events?after={last}&wait_ms=10000",
@@ -849,7 +852,8 @@ async fn long_poll_answers_when_an_event_arrives() {
     let deadline = Instant::now() + Duration::from_secs(5);
     while metric(
         &metrics(&bridge).await,
-        "kv_bridge_page_requests_total{path=\"/kv/events\"}",
+        "kv_bridge_page_requests_total",
+        &[("path", "/kv/events")],
     ) == before
     {
         assert!(Instant::now() < deadline, "the long poll never arrived");
@@ -885,8 +889,12 @@ async fn bad_frames_are_counted_not_fatal_and_block_size_is_checked() {
     let seq = engine.publish(&store_batch(0, &[3], None)).await;
     wait_for_seq(&bridge, 0, seq).await;
     let m = metrics(&bridge).await;
-    assert_eq!(metric(&m, "kv_bridge_block_size_mismatch_total"), 1, "{m}");
-    assert_eq!(metric(&m, "kv_bridge_bad_frames_total"), 1, "{m}");
+    assert_eq!(
+        metric(&m, "kv_bridge_block_size_mismatch_total", &[]),
+        1,
+        "{m}"
+    );
+    assert_eq!(metric(&m, "kv_bridge_bad_frames_total", &[]), 1, "{m}");
     let (dumped, _) = dump(&bridge).await;
     assert_eq!(dumped.iter().map(|b| b.2).collect::<Vec<_>>(), vec![3]);
     let (paged, _) = replay_page(&bridge).await;
@@ -915,8 +923,8 @@ async fn a_dead_publisher_is_noticed_and_its_successor_rebuilt() {
     let blocks = assert_consistent(&bridge, &[&engine]).await;
     assert_eq!(blocks.iter().map(|b| b.2).collect::<Vec<_>>(), vec![40, 41]);
     let m = metrics(&bridge).await;
-    assert!(metric(&m, "kv_bridge_resubscribes_total") >= 1, "{m}");
-    assert_eq!(metric(&m, "kv_bridge_resets_total"), 1, "{m}");
+    assert!(metric(&m, "kv_bridge_resubscribes_total", &[]) >= 1, "{m}");
+    assert_eq!(metric(&m, "kv_bridge_resets_total", &[]), 1, "{m}");
     bridge.shutdown(Duration::from_secs(5)).await;
 }
 
@@ -957,7 +965,8 @@ async fn idle_probes_keep_one_connection() {
     let probes = |m: &str| {
         metric(
             m,
-            "kv_bridge_idle_probes_total{engine=\"0\",result=\"alive\"}",
+            "kv_bridge_idle_probes_total",
+            &[("engine", "0"), ("result", "alive")],
         )
     };
     let probes_before = probes(&metrics(&bridge).await);
@@ -969,7 +978,7 @@ async fn idle_probes_keep_one_connection() {
     // 30 silent periods: the stream was probed, never replaced (a replaced zeromq SUB socket
     // whose receive was pending stays open: one leaked connection per period).
     let m = metrics(&bridge).await;
-    assert_eq!(metric(&m, "kv_bridge_resubscribes_total"), 0, "{m}");
+    assert_eq!(metric(&m, "kv_bridge_resubscribes_total", &[]), 0, "{m}");
     assert_eq!(
         connections_to(port),
         1,

@@ -286,8 +286,7 @@ pub fn calibrate(target: &str, opts: &CalibrateOptions) -> io::Result<Calibratio
             arrival: Arrival::Concurrency(1),
         };
         let results = succeeded(run_workload(target, &workload, &run_opts).results)?;
-        let mut ttfts: Vec<f64> = results.iter().filter_map(|r| r.ttft_ms).collect();
-        ttfts.sort_by(f64::total_cmp);
+        let ttfts: Vec<f64> = results.iter().filter_map(|r| r.ttft_ms).collect();
         let ms = percentile(&ttfts, 50.0)
             .ok_or_else(|| io::Error::other(format!("no TTFT measured at {tokens} tokens")))?;
         prefill.push(PrefillPoint { tokens, ms });
@@ -341,11 +340,10 @@ fn measure_decode(
         let results = succeeded(run_workload(target, &workload, run_opts).results)?;
         // The first gaps share their steps with the other requests' prefills.
         let skip = requests as usize;
-        let mut gaps: Vec<f64> = results
+        let gaps: Vec<f64> = results
             .iter()
             .flat_map(|r| r.itl_ms.iter().skip(skip).copied())
             .collect();
-        gaps.sort_by(f64::total_cmp);
         let ms = percentile(&gaps, 50.0).ok_or_else(|| {
             io::Error::other(format!(
                 "no inter-token gaps at {requests} requests: raise --decode-output-tokens"
@@ -388,16 +386,10 @@ fn kv_geometry(target: &str, opts: &CalibrateOptions) -> io::Result<(u32, u32)> 
 
 /// A numeric label of the `vllm:cache_config_info` sample in Prometheus text.
 pub fn cache_config_label(metrics: &str, name: &str) -> Option<u32> {
-    let line = metrics
-        .lines()
-        .find(|l| l.starts_with("vllm:cache_config_info{"))?;
-    let labels = line.split_once('{')?.1.split_once('}')?.0;
-    labels.split(',').find_map(|pair| {
-        let (key, value) = pair.split_once('=')?;
-        (key.trim() == name)
-            .then(|| value.trim().trim_matches('"').parse().ok())
-            .flatten()
-    })
+    crate::prom::Scrape::parse(metrics)
+        .label("vllm:cache_config_info", name)?
+        .parse()
+        .ok()
 }
 
 /// Every request of a calibration must succeed: a failed one says the engine is not idle or

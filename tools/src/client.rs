@@ -244,7 +244,7 @@ impl StreamingResponse {
         find_header(&self.headers, name)
     }
 
-    /// The next body piece as it arrives; `Ok(None)` at the end of the body. Do not mix with
+    /// The next body piece as it arrives; `Ok(None)` at the end of the body. An error after
     /// [`StreamingResponse::next_event`] (that one buffers partial events).
     pub fn next_chunk(&mut self) -> io::Result<Option<BodyChunk>> {
         let (body, idle) = (&mut self.body, self.idle_timeout);
@@ -270,9 +270,10 @@ impl StreamingResponse {
         })
     }
 
-    /// Reads the rest of the body (including bytes buffered by [`StreamingResponse::next_event`]).
+    /// Reads the rest of the body (an error once it is read with
+    /// [`StreamingResponse::next_event`]).
     pub fn read_to_end(mut self) -> io::Result<Vec<u8>> {
-        let mut out = self.body.take_pending_bytes();
+        let mut out = Vec::new();
         while let Some(piece) = self.next_chunk()? {
             if out.len() + piece.data.len() > MAX_RESPONSE_BODY_BYTES {
                 return Err(io::Error::other("response body too large"));

@@ -670,8 +670,9 @@ fn run_vllm_router(
         },
         &workers,
     )?;
-    // As for Envoy: let kv_aware's subscribers connect before traffic starts.
-    std::thread::sleep(Duration::from_millis(300));
+    if policy == "kv_aware" {
+        wait_for_subscribers(&router, &workers)?;
+    }
     let mut opts = opts.clone();
     opts.worker_addrs = workers.iter().map(|w| w.addr.clone()).collect();
     opts.label = arm.to_string();
@@ -686,6 +687,32 @@ fn run_vllm_router(
     drop(router);
     drop(workers);
     Ok(stats)
+}
+
+/// Waits until kv_aware's event subscriber is connected to every worker's ZMQ publisher (mock
+/// workers count the connections their PUB socket accepted; a vLLM engine does not say, so
+/// there the first placement lookup of the run may still miss).
+fn wait_for_subscribers(router: &VllmRouter, workers: &[Worker]) -> io::Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    for w in workers {
+        loop {
+            let text = crate::client::get(&w.addr, "/metrics")?.text();
+            match crate::prom::sum(&text, "mock_worker_kv_zmq_connections_total", &[]) {
+                None => break,
+                Some(n) if n >= 1.0 => break,
+                Some(_) => {}
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err(io::Error::other(format!(
+                    "vllm-router's kv_aware did not subscribe to {}'s KV events in 30 s:\n{}",
+                    w.addr,
+                    router.log_tail(20)
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    Ok(())
 }
 
 /// Starts `fleet.workers` real vLLM engines for a whole comparison (engine start-up takes tens

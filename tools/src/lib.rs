@@ -7,6 +7,7 @@
 //!   and the repeated all-workloads, all-arms race on top of it.
 //! * [`calibrate`]: measures an engine's timing and fits the filter's TTFT polynomials.
 //! * [`peer`]: peer routers (`vllm-router`) as arms of the comparison.
+//! * [`prom`]: reading Prometheus text (`/metrics` of engines, workers, bridges, routers).
 //! * [`harness`]: launches Envoy and mock workers for the integration tests and the demo.
 
 pub mod calibrate;
@@ -16,6 +17,7 @@ pub mod harness;
 pub mod loadgen;
 pub mod mock;
 pub mod peer;
+pub mod prom;
 pub mod quality;
 pub mod race;
 pub mod server;

@@ -184,12 +184,13 @@ impl VllmRouter {
     /// (`vllm_router_kv_placement_lookups_total`; a result not yet seen counts 0).
     pub fn placement_lookups(&self) -> io::Result<(f64, f64)> {
         let page = client::get(&self.metrics_addr, "/metrics")?;
-        let text = String::from_utf8_lossy(&page.body);
+        let scrape = crate::prom::Scrape::parse(&String::from_utf8_lossy(&page.body));
         let count = |result: &str| {
-            let key = format!("vllm_router_kv_placement_lookups_total{{result=\"{result}\"}} ");
-            text.lines()
-                .find_map(|l| l.strip_prefix(key.as_str()))
-                .and_then(|v| v.trim().parse().ok())
+            scrape
+                .sum(
+                    "vllm_router_kv_placement_lookups_total",
+                    &[("result", result)],
+                )
                 .unwrap_or(0.0)
         };
         Ok((count("hit"), count("miss")))

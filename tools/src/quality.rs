@@ -194,11 +194,8 @@ pub fn load_misses(results: &[RequestResult], block_size: u32) -> LoadMisses {
 
 /// One row per arm of [`load_misses`] (arms without the header are left out).
 pub fn load_miss_table(results: &[(String, RunStats)], block_size: u32) -> String {
-    let med = |v: &[f64]| {
-        let mut sorted = v.to_vec();
-        sorted.sort_by(f64::total_cmp);
-        crate::util::percentile(&sorted, 50.0).map_or("-".to_string(), |x| format!("{x:.0}"))
-    };
+    let med =
+        |v: &[f64]| crate::util::percentile(v, 50.0).map_or("-".to_string(), |x| format!("{x:.0}"));
     let mut out = String::new();
     let rows: Vec<(&String, LoadMisses)> = results
         .iter()

@@ -331,7 +331,7 @@ impl Engine {
                 self.name, resp.status
             )));
         }
-        Ok(crate::loadgen::metric_value(&resp.text(), name).unwrap_or(0.0))
+        Ok(crate::prom::sum(&resp.text(), name, &[]).unwrap_or(0.0))
     }
 
     /// Empties the engine's prefix cache (`POST /reset_prefix_cache`, served in vLLM's dev

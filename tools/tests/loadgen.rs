@@ -59,7 +59,7 @@ fn shared_prefix_workload_hits_the_cache() {
     assert_eq!(timed.completed(), 10);
     let rows = [("kv", stats), ("timed", timed)];
     assert!(comparison_table(&rows).lines().count() >= 3);
-    assert_eq!(svg_chart(&rows).matches("<polyline").count(), 2);
+    assert_eq!(svg_chart(&rows).matches("stroke-width=\"2\"").count(), 2);
 }
 
 #[test]

@@ -143,15 +143,8 @@ fn complete(w: &Worker, prompt: &[u32], max_tokens: usize) {
 
 fn metric(w: &Worker, name: &str) -> u64 {
     let text = get(&w.addr, "/metrics").unwrap().text();
-    text.lines()
-        .find_map(|l| {
-            l.strip_prefix(name)?
-                .split_whitespace()
-                .last()?
-                .parse()
-                .ok()
-        })
-        .unwrap_or_else(|| panic!("{name} not in /metrics"))
+    envoy_kv_router_tools::prom::sum(&text, name, &[])
+        .unwrap_or_else(|| panic!("{name} not in /metrics")) as u64
 }
 
 fn seq_of(frame: &[u8]) -> u64 {

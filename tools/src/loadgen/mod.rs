@@ -20,8 +20,8 @@ pub use report::{
 };
 pub use runner::{run_workload, run_workload_on, RunOptions};
 pub use stats::{
-    metric_value, scrape_hit_rate, scrape_workers, CacheCounters, ClientUsage, RequestResult,
-    RunStats, Summary, WorkerCounters,
+    scrape_hit_rate, scrape_workers, CacheCounters, ClientUsage, RequestResult, RunStats, Summary,
+    WorkerCounters,
 };
 
 use std::io::{self, BufRead, BufReader};

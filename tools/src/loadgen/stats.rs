@@ -8,7 +8,8 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::client;
-use crate::util::{mean, percentile};
+use crate::prom::Scrape;
+use crate::util::{histogram, mean, quantile_of};
 
 /// What happened to one request.
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
@@ -90,12 +91,14 @@ pub struct WorkerCounters {
 impl WorkerCounters {
     /// Adds one worker's `/metrics` text.
     pub fn add_metrics_text(&mut self, text: &str) {
-        let v = |name: &str| metric_value(text, name).unwrap_or(0.0);
+        let scrape = Scrape::parse(text);
+        let v = |name: &str| scrape.sum(name, &[]).unwrap_or(0.0);
         // A mock worker's names (it also exports vLLM's, for the bridge), else a vLLM engine's;
         // both count prompt tokens.
         let either = |mock: &str, vllm: &str| {
-            metric_value(text, mock)
-                .or_else(|| metric_value(text, vllm))
+            scrape
+                .sum(mock, &[])
+                .or_else(|| scrape.sum(vllm, &[]))
                 .unwrap_or(0.0)
         };
         self.cache.query_tokens += either(
@@ -192,27 +195,6 @@ pub fn scrape_hit_rate(worker_addrs: &[String]) -> io::Result<CacheCounters> {
     scrape_workers(worker_addrs).map(|c| c.cache)
 }
 
-/// Sum of the samples of a metric in Prometheus text (any labels).
-pub fn metric_value(text: &str, name: &str) -> Option<f64> {
-    let mut found = None;
-    for line in text.lines() {
-        if line.starts_with('#') {
-            continue;
-        }
-        let Some(rest) = line.strip_prefix(name) else {
-            continue;
-        };
-        if !(rest.starts_with('{') || rest.starts_with(' ')) {
-            continue;
-        }
-        let value = rest.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
-        if let Some(v) = value {
-            *found.get_or_insert(0.0) += v;
-        }
-    }
-    found
-}
-
 /// Distribution summary in milliseconds (or any unit).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Summary {
@@ -225,16 +207,27 @@ pub struct Summary {
 }
 
 impl Summary {
+    /// The mean and maximum exact, the percentiles from an HDR histogram (microsecond
+    /// resolution for milliseconds, 3 significant digits).
     pub fn of(values: &[f64]) -> Summary {
-        let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
-        v.sort_by(f64::total_cmp);
+        let v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+        let Some(h) = histogram(&v) else {
+            return Summary {
+                count: 0,
+                mean: f64::NAN,
+                p50: f64::NAN,
+                p90: f64::NAN,
+                p99: f64::NAN,
+                max: f64::NAN,
+            };
+        };
         Summary {
             count: v.len(),
             mean: mean(&v).unwrap_or(f64::NAN),
-            p50: percentile(&v, 50.0).unwrap_or(f64::NAN),
-            p90: percentile(&v, 90.0).unwrap_or(f64::NAN),
-            p99: percentile(&v, 99.0).unwrap_or(f64::NAN),
-            max: v.last().copied().unwrap_or(f64::NAN),
+            p50: quantile_of(&h, 50.0),
+            p90: quantile_of(&h, 90.0),
+            p99: quantile_of(&h, 99.0),
+            max: v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
         }
     }
 
@@ -458,10 +451,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn prometheus_parsing() {
-        let text = "# HELP x y\nfoo_total{worker_id=\"1\"} 3\nfoo_total{worker_id=\"2\"} 4.5\nfoo_total_other 9\nfoo 1\n";
-        assert_eq!(metric_value(text, "foo_total"), Some(7.5));
-        assert_eq!(metric_value(text, "foo"), Some(1.0));
-        assert_eq!(metric_value(text, "bar"), None);
+    fn worker_counters_read_mock_and_vllm_names() {
+        let mut c = WorkerCounters::default();
+        c.add_metrics_text(
+            "mock_worker_prefix_cache_queries_tokens_total{worker_id=\"1\"} 100\n\
+             vllm:prefix_cache_queries_total{worker_id=\"1\"} 100\n\
+             mock_worker_prefix_cache_hits_tokens_total{worker_id=\"1\"} 40\n",
+        );
+        c.add_metrics_text(
+            "# TYPE vllm:prefix_cache_queries_total counter\n\
+             vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 50.0\n\
+             vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 10.0\n\
+             vllm:request_success_total{engine=\"0\",finished_reason=\"stop\"} 7.0\n",
+        );
+        assert_eq!(c.cache.query_tokens, 150.0);
+        assert_eq!(c.cache.hit_tokens, 50.0);
+        assert_eq!(c.workers, 2.0);
+        assert_eq!(c.finished_requests, vec![0.0, 7.0]);
     }
 }

@@ -61,6 +61,9 @@ pub struct ZmqCounters {
     pub live_dropped: AtomicU64,
     pub replays: AtomicU64,
     pub encode_errors: AtomicU64,
+    /// Connections the PUB socket accepted (subscribers that connected; a router under test
+    /// waits for these before sending traffic).
+    pub connections: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -210,6 +213,15 @@ async fn serve(
     bound_tx: std::sync::mpsc::Sender<Bound>,
 ) {
     let mut publisher = PubSocket::new();
+    let mut monitor = publisher.monitor();
+    let accepted = Arc::clone(&counters);
+    tokio::spawn(async move {
+        while let Some(event) = futures_util::StreamExt::next(&mut monitor).await {
+            if let zeromq::SocketEvent::Accepted(..) = event {
+                accepted.connections.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    });
     let endpoint = match publisher.bind(&bind_endpoint(&config.endpoint)).await {
         Ok(e) => e.to_string(),
         Err(e) => {

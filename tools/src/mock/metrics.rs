@@ -1,19 +1,68 @@
-//! `GET /metrics`: the worker's counters in Prometheus text format (with vLLM's names for the
-//! gauges dashboards expect).
+//! `GET /metrics`: the worker's counters in Prometheus text format, encoded by the
+//! `prometheus` crate (with vLLM's names for the gauges dashboards and the bridge expect).
 
-use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
+
+use prometheus::core::Collector;
+use prometheus::{Counter, Encoder, Gauge, Opts, Registry, TextEncoder};
 
 use super::{engine, Backend, MockWorker};
 
+/// A snapshot of the worker's figures, each registered once with its `worker_id` label.
+struct Snapshot {
+    registry: Registry,
+    id: String,
+}
+
+impl Snapshot {
+    fn add(&self, name: &str, kind: &str, help: &str, value: f64) {
+        self.add_labelled(name, kind, help, value, &[]);
+    }
+
+    fn add_labelled(
+        &self,
+        name: &str,
+        kind: &str,
+        help: &str,
+        value: f64,
+        labels: &[(&str, String)],
+    ) {
+        let mut opts = Opts::new(name, help).const_label("worker_id", self.id.as_str());
+        for (k, v) in labels {
+            opts = opts.const_label(*k, v.as_str());
+        }
+        let metric: Result<Box<dyn Collector>, _> = if kind == "counter" {
+            Counter::with_opts(opts).map(|c| {
+                c.inc_by(value.max(0.0));
+                Box::new(c) as Box<dyn Collector>
+            })
+        } else {
+            Gauge::with_opts(opts).map(|g| {
+                g.set(value);
+                Box::new(g) as Box<dyn Collector>
+            })
+        };
+        // Names are fixed and distinct: registration fails only on a typo, which the tests see
+        // as a missing metric.
+        if let Ok(m) = metric {
+            let _ = self.registry.register(m);
+        }
+    }
+
+    fn encode(&self) -> String {
+        let mut out = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
 pub(super) fn render(w: &MockWorker) -> String {
-    let mut s = String::new();
-    let id = &w.opts.id;
-    let mut line = |name: &str, kind: &str, help: &str, value: f64| {
-        let _ = writeln!(s, "# HELP {name} {help}");
-        let _ = writeln!(s, "# TYPE {name} {kind}");
-        let _ = writeln!(s, "{name}{{worker_id=\"{id}\"}} {value}");
+    let snapshot = Snapshot {
+        registry: Registry::new(),
+        id: w.opts.id.to_string(),
     };
+    let line =
+        |name: &str, kind: &str, help: &str, value: f64| snapshot.add(name, kind, help, value);
     let in_flight = w.in_flight().max(0) as f64;
     let requests = w.requests() as f64;
     line(
@@ -180,6 +229,12 @@ pub(super) fn render(w: &MockWorker) -> String {
                 get(&c.replays),
             );
             line(
+                "mock_worker_kv_zmq_connections_total",
+                "counter",
+                "Connections the KV event PUB socket accepted (subscribers).",
+                get(&c.connections),
+            );
+            line(
                 "mock_worker_kv_zmq_encode_errors_total",
                 "counter",
                 "Batches that could not be encoded (not published).",
@@ -229,16 +284,16 @@ pub(super) fn render(w: &MockWorker) -> String {
     if engine {
         // vLLM's info gauge: the cache's settings as labels (what `calibrate` reads the KV
         // capacity from).
-        let _ = writeln!(
-            s,
-            "# HELP vllm:cache_config_info Information of the KV cache config."
-        );
-        let _ = writeln!(s, "# TYPE vllm:cache_config_info gauge");
-        let _ = writeln!(
-            s,
-            "vllm:cache_config_info{{block_size=\"{}\",num_gpu_blocks=\"{}\",worker_id=\"{id}\"}} 1",
-            m.block_size, m.capacity_blocks
+        snapshot.add_labelled(
+            "vllm:cache_config_info",
+            "gauge",
+            "Information of the KV cache config.",
+            1.0,
+            &[
+                ("block_size", m.block_size.to_string()),
+                ("num_gpu_blocks", m.capacity_blocks.to_string()),
+            ],
         );
     }
-    s
+    snapshot.encode()
 }
