@@ -21,11 +21,12 @@ What is checked:
   each deployment's rendered bootstrap, Istio's custom bootstrap and Envoy Gateway's bootstrap
   merge included) carries envoy/envoy.yaml's `stats_config.stats_tags` for the filter's stats, no
   other tag regex (Istio's own) also matches them, and no stats matcher drops them.
-* docs/METRICS.md against the metric names in src/, its Prometheus names against Envoy's tag
-  extraction (simulated here with those tags); the dashboard's queries parse as PromQL, select
-  only metrics docs/METRICS.md lists and src/ defines as Envoy exports them (histogram suffixes
-  only on histograms), and group or filter only by labels those series carry, so a renamed
-  metric or a lost tag fails here.
+* docs/METRICS.md against the metric names in src/ and core/src/ (the filter's adapter and its
+  routing core; "src/" below means both), its Prometheus names against Envoy's tag extraction
+  (simulated here with those tags); the dashboard's queries parse as PromQL, select only metrics
+  docs/METRICS.md lists and src/ defines as Envoy exports them (histogram suffixes only on
+  histograms), and group or filter only by labels those series carry, so a renamed metric or a
+  lost tag fails here.
 
 `--self-test` feeds deliberately broken variants to each check and fails unless each is caught.
 """
