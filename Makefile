@@ -79,8 +79,9 @@ bench-streams: tools
 race:
 	bash scripts/race.sh $(RACE_ARGS)
 
-# The module layers (docs/DESIGN.md, "Layers"): no import cycle in src/, bridge/src, tools/src,
-# and src/ imports only downward (scripts/check-layers.py declares the order).
+# The module layers (docs/DESIGN.md, "Layers"): no import cycle in core/src, src/, protocol/src,
+# bridge/src, tools/src; core/src imports only downward, src/ is the proxy-wasm adapter alone
+# (scripts/check-layers.py declares the order).
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings

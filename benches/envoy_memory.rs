@@ -22,7 +22,7 @@
 //! snapshot went into parts, the writer VM also encoded it into one buffer in its linear memory
 //! (and a VM that reloaded it copied it whole), kept for good: ~17 B per entry more in whichever
 //! run held it, so the per-replica difference swung by up to ~10 B per entry at 1M entries.
-//! Since, the snapshot is written and loaded in at most 64 parts (src/replication/log.rs), one
+//! Since, the snapshot is written and loaded in at most 64 parts (core/src/replication/log.rs), one
 //! part-sized buffer at a time. Repeat the runs and compare the heap column before reading one
 //! figure, or the per-replica column without the heap's difference (the replicas live in wasm
 //! linear memory, outside Envoy's heap). The filter's `vm.linear_memory_bytes` (every VM's

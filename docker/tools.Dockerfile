@@ -12,6 +12,7 @@ FROM ${RUST_IMAGE} AS build
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src src
+COPY core core
 COPY benches benches
 COPY tests tests
 COPY tools tools

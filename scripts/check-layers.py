@@ -1,15 +1,21 @@
 #!/usr/bin/env python3
 """The module layers of each crate, checked (`make lint` runs this).
 
-For each crate (the filter `src/`, `protocol/src`, `bridge/src`, `tools/src`) this builds the graph of which module
-imports which, from `use crate::...`, `use super::...`, `use self::...`, bare paths into a child
-module, and fully qualified `crate::x::y` / `super::x` paths in code. Comments, strings,
-`#[cfg(test)]` items (test modules, test-only imports) and test files are left out. It fails:
+For each crate (the routing core `core/src`, the filter's adapter `src/`, `protocol/src`,
+`bridge/src`, `tools/src`) this builds the graph of which module imports which, from
+`use crate::...`, `use super::...`, `use self::...`, bare paths into a child module, and fully
+qualified `crate::x::y` / `super::x` paths in code. Comments, strings, `#[cfg(test)]` items (test
+modules, test-only imports) and test files are left out. It fails:
 
 * on an import cycle, at any level of the module tree: the children of every module (the crate
   root's top-level modules, `config`'s sections, ...) must import each other without a cycle;
-* for the filter (`src/`), on an import that goes up the layer order declared in `LAYERS` below,
-  and on a use of the `proxy_wasm` crate outside `src/proxy/`.
+* for the core (`core/src`, crate kv-router-core), on an import that goes up the layer order
+  declared in `LAYERS` below, and on any use of the filter crate (`envoy_kv_router`: the core
+  never imports the adapter; Cargo enforces it too, as the filter depends on the core);
+* for the filter (`src/`, crate envoy-kv-router), on a top-level module that is not the adapter
+  (`ADAPTER`): everything else belongs in the core. Its `crate::config::...` paths name the core's
+  modules, which `src/lib.rs` re-exports;
+* in every crate, on a use of the `proxy_wasm` crate outside `src/proxy/`.
 
 A path is charged to the module file that defines the item: re-exports (`pub use child::X` in
 `config.rs`, so `crate::config::X`) are followed to the child. A child using an item its parent
@@ -27,9 +33,10 @@ from collections import defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The filter's layers, bottom first. A module may import modules of its own layer or of a lower
-# one, never of a higher one (a cycle inside a layer is caught by the cycle check). Every top-level
-# module of `src/` must be listed exactly once.
+# The core's layers (kv-router-core, `core/src`), bottom first. A module may import modules of its
+# own layer or of a lower one, never of a higher one (a cycle inside a layer is caught by the cycle
+# check). Every top-level module of `core/src` must be listed exactly once. The adapter (`ADAPTER`,
+# the filter crate `src/`) is the layer above them all.
 LAYERS = [
     # 0. Vocabulary: ids and hash newtypes, the index's bound, route errors, text excerpts, the
     #    seedable random source, the shared-data store trait.
@@ -52,9 +59,12 @@ LAYERS = [
     # 6. The request path, from a request's headers to the release of its load, over the small
     #    `Host` trait (no host calls of its own).
     ("path", ["request_path"]),
-    # 7. The proxy-wasm adapter: the only module that talks to the host.
-    ("adapter", ["proxy"]),
 ]
+
+# 7. The proxy-wasm adapter, the filter crate (envoy-kv-router, `src/`): the only code that talks
+#    to the host. Its top-level modules; it may import every layer of the core (re-exported by
+#    `src/lib.rs`), the core never imports it.
+ADAPTER = ("adapter", ["proxy"])
 
 # Import cycles tolerated for now, each with its reason. A cycle among modules that are all in one
 # entry is printed but does not fail; an entry no cycle needs any more is reported so it can go.
@@ -64,8 +74,11 @@ ALLOWED_CYCLES = {
     # defines the types the VM state holds).
 }
 
+CORE = "core/src"
+FILTER = "src"
 CRATES = [
-    ("src", "src/lib.rs"),
+    (CORE, "core/src/lib.rs"),
+    (FILTER, "src/lib.rs"),
     ("protocol", "protocol/src/lib.rs"),
     ("bridge", "bridge/src/lib.rs"),
     ("tools", "tools/src/lib.rs"),
@@ -73,8 +86,8 @@ CRATES = [
 
 USED_EXCEPTIONS = set()
 
-# The only part of `src/` that may use the `proxy_wasm` crate.
-PROXY_WASM_OWNER = "proxy"
+# The only part of any crate that may use the `proxy_wasm` crate: the filter's `src/proxy/`.
+PROXY_WASM_OWNER = (FILTER, "proxy")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,8 +295,10 @@ def inline_module_ranges(text):
     return ranges
 
 
-def resolve(segments, here, modules):
-    """An absolute module path for a path written in module `here`, or None if not crate-local."""
+def resolve(segments, here, modules, external=()):
+    """An absolute module path for a path written in module `here`, or None if not crate-local.
+    `external`: top-level names the crate re-exports from another crate (the filter's glob
+    re-export of the core's modules): a path into one of them is that crate's, not local."""
     segs = list(segments)
     if not segs:
         return None
@@ -301,7 +316,10 @@ def resolve(segments, here, modules):
         cur = tuple(here)  # a bare path into a child module
     else:
         return None
-    return cur + tuple(segs)
+    out = cur + tuple(segs)
+    if out and out[0] in external and (out[0],) not in modules:
+        return None
+    return out
 
 
 def owning_file_module(path, modules, reexports=None):
@@ -320,18 +338,18 @@ def owning_file_module(path, modules, reexports=None):
     return p
 
 
-def reexports_of(mod_path, text, modules):
+def reexports_of(mod_path, text, modules, external=()):
     """{name: absolute path} for the names a module brings in with `use` (its re-exports)."""
     out = {}
     for m in USE_STMT.finditer(text):
         for segs, bound in expand_use_tree(m.group(1).strip().lstrip(":")):
-            target = resolve(segs, mod_path, modules)
+            target = resolve(segs, mod_path, modules, external)
             if target and bound and bound not in ("self", "super", "crate"):
                 out[bound] = target
     return out
 
 
-def imports_of(mod_path, file, modules, reexports):
+def imports_of(mod_path, file, modules, reexports, external=()):
     """[(target module, line, the path as written)] for every crate-local path the file names."""
     text = clean_source(file)
     inline = inline_module_ranges(text)
@@ -344,7 +362,7 @@ def imports_of(mod_path, file, modules, reexports):
 
     def add(segs, pos, written):
         here = here_at(pos)
-        target = resolve(segs, here, modules) if segs else None
+        target = resolve(segs, here, modules, external) if segs else None
         if target is None:
             return
         node = owning_file_module(target, modules, reexports)
@@ -441,14 +459,20 @@ def a_cycle(comp, edges):
     return comp + [start]
 
 
+def core_modules():
+    """The top-level module names of the core (what the filter's `src/lib.rs` re-exports)."""
+    return {p[0] for p in module_tree(os.path.join(ROOT, CRATES[0][1])) if p}
+
+
 def check_crate(crate, crate_root, show_graph):
     modules = module_tree(os.path.join(ROOT, crate_root))
+    external = core_modules() if crate == FILTER else ()
     # File-level arrows with their evidence.
     arrows = defaultdict(list)  # (from, to) -> [(file, line, written)]
     texts = {}
-    reexports = {p: reexports_of(p, clean_source(f), modules) for p, f in modules.items()}
+    reexports = {p: reexports_of(p, clean_source(f), modules, external) for p, f in modules.items()}
     for mod_path, file in sorted(modules.items()):
-        found, text = imports_of(mod_path, file, modules, reexports)
+        found, text = imports_of(mod_path, file, modules, reexports, external)
         texts[mod_path] = (file, text)
         for target, line, written in found:
             if target != mod_path:
@@ -500,8 +524,11 @@ def check_crate(crate, crate_root, show_graph):
                               + "\n    break it by moving the shared item down into the module it"
                               " belongs to (or a new lower one).")
 
-    if crate == "src":
+    if crate == CORE:
         errors += check_layers(modules, arrows, texts)
+    if crate == FILTER:
+        errors += check_adapter(modules)
+    errors += check_proxy_wasm(crate, texts)
 
     if show_graph:
         print(f"# {crate}: {len(modules)} modules, {len(arrows)} import arrows")
@@ -516,13 +543,14 @@ def check_layers(modules, arrows, texts):
     for rank, (_, mods) in enumerate(LAYERS):
         for m in mods:
             if m in layer_of:
-                errors.append(f"src: LAYERS lists `{m}` twice")
+                errors.append(f"{CORE}: LAYERS lists `{m}` twice")
             layer_of[m] = rank
     top = {p[0] for p in modules if p}
     for m in sorted(top - set(layer_of)):
-        errors.append(f"src: module `{m}` is in no layer: add it to LAYERS in scripts/check-layers.py")
+        errors.append(f"{CORE}: module `{m}` is in no layer: add it to LAYERS in "
+                      f"scripts/check-layers.py")
     for m in sorted(set(layer_of) - top):
-        errors.append(f"src: LAYERS lists `{m}`, which is not a module of src/")
+        errors.append(f"{CORE}: LAYERS lists `{m}`, which is not a module of {CORE}/")
     seen = set()
     for (a, b), ev in sorted(arrows.items()):
         if not a or not b or a[0] == b[0]:
@@ -535,19 +563,46 @@ def check_layers(modules, arrows, texts):
         seen.add((a[0], b[0]))
         file, line, written = ev[0]
         errors.append(
-            f"src: upward import: {name(a)} (layer {LAYERS[la][0]}) imports {name(b)} "
+            f"{CORE}: upward import: {name(a)} (layer {LAYERS[la][0]}) imports {name(b)} "
             f"(layer {LAYERS[lb][0]})\n    {file}:{line}: {written}\n"
             f"    a module may only import its own layer or lower ones "
-            f"({' < '.join(n for n, _ in LAYERS)}); move the item down.")
+            f"({' < '.join(n for n, _ in LAYERS + [ADAPTER])}); move the item down.")
+    # The core never imports the filter (the adapter above it).
+    up = re.compile(r"(?<![\w$])envoy_kv_router\s*::|\bextern\s+crate\s+envoy_kv_router\b")
+    for mod_path, (file, text) in sorted(texts.items()):
+        m = up.search(text)
+        if m:
+            line = text.count("\n", 0, m.start()) + 1
+            errors.append(f"{CORE}: {os.path.relpath(file, ROOT)}:{line}: imports the filter crate "
+                          f"(`envoy_kv_router`, layer {ADAPTER[0]}); the core never imports the "
+                          f"adapter: move the item down into the core.")
+    return errors
+
+
+def check_adapter(modules):
+    """The filter crate (`src/`) is the adapter alone: its top-level modules are `ADAPTER`'s."""
+    errors = []
+    top = {p[0] for p in modules if p}
+    for m in sorted(top - set(ADAPTER[1])):
+        errors.append(f"{FILTER}: module `{m}` is not the adapter ({', '.join(ADAPTER[1])}): the "
+                      f"filter crate holds only the proxy-wasm adapter; move `{m}` into {CORE}/ "
+                      f"(kv-router-core, a layer in LAYERS) or add it to ADAPTER in "
+                      f"scripts/check-layers.py")
+    return errors
+
+
+def check_proxy_wasm(crate, texts):
+    """Only the filter's `src/proxy/` uses the `proxy_wasm` crate."""
+    errors = []
     pw = re.compile(r"(?<![\w$])proxy_wasm\s*::|\bextern\s+crate\s+proxy_wasm\b")
     for mod_path, (file, text) in sorted(texts.items()):
-        if mod_path[:1] == (PROXY_WASM_OWNER,):
+        if (crate, mod_path[:1]) == (PROXY_WASM_OWNER[0], (PROXY_WASM_OWNER[1],)):
             continue
         m = pw.search(text)
         if m:
             line = text.count("\n", 0, m.start()) + 1
-            errors.append(f"src: {os.path.relpath(file, ROOT)}:{line}: uses the `proxy_wasm` "
-                          f"crate; only src/{PROXY_WASM_OWNER}/ (the adapter) may")
+            errors.append(f"{crate}: {os.path.relpath(file, ROOT)}:{line}: uses the `proxy_wasm` "
+                          f"crate; only {FILTER}/{PROXY_WASM_OWNER[1]}/ (the adapter) may")
     return errors
 
 
@@ -569,8 +624,9 @@ def main():
         print(f"check-layers: {len(errors)} error(s); layers and exceptions are declared in "
               f"scripts/check-layers.py (see docs/DESIGN.md, Layers)", file=sys.stderr)
         return 1
-    print("check-layers: ok (src/, protocol/src, bridge/src, tools/src: no import cycles; src/ imports only "
-          "downward)")
+    print(f"check-layers: ok ({', '.join(c for c, _ in CRATES)}: no import cycles; {CORE} imports "
+          f"only downward, {FILTER} is the adapter alone; proxy_wasm only in "
+          f"{FILTER}/{PROXY_WASM_OWNER[1]}/)")
     return 0
 
 

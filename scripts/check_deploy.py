@@ -21,11 +21,12 @@ What is checked:
   each deployment's rendered bootstrap, Istio's custom bootstrap and Envoy Gateway's bootstrap
   merge included) carries envoy/envoy.yaml's `stats_config.stats_tags` for the filter's stats, no
   other tag regex (Istio's own) also matches them, and no stats matcher drops them.
-* docs/METRICS.md against the metric names in src/, its Prometheus names against Envoy's tag
-  extraction (simulated here with those tags); the dashboard's queries parse as PromQL, select
-  only metrics docs/METRICS.md lists and src/ defines as Envoy exports them (histogram suffixes
-  only on histograms), and group or filter only by labels those series carry, so a renamed
-  metric or a lost tag fails here.
+* docs/METRICS.md against the metric names in src/ and core/src/ (the filter's adapter and its
+  routing core; "src/" below means both), its Prometheus names against Envoy's tag extraction
+  (simulated here with those tags); the dashboard's queries parse as PromQL, select only metrics
+  docs/METRICS.md lists and src/ defines as Envoy exports them (histogram suffixes only on
+  histograms), and group or filter only by labels those series carry, so a renamed metric or a
+  lost tag fails here.
 
 `--self-test` feeds deliberately broken variants to each check and fails unless each is caught.
 """
@@ -902,7 +903,7 @@ def check_rendered(bootstrap: dict, m: Manifests, scenario: str) -> list[str]:
                           "(ORIGINAL_DST, original_dst_lb_config.use_http_header: true)")
         if "membership" in config:
             errors += check_membership(config["membership"], bootstrap, clusters, listener, where)
-        # `engine: vllm` presets the block size (src/config/preset.rs) unless it is written.
+        # `engine: vllm` presets the block size (core/src/config/preset.rs) unless it is written.
         default_block = 16 if config.get("engine") == "vllm" else FILTER_DEFAULTS["block_size"]
         errors += check_block_sizes(config.get("block_size", default_block), m, where)
         filename = wasm.get("vm_config", {}).get("code", {}).get("local", {}).get("filename", "")
@@ -1185,11 +1186,22 @@ def expand(template: str, values: dict[str, list[str]]) -> list[str]:
     return names
 
 
+def core_src(src: Path) -> Path:
+    """The routing core's sources (kv-router-core, `core/src/`) next to the filter's `src/` (the
+    proxy-wasm adapter), which re-exports them: the metric names are in both."""
+    return src.parent / "core" / "src"
+
+
+def filter_sources(src: Path) -> str:
+    """The Rust text of the filter: the adapter (`src/`) and the core (`core/src/`)."""
+    return "\n".join(p.read_text() for d in (src, core_src(src)) for p in sorted(d.rglob("*.rs")))
+
+
 def src_metrics(src: Path) -> list[tuple[str, str]]:
     """(name, type) of every name passed to the metrics API in src/, `{...}` interpolations kept
     as they are."""
-    text = "\n".join(p.read_text() for p in sorted(src.rglob("*.rs")))
-    # `host.count*`/`host.histogram`: the request path's `Host` (src/request_path/host.rs).
+    text = filter_sources(src)
+    # `host.count*`/`host.histogram`: the request path's `Host` (core/src/request_path/host.rs).
     found = re.findall(r"(?:metrics|self|host)\s*\.\s*(inc|add|add_later|count|count_later|gauge|gauge_add|histogram|histogram_id)\(\s*"
                        r"(?:&format!\(\s*)?\"([^\"]+)\"", text)
     nested = re.findall(r"let name = format!\(\"([^\"]+)\"", text)  # worker gauges: {name}.field
@@ -1199,14 +1211,14 @@ def src_metrics(src: Path) -> list[tuple[str, str]]:
         kind = kinds.get(method, "counter")
         out += [(t.replace("{name}", n), kind) for n in nested] if "{name}" in t else [(t, kind)]
     # The request path's per-reason counters are static names picked by a `match`
-    # (src/request_path/counters.rs, `... => "routed.kv"`): each family once, as `family.{}`.
+    # (core/src/request_path/counters.rs, `... => "routed.kv"`): each family once, as `family.{}`.
     families = re.findall(r"=> \"([a-z_.]+)\.[a-z_-]+\"", counters_rs(src))
     out += [(f + ".{}", "counter") for f in dict.fromkeys(families)]
     return out
 
 
 def counters_rs(src: Path) -> str:
-    path = src / "request_path" / "counters.rs"
+    path = core_src(src) / "request_path" / "counters.rs"
     return path.read_text() if path.exists() else ""
 
 
@@ -1226,7 +1238,7 @@ def src_exported(src: Path, tags: list[tuple[str, str]]) -> list[tuple[re.Patter
 
 
 def src_enumerations(src: Path) -> dict[str, set[str]]:
-    text = "\n".join(p.read_text() for p in sorted(src.rglob("*.rs")))
+    text = filter_sources(src)
     reasons = set(re.findall(r"Reason::\w+ => \"([a-z-]+)\"", text))
     whys = set(re.findall(r"self\.fallback\([^;]*?\"([a-z_]+)\"\)", text))
     whys |= set(re.findall(r"Fallback::\w+ => \"fallback\.([a-z_]+)\"", counters_rs(src)))

@@ -453,7 +453,7 @@ mod tests {
     /// decodes: the documented layout and the code agree.
     #[test]
     fn the_hand_written_fuzz_seed_decodes() {
-        let bytes = include_bytes!("../../fuzz/seeds/log_head/binary_head");
+        let bytes = include_bytes!("../../../fuzz/seeds/log_head/binary_head");
         let head = decode_head(bytes).unwrap();
         assert_eq!((head.fingerprint, head.seq, head.version), (42, 9, 5));
         assert!(head.members_seen && head.workers[0].stale);
