@@ -241,10 +241,10 @@ impl Args {
             ),
         ] {
             // Unset (empty) is allowed; anything else follows the filter's own rule.
-            if !poly.is_empty() && !envoy_kv_router::config::is_timing_poly(poly) {
+            if !poly.is_empty() && !kv_router_core::config::is_timing_poly(poly) {
                 return Err(format!(
                     "{flag}: 1 to {} finite coefficients, lowest degree first (got {poly:?})",
-                    envoy_kv_router::config::MAX_POLY_COEFFICIENTS
+                    kv_router_core::config::MAX_POLY_COEFFICIENTS
                 ));
             }
         }

@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use envoy_kv_router::types::StorageTier;
+use kv_router_core::types::StorageTier;
 
 use crate::mirror::{DpRank, Mirror, StoreError, StoreRequest};
 use kv_router_protocol::page::{dump_json, event_json, page_json, Load, PageEvent};

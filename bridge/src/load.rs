@@ -146,14 +146,7 @@ pub async fn run(shared: Arc<Shared>, urls: Vec<String>, interval: Duration, tim
             return;
         }
     };
-    let mut shutdown = shared.shutdown_watch();
-    let mut ticker = tokio::time::interval(interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = ticker.tick() => {}
-            _ = shutdown.wait_for(|&s| s) => return,
-        }
+    every(&shared, interval, || async {
         let mut sums = LoadSums::default();
         let mut all_ok = true;
         for url in &urls {
@@ -186,6 +179,25 @@ pub async fn run(shared: Arc<Shared>, urls: Vec<String>, interval: Duration, tim
         if all_ok {
             shared.set_load(sums.to_load());
         }
+    })
+    .await;
+}
+
+/// Runs `tick` every `interval` (a late tick delays the next) until the bridge shuts down.
+async fn every<F, Fut>(shared: &Shared, interval: Duration, mut tick: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut shutdown = shared.shutdown_watch();
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = shutdown.wait_for(|&s| s) => return,
+        }
+        tick().await;
     }
 }
 
@@ -209,14 +221,7 @@ pub async fn run_models(shared: Arc<Shared>, url: String, interval: std::time::D
             return;
         }
     };
-    let mut shutdown = shared.shutdown_watch();
-    let mut ticker = tokio::time::interval(interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = ticker.tick() => {}
-            _ = shutdown.wait_for(|&s| s) => return,
-        }
+    every(&shared, interval, || async {
         let reply = async {
             let r = client.get(&url).send().await.map_err(|e| e.to_string())?;
             if !r.status().is_success() {
@@ -231,7 +236,8 @@ pub async fn run_models(shared: Arc<Shared>, url: String, interval: std::time::D
             Ok(models) => shared.set_worker_models(models),
             Err(e) => log::debug!("engine models: {url}: {e}"),
         }
-    }
+    })
+    .await;
 }
 
 #[cfg(test)]

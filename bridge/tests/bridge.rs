@@ -14,13 +14,13 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::*;
-use envoy_kv_router::events::{parse_dump, parse_event_page, IndexEvent};
-use envoy_kv_router::index::KvIndex;
 use kv_event_bridge::config::BridgeConfig;
 use kv_event_bridge::core::CoreLimits;
 use kv_event_bridge::engine::{EngineSpec, EngineTiming};
 use kv_event_bridge::http::HttpLimits;
 use kv_event_bridge::Bridge;
+use kv_router_core::events::{parse_dump, parse_event_page, IndexEvent};
+use kv_router_core::index::KvIndex;
 use kv_router_protocol::ring::PageLimits;
 use kv_router_protocol::vllm::{decode_batch, EngineEvent};
 use serde_json::Value;
@@ -390,7 +390,7 @@ fn stored_blocks(event: &Value) -> Vec<Block> {
 async fn dump(bridge: &Bridge) -> (BlockSet, u64) {
     let (status, body) = get(bridge, "/kv/dump").await;
     assert_eq!(status, 200);
-    envoy_kv_router::events::parse_dump(body.as_bytes(), BS as u32, 64 << 20)
+    kv_router_core::events::parse_dump(body.as_bytes(), BS as u32, 64 << 20)
         .unwrap_or_else(|e| panic!("the filter rejects the dump: {e}\n{body}"));
     let v: Value = serde_json::from_str(&body).unwrap();
     let mut set = BlockSet::new();
@@ -426,9 +426,8 @@ async fn replay_page(bridge: &Bridge) -> (BlockSet, Vec<Value>) {
     loop {
         let (status, body) = get(bridge, &format!("/kv/events?after={after}")).await;
         assert_eq!(status, 200);
-        let parsed =
-            envoy_kv_router::events::parse_event_page(body.as_bytes(), BS as u32, 64 << 20)
-                .unwrap_or_else(|e| panic!("the filter rejects the page: {e}\n{body}"));
+        let parsed = kv_router_core::events::parse_event_page(body.as_bytes(), BS as u32, 64 << 20)
+            .unwrap_or_else(|e| panic!("the filter rejects the page: {e}\n{body}"));
         assert_eq!(
             parsed.first_event_id,
             Some(1),
