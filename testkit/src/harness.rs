@@ -257,7 +257,7 @@ impl Worker {
         self.process.as_mut().is_some_and(ProcessGuard::is_running)
     }
 
-    /// An engine started elsewhere (e.g. a real vLLM, [`crate::vllm::Engine`]) at `addr`, with
+    /// An engine started elsewhere (e.g. a real vLLM, `envoy_kv_router_tools::vllm::Engine`) at `addr`, with
     /// its ZMQ endpoints: the arms address it like a mock, and never stop it.
     pub fn external(id: u64, addr: String, zmq: Option<String>, replay: Option<String>) -> Worker {
         Worker {
