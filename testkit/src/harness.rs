@@ -1089,7 +1089,7 @@ impl Envoy {
         self.process.child.id()
     }
 
-    /// Resident memory of the Envoy process in KiB (`VmRSS` of /proc/<pid>/status).
+    /// Resident memory of the Envoy process in KiB (`VmRSS` of `/proc/<pid>/status`).
     pub fn rss_kib(&self) -> Option<u64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).ok()?;
         status
