@@ -14,6 +14,7 @@ COPY tests tests
 COPY tools tools
 COPY bridge bridge
 COPY protocol protocol
+COPY testkit testkit
 RUN cargo build --release --locked -p kv-event-bridge --bin kv-event-bridge
 
 FROM ${BASE_IMAGE}

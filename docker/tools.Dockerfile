@@ -18,6 +18,7 @@ COPY tests tests
 COPY tools tools
 COPY bridge bridge
 COPY protocol protocol
+COPY testkit testkit
 RUN cargo build --release --locked -p envoy-kv-router-tools --bin mock-worker --bin loadgen
 
 FROM ${BASE_IMAGE}

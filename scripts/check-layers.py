@@ -2,8 +2,8 @@
 """The module layers of each crate, checked (`make lint` runs this).
 
 For each crate (the routing core `core/src`, the filter's adapter `src/`, `protocol/src`,
-`bridge/src`, `tools/src`) this builds the graph of which module imports which, from
-`use crate::...`, `use super::...`, `use self::...`, bare paths into a child module, and fully
+`bridge/src`, `testkit/src`, `tools/src`) this builds the graph of which module imports which,
+from `use crate::...`, `use super::...`, `use self::...`, bare paths into a child module, and fully
 qualified `crate::x::y` / `super::x` paths in code. Comments, strings, `#[cfg(test)]` items (test
 modules, test-only imports) and test files are left out. It fails:
 
@@ -81,6 +81,7 @@ CRATES = [
     (FILTER, "src/lib.rs"),
     ("protocol", "protocol/src/lib.rs"),
     ("bridge", "bridge/src/lib.rs"),
+    ("testkit", "testkit/src/lib.rs"),
     ("tools", "tools/src/lib.rs"),
 ]
 

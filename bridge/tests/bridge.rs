@@ -303,7 +303,7 @@ async fn wait_for_seq(bridge: &Bridge, engine: usize, seq: u64) -> Value {
 
 /// The sum of the samples of `name` with `labels` (0 when there is none).
 fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> u64 {
-    envoy_kv_router_tools::prom::sum(text, name, labels).unwrap_or(0.0) as u64
+    kv_router_testkit::prom::sum(text, name, labels).unwrap_or(0.0) as u64
 }
 
 async fn metrics(bridge: &Bridge) -> String {

@@ -257,7 +257,7 @@ impl Worker {
         self.process.as_mut().is_some_and(ProcessGuard::is_running)
     }
 
-    /// An engine started elsewhere (e.g. a real vLLM, [`crate::vllm::Engine`]) at `addr`, with
+    /// An engine started elsewhere (e.g. a real vLLM, `envoy_kv_router_tools::vllm::Engine`) at `addr`, with
     /// its ZMQ endpoints: the arms address it like a mock, and never stop it.
     pub fn external(id: u64, addr: String, zmq: Option<String>, replay: Option<String>) -> Worker {
         Worker {
@@ -1089,7 +1089,7 @@ impl Envoy {
         self.process.child.id()
     }
 
-    /// Resident memory of the Envoy process in KiB (`VmRSS` of /proc/<pid>/status).
+    /// Resident memory of the Envoy process in KiB (`VmRSS` of `/proc/<pid>/status`).
     pub fn rss_kib(&self) -> Option<u64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).ok()?;
         status

@@ -1,0 +1,21 @@
+//! The test kit of envoy-kv-router (native only, never compiled to wasm): what the integration
+//! tests, the tools (`envoy-kv-router-tools`) and the benches share to run Envoy and fleets.
+//!
+//! * [`harness`]: launches Envoy (bootstrap, the built filter), mock workers and
+//!   `kv-event-bridge` processes, and waits on them.
+//! * [`client`]: a small blocking HTTP client for tests, benches and the harness.
+//! * [`sse`]: reading server-sent event streams (chat completions with `stream: true`).
+//! * [`prom`]: reading Prometheus text (`/metrics` of engines, workers, bridges, routers).
+//! * [`sys`]: process limits and resource usage (open-file limit, CPU time, peak memory).
+//! * [`util`]: small shared helpers (deterministic mixing, HDR percentiles, poison-tolerant
+//!   locking, `reqwest` errors as `io::Error`).
+//!
+//! It depends on no other workspace crate; `envoy-kv-router-tools` depends on it and re-exports
+//! these modules under their old paths (`envoy_kv_router_tools::harness`, ...).
+
+pub mod client;
+pub mod harness;
+pub mod prom;
+pub mod sse;
+pub mod sys;
+pub mod util;
