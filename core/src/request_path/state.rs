@@ -136,6 +136,15 @@ impl RoutingState {
         else {
             return;
         };
+        if losses.slots.is_empty() && losses.blocks.is_empty() {
+            return;
+        }
+        // Decisions other VMs published before these losses may still be unread in the ring:
+        // take them in first, so that what is forgotten now goes with them (read after, they
+        // would credit a worker with blocks its engine has just dropped).
+        let report = store.sync(host.store(), host.now_ms());
+        host.count("approx.applied", report.applied);
+        host.count("approx.skipped", report.skipped);
         for slot in losses.slots.drain(..) {
             store.forget_slot(slot);
         }

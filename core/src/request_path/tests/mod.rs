@@ -374,3 +374,47 @@ fn a_client_priority_is_trusted_only_when_hints_are_honored() {
     assert_eq!(chosen(&host), Some(W2));
     assert_eq!(host.request_header_value("x-worker-instance-id"), None);
 }
+
+/// A worker's engine cleared its cache after another VM routed a prompt there: that VM's
+/// prediction, still unread in the shared ring when this VM takes in the clear, goes with the
+/// clear. Read after it, it would credit the worker with blocks its engine no longer holds.
+#[test]
+fn a_clear_forgets_the_predictions_other_vms_published_before_it() {
+    use crate::events::{IndexEvent, LogRecord, NumberedEvent};
+    let json = config(json!({"response_headers": true}));
+    let mut host = FakeHost::new().post("/v1/completions", &completion(false));
+    let mut a = Filter::new(&host, &json);
+    let mut b = Filter::new(&host, &json);
+    // VM A routes the prompt: its decision is published as a prediction.
+    let (_, action) = a.send(&mut host);
+    assert_eq!(action, Action::Continue);
+    let worker = usize::from(chosen(&host) == Some(W2));
+    assert_eq!(host.counter("approx.published"), 1);
+    // The engine clears its cache; the poller appends the clear to the shared log.
+    let clear = LogRecord::Events {
+        worker: worker as u16,
+        events: vec![NumberedEvent {
+            event_id: 1,
+            event: IndexEvent::Cleared { dp_rank: None },
+        }],
+    };
+    assert!(crate::replication::log::append(
+        &host.store,
+        7,
+        2,
+        host.now_ms,
+        &[clear],
+        |_| true
+    ));
+    // VM B routes the same prompt: it reads the clear and A's prediction in one request.
+    host.advance(5);
+    host.next_request("/v1/completions", &completion(false));
+    let (mut request, action) = b.send(&mut host);
+    assert_eq!(action, Action::Continue);
+    request.on_response_headers(&mut host, &mut b.vm, false);
+    assert_eq!(
+        host.response_header_value("x-kv-router-overlap-blocks"),
+        Some("0"),
+        "no worker holds the prompt after the clear"
+    );
+}
