@@ -247,7 +247,10 @@ impl RequestPath {
             kv_usage,
             learned: learning.then_some(&vm.learned),
             arrivals_per_ms,
-            recent_stored: &vm.replica.recent_stored,
+            // Off: the engines' stored-block shares (`Replica::recent_stored`) were neutral on one
+            // Envoy and inconclusive on three (docs/race/2026-12-05c), and after a worker's warm
+            // fill they outweighed a 1023-of-1024-block hit (tests/full_cache_resync.rs).
+            recent_stored: &[],
         };
         let decided = decide(config, &input, &mut vm.selector);
         vm.overlaps = overlaps;
