@@ -59,7 +59,7 @@ pub struct RouteInput<'a> {
     /// Requests expected to arrive per ms at each slot (the adaptive `ttft.compute_weight`);
     /// 0 when unknown.
     pub arrivals_per_ms: f64,
-    /// Per slot, the device blocks its engine stored lately (`Replica::recent_stored`: the
+    /// Per slot, the device blocks its engine stored lately (a signal the request path does not feed today: the
     /// prefill work of every router in front of the fleet); empty = unknown.
     pub recent_stored: &'a [f64],
 }

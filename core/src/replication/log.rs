@@ -52,7 +52,7 @@ use crate::events::{
 };
 use crate::index::KvIndex;
 use crate::store::{SharedStore, StoreError};
-use crate::types::{SequenceHash, SlotIdx, StorageTier};
+use crate::types::{SequenceHash, SlotIdx};
 
 pub const LOG_SLOTS: u64 = 64;
 const SNAPSHOT_EVERY: u64 = LOG_SLOTS / 2;
@@ -129,17 +129,7 @@ pub struct Replica {
     snapshot_basis: Option<u64>,
     /// Ticks in a row that found the snapshot torn (a writer replacing its parts).
     torn_snapshots: u8,
-    /// Per slot, the device blocks its engine stored lately, as its events say (the prefill
-    /// work every router in front of the fleet sent it, other Envoys included), decayed with a
-    /// half-life of [`RECENT_STORED_HALF_LIFE_MS`]. A re-sync's dump is not counted.
-    pub recent_stored: Vec<f64>,
-    /// When `recent_stored` was last decayed (ms).
-    recent_stored_ms: u64,
 }
-
-/// Half-life of [`Replica::recent_stored`] (ms): about the time a fleet takes for 16 requests
-/// per worker at the loads the router is built for.
-pub const RECENT_STORED_HALF_LIFE_MS: f64 = 8_000.0;
 
 /// How often a replica beyond the ring retries a torn snapshot, one tick apart, before it gives
 /// up and loses sync: the writer sets every part within one tick, so a second read is whole.
@@ -239,19 +229,6 @@ impl Replica {
             device_losses: None,
             snapshot_basis: None,
             torn_snapshots: 0,
-            recent_stored: vec![0.0; config.slots.len()],
-            recent_stored_ms: 0,
-        }
-    }
-
-    /// Decays [`Replica::recent_stored`] to `now_ms` (resized to the configuration's slots).
-    fn decay_recent_stored(&mut self, slots: usize, now_ms: u64) {
-        self.recent_stored.resize(slots, 0.0);
-        let dt = now_ms.saturating_sub(self.recent_stored_ms) as f64;
-        if dt > 0.0 {
-            let keep = 0.5f64.powf(dt / RECENT_STORED_HALF_LIFE_MS);
-            self.recent_stored.iter_mut().for_each(|s| *s *= keep);
-            self.recent_stored_ms = now_ms;
         }
     }
 
@@ -320,9 +297,6 @@ impl Replica {
                 self.snapshot_basis = None;
                 self.applied_seq = head.seq.saturating_sub(LOG_SLOTS - 1).max(head.epoch_start);
             }
-        }
-        if self.applied_seq < head.seq {
-            self.decay_recent_stored(config.slots.len(), now_ms);
         }
         let mut waiting = None;
         while self.applied_seq < head.seq {
@@ -494,17 +468,11 @@ impl Replica {
     /// linear memory for good.
     fn apply_batch(&mut self, config: &Config, batch: &[u8], report: &mut SyncReport) {
         let mut worker = 0;
-        // A re-sync's dump restates what the engine holds: not work it did lately.
-        let mut dump = false;
         // It decoded once already (read_batch), so it decodes again to the end.
         let _ = visit_log_batch(batch, |item| match item {
-            LogItem::Record(RecordHead::Events { worker: w }) => {
-                worker = w;
-                dump = false;
-            }
+            LogItem::Record(RecordHead::Events { worker: w }) => worker = w,
             LogItem::Record(RecordHead::Resync { worker: w, .. }) => {
                 worker = w;
-                dump = true;
                 // The dump replaces the index's view; predictions made ahead of it stay (its
                 // own "removed" events, not the re-sync, refute them).
                 self.clear_worker(config, w, false);
@@ -512,9 +480,7 @@ impl Replica {
             LogItem::Record(RecordHead::WorkerLost { worker: w }) => {
                 self.clear_worker(config, w, true)
             }
-            LogItem::Event(numbered) => {
-                self.apply_event(config, worker, &numbered.event, !dump, report)
-            }
+            LogItem::Event(numbered) => self.apply_event(config, worker, &numbered.event, report),
         });
     }
 
@@ -534,7 +500,6 @@ impl Replica {
         config: &Config,
         worker: u16,
         event: &IndexEvent,
-        count_stored: bool,
         report: &mut SyncReport,
     ) {
         let slots: Vec<SlotIdx> = match event {
@@ -567,20 +532,6 @@ impl Replica {
                 Ok(stats) => {
                     report.events_applied += 1;
                     report.evicted += stats.evicted_blocks as u64;
-                    let device = matches!(
-                        event,
-                        IndexEvent::Stored {
-                            tier: StorageTier::Device,
-                            ..
-                        }
-                    );
-                    if let (true, true, Some(recent)) = (
-                        count_stored,
-                        device,
-                        self.recent_stored.get_mut(usize::from(slot)),
-                    ) {
-                        *recent += stats.stored_blocks as f64;
-                    }
                 }
                 Err(_) => report.events_rejected += 1,
             }
@@ -983,55 +934,6 @@ mod tests {
             assert!(a != b, "op {at}: exactly one wins (a {a}, b {b})");
             assert_eq!(batches(&store), vec![vec![stored(0, 1, 100)]], "op {at}");
         }
-    }
-
-    /// The blocks each engine stored lately, for the request-share term: device blocks from
-    /// live events count, a re-sync's dump and host-tier blocks do not, and the counts halve
-    /// every [`RECENT_STORED_HALF_LIFE_MS`].
-    #[test]
-    fn recent_stored_counts_live_device_blocks_and_decays() {
-        let config = config(2);
-        let store = MemStore::new();
-        init(&store);
-        let LogRecord::Events { events: dump, .. } = stored(1, 3, 300) else {
-            unreachable!()
-        };
-        let host = LogRecord::Events {
-            worker: 0,
-            events: vec![NumberedEvent {
-                event_id: 3,
-                event: IndexEvent::Stored {
-                    dp_rank: 0,
-                    tier: StorageTier::Host,
-                    parent: None,
-                    blocks: vec![(ExternalBlockHash(400), LocalBlockHash(400))],
-                },
-            }],
-        };
-        let records = vec![
-            stored(0, 1, 100),
-            stored(0, 2, 200),
-            LogRecord::Resync {
-                worker: 1,
-                last_event_id: 3,
-                events: dump,
-            },
-            host,
-        ];
-        assert!(append(&store, FP, 2, 0, &records, |_| true));
-        let mut replica = Replica::new(&config, FP);
-        replica.sync(&store, &config, 1_000);
-        let (slot0, slot1) = (
-            usize::from(config.slot_of(0, 0).unwrap()),
-            usize::from(config.slot_of(1, 0).unwrap()),
-        );
-        assert_eq!(replica.recent_stored[slot0], 2.0, "two live device blocks");
-        assert_eq!(replica.recent_stored[slot1], 0.0, "a dump is not work done");
-        // One half-life later, worker 1 stores a block: worker 0's count has halved.
-        assert!(append(&store, FP, 2, 0, &[stored(1, 4, 500)], |_| true));
-        replica.sync(&store, &config, 1_000 + RECENT_STORED_HALF_LIFE_MS as u64);
-        assert!((replica.recent_stored[slot0] - 1.0).abs() < 1e-9);
-        assert_eq!(replica.recent_stored[slot1], 1.0);
     }
 
     /// Approximate mode's predictions need what the engines took off their GPU caches: a
