@@ -226,6 +226,25 @@ impl Cluster {
         }
     }
 
+    /// The filter counters that tell why a credit is off (for a failure's message).
+    fn diagnostics(&self) -> String {
+        [
+            "events.rejected",
+            "index.evicted",
+            "log.lost_sync",
+            "log.snapshot_loaded",
+            "approx.published",
+            "approx.applied",
+            "approx.skipped",
+            "approx.confirmed",
+            "approx.refuted",
+        ]
+        .iter()
+        .map(|name| format!("{name} {}", self.stat(name)))
+        .collect::<Vec<_>>()
+        .join(", ")
+    }
+
     /// Event counts over every bridge's page.
     fn page_kinds(&self) -> Kinds {
         self.bridges
@@ -485,9 +504,12 @@ fn evictions_are_taken_in(c: &Cluster, baseline: Kinds) {
         let d = c.probe(p);
         let held = held_prefix(&dumps[d.worker as usize - 1], p);
         assert_eq!(
-            d.overlap, held,
-            "prompt {i}: the filter credits worker {} with {} blocks, its engine holds {held}",
-            d.worker, d.overlap
+            d.overlap,
+            held,
+            "prompt {i}: the filter credits worker {} with {} blocks, its engine holds {held} ({})",
+            d.worker,
+            d.overlap,
+            c.diagnostics()
         );
         overlaps.push(d.overlap);
     }

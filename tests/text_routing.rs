@@ -216,9 +216,9 @@ fn a_burst_sharing_a_new_prefix_lands_on_one_worker_with_predictions() {
     assert_eq!(without.router_stat("approx.published"), 0);
 }
 
-/// A prediction ends when the worker's events say the blocks left its GPU cache: after a
-/// repeat of a prompt is predicted whole on its worker, the worker reports its first half
-/// stored and its second half removed; the next repeat finds only the first half there.
+/// A prediction ends when the worker's events speak for its blocks: after a repeat of a prompt
+/// is predicted whole on its worker, the worker reports the prompt stored (the predictions give
+/// way to the index) and its second half removed; the next repeat finds only the first half.
 #[test]
 fn a_prediction_ends_when_the_worker_reports_its_blocks_removed() {
     let workers = echo_workers(3, BLOCK);
@@ -256,11 +256,12 @@ fn a_prediction_ends_when_the_worker_reports_its_blocks_removed() {
             vllm_removed(&[704, 705, 706, 707], "GPU"),
         ],
     );
+    let settled = |e: &Envoy| e.router_stat("approx.confirmed") + e.router_stat("approx.refuted");
     assert!(
-        envoy.wait_for(Duration::from_secs(10), |e| e.router_stat("approx.refuted")
-            >= 4),
-        "refuted: {}",
-        envoy.router_stat("approx.refuted")
+        envoy.wait_for(Duration::from_secs(10), |e| settled(e) >= 8
+            && e.router_stat("events.removed") >= 1),
+        "settled: {}",
+        settled(&envoy)
     );
     let (after, overlap, _) = route(&envoy, &completion(&prompt));
     assert_eq!(

@@ -198,6 +198,13 @@ const EMPTY_FIFO: Fifo = Fifo {
     tail: NIL,
 };
 
+/// What an event did to one block on a slot's device tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceChange {
+    Stored,
+    Lost,
+}
+
 /// What one `apply` did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ApplyStats {
@@ -348,17 +355,17 @@ impl KvIndex {
     /// Applies one normalized event to one slot. `Cleared` clears just this slot (the caller maps
     /// a whole-worker clear to each of its slots). On `Err` nothing changed.
     pub fn apply(&mut self, slot: SlotIdx, event: &IndexEvent) -> Result<ApplyStats, IndexError> {
-        self.apply_noting(slot, event, |_| {})
+        self.apply_noting(slot, event, |_, _| {})
     }
 
-    /// [`KvIndex::apply`], calling `device_lost` with the sequence hash of each block a
-    /// "removed" event takes off this slot's device tier (approximate mode forgets its
-    /// predictions of them: the engine said it no longer holds them).
+    /// [`KvIndex::apply`], calling `device_change` with the sequence hash of each block a
+    /// "stored" event puts on this slot's device tier or a "removed" event takes off it
+    /// (approximate mode drops its predictions of both: the engine's own word replaces them).
     pub fn apply_noting(
         &mut self,
         slot: SlotIdx,
         event: &IndexEvent,
-        mut device_lost: impl FnMut(SequenceHash),
+        mut device_change: impl FnMut(SequenceHash, DeviceChange),
     ) -> Result<ApplyStats, IndexError> {
         self.check_slot(slot)?;
         let mut stats = ApplyStats::default();
@@ -385,6 +392,9 @@ impl KvIndex {
                     let seq = chain_sequence_hash(prev, local);
                     self.insert_block(slot, ext.0, seq.0, tier_bit(*tier), &mut stats);
                     stats.stored_blocks = stats.stored_blocks.saturating_add(1);
+                    if tier_bit(*tier) & DEVICE_BIT != 0 {
+                        device_change(seq, DeviceChange::Stored);
+                    }
                     prev = Some(seq);
                 }
             }
@@ -395,7 +405,7 @@ impl KvIndex {
                     {
                         stats.removed_blocks = stats.removed_blocks.saturating_add(1);
                         if dropped & DEVICE_BIT != 0 {
-                            device_lost(SequenceHash(seq));
+                            device_change(SequenceHash(seq), DeviceChange::Lost);
                         }
                     } else {
                         stats.unknown_removed_blocks =

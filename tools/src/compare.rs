@@ -580,6 +580,7 @@ fn print_filter_stats(mode: &str, envoy: &Envoy) {
         "approx.publish_failed",
         "approx.applied",
         "approx.skipped",
+        "approx.confirmed",
         "approx.refuted",
         "approx.entries",
         "index.evicted",

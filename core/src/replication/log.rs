@@ -50,7 +50,7 @@ use crate::config::Config;
 use crate::events::{
     check_log_batch, encode_log_batch, visit_log_batch, IndexEvent, LogItem, LogRecord, RecordHead,
 };
-use crate::index::KvIndex;
+use crate::index::{DeviceChange, KvIndex};
 use crate::store::{SharedStore, StoreError};
 use crate::types::{SequenceHash, SlotIdx};
 
@@ -121,9 +121,9 @@ pub struct Replica {
     pub full_head: bool,
     /// The claimed batch this replica waits for, and since when.
     pending: Option<(u64, u64)>,
-    /// What the engines took off their device tiers, collected for approximate mode's
-    /// predictions (`None`: not collected). Drained by the VM after each sync.
-    pub device_losses: Option<DeviceLosses>,
+    /// What the engines put on and took off their device tiers, collected for approximate
+    /// mode's predictions (`None`: not collected). Drained by the VM after each sync.
+    pub device_changes: Option<DeviceChanges>,
     /// The id of the snapshot this index equals (written or loaded here, no change applied
     /// since): a due snapshot then only extends the manifest's validity.
     snapshot_basis: Option<u64>,
@@ -198,14 +198,21 @@ fn split_part(bytes: &[u8]) -> Option<(u64, u32, &[u8])> {
     Some((id, u32::from_le_bytes(number.try_into().ok()?), body))
 }
 
-/// Device-tier losses applied by the syncs since the last drain.
+/// Device-tier changes applied by the syncs since the last drain.
 #[derive(Debug, Default, PartialEq, Eq)]
-pub struct DeviceLosses {
+pub struct DeviceChanges {
     /// Blocks a "removed" event took off a slot's device tier.
-    pub blocks: Vec<(SlotIdx, SequenceHash)>,
+    pub lost: Vec<(SlotIdx, SequenceHash)>,
+    /// Blocks a "stored" event (or a re-sync's dump) put on a slot's device tier, at most
+    /// [`MAX_STORED_CHANGES`] per drain (the rest are not reported).
+    pub stored: Vec<(SlotIdx, SequenceHash)>,
     /// Slots cleared whole (a "cleared" event or a lost worker; not a re-sync from the dump).
-    pub slots: Vec<SlotIdx>,
+    pub cleared: Vec<SlotIdx>,
 }
+
+/// Stored blocks one drain reports: a re-sync's dump can hold a million, and a VM's linear
+/// memory keeps its peak for good (16 bytes each: 256 KiB).
+pub const MAX_STORED_CHANGES: usize = 16_384;
 
 /// A ring slot read for one batch number.
 enum SlotRead {
@@ -226,7 +233,7 @@ impl Replica {
             head: LogHead::default(),
             full_head: false,
             pending: None,
-            device_losses: None,
+            device_changes: None,
             snapshot_basis: None,
             torn_snapshots: 0,
         }
@@ -489,8 +496,8 @@ impl Replica {
         self.snapshot_basis = None;
         for slot in config.worker_slots(worker) {
             self.index.clear_slot(slot);
-            if let (true, Some(losses)) = (lost, self.device_losses.as_mut()) {
-                losses.slots.push(slot);
+            if let (true, Some(changes)) = (lost, self.device_changes.as_mut()) {
+                changes.cleared.push(slot);
             }
         }
     }
@@ -517,13 +524,20 @@ impl Replica {
             return;
         }
         for slot in slots {
-            let losses = &mut self.device_losses;
-            if let (Some(losses), IndexEvent::Cleared { .. }) = (losses.as_mut(), event) {
-                losses.slots.push(slot);
+            let changes = &mut self.device_changes;
+            if let (Some(changes), IndexEvent::Cleared { .. }) = (changes.as_mut(), event) {
+                changes.cleared.push(slot);
             }
-            let applied = self.index.apply_noting(slot, event, |seq| {
-                if let Some(losses) = losses.as_mut() {
-                    losses.blocks.push((slot, seq));
+            let applied = self.index.apply_noting(slot, event, |seq, change| {
+                let Some(changes) = changes.as_mut() else {
+                    return;
+                };
+                match change {
+                    DeviceChange::Lost => changes.lost.push((slot, seq)),
+                    DeviceChange::Stored if changes.stored.len() < MAX_STORED_CHANGES => {
+                        changes.stored.push((slot, seq))
+                    }
+                    DeviceChange::Stored => {}
                 }
             });
             // Conservatively a change even if the event was refused.
@@ -936,11 +950,12 @@ mod tests {
         }
     }
 
-    /// Approximate mode's predictions need what the engines took off their GPU caches: a
-    /// replica that collects them reports device removals of blocks it held (by prefix hash)
-    /// and cleared slots, not host-tier removals, blocks it never held or a re-sync.
+    /// Approximate mode's predictions need what the engines put on and took off their GPU
+    /// caches: a replica that collects them reports device stores (a re-sync's dump included),
+    /// device removals of blocks it held (by prefix hash) and cleared slots; not host-tier
+    /// removals, blocks it never held, or a re-sync as a clear.
     #[test]
-    fn a_collecting_replica_reports_device_losses() {
+    fn a_collecting_replica_reports_device_changes() {
         let config = config(2);
         let store = MemStore::new();
         init(&store);
@@ -979,17 +994,18 @@ mod tests {
         assert!(append(&store, FP, 2, 0, &records, |_| true));
         let mut plain = Replica::new(&config, FP);
         plain.sync(&store, &config, 1000);
-        assert_eq!(plain.device_losses, None);
+        assert_eq!(plain.device_changes, None);
         let mut collecting = Replica::new(&config, FP);
-        collecting.device_losses = Some(DeviceLosses::default());
+        collecting.device_changes = Some(DeviceChanges::default());
         collecting.sync(&store, &config, 1000);
-        let seq = crate::hashing::chain_sequence_hash(None, LocalBlockHash(100));
-        let slot1 = config.slot_of(1, 0).unwrap();
+        let seq = |h| crate::hashing::chain_sequence_hash(None, LocalBlockHash(h));
+        let (slot0, slot1) = (config.slot_of(0, 0).unwrap(), config.slot_of(1, 0).unwrap());
         assert_eq!(
-            collecting.device_losses,
-            Some(DeviceLosses {
-                blocks: vec![(config.slot_of(0, 0).unwrap(), seq)],
-                slots: vec![slot1],
+            collecting.device_changes,
+            Some(DeviceChanges {
+                lost: vec![(slot0, seq(100))],
+                stored: vec![(slot0, seq(100)), (slot0, seq(200)), (slot1, seq(300))],
+                cleared: vec![slot1],
             })
         );
         assert_eq!(

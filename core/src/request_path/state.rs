@@ -11,9 +11,9 @@ use crate::load::{merge_reported, SlotLoad};
 use crate::load_store::{PendingReleases, ViewCache};
 use crate::membership::effective_config;
 use crate::render::RenderCache;
-use crate::replication::log::{DeviceLosses, LogHead, Replica};
+use crate::replication::log::{DeviceChanges, LogHead, Replica};
 use crate::router::SelectorState;
-use crate::types::Overlap;
+use crate::types::{Overlap, SlotIdx};
 use std::rc::Rc;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -59,7 +59,7 @@ impl RoutingState {
     pub fn new(config: Rc<Config>, fingerprint: u64, nonce: u64) -> Self {
         let mut replica = Replica::new(&config, fingerprint);
         if config.approximate.is_some() {
-            replica.device_losses = Some(DeviceLosses::default());
+            replica.device_changes = Some(DeviceChanges::default());
         }
         let slots = config.slots.len();
         RoutingState {
@@ -99,7 +99,9 @@ impl RoutingState {
     pub fn sync_replica(&mut self, host: &mut impl Host) {
         let config = Rc::clone(&self.config);
         let report = self.replica.sync(host.store(), &config, host.now_ms());
-        self.forget_lost_predictions(host);
+        // Batches skipped (snapshot or lost sync) held changes this VM never saw.
+        let skipped = report.snapshot_loaded || report.lost_sync;
+        self.forget_settled_predictions(host, skipped);
         self.follow_membership();
         self.slot_reports.refresh(&self.replica.head, &self.config);
         host.count("events.applied", report.events_applied);
@@ -128,28 +130,53 @@ impl RoutingState {
         self.members_applied = seen;
     }
 
-    /// Drops the predictions the engines' events since the last sync refuted (blocks taken off
-    /// a slot's device tier, slots cleared).
-    pub fn forget_lost_predictions(&mut self, host: &mut impl Host) {
-        let (Some(losses), Some(store)) =
-            (self.replica.device_losses.as_mut(), self.predicted.as_mut())
-        else {
+    /// Drops the predictions the engines' events since the last sync settled: blocks a slot's
+    /// engine now reports stored (the index holds them; a prediction kept past that would
+    /// outlive a later removal read by a VM that never held it), blocks taken off a slot's
+    /// device tier, slots cleared. `skipped`: the replica jumped over batches, so every
+    /// prediction on a slot with events goes (what those batches said is unknown).
+    pub fn forget_settled_predictions(&mut self, host: &mut impl Host, skipped: bool) {
+        let (Some(changes), Some(store)) = (
+            self.replica.device_changes.as_mut(),
+            self.predicted.as_mut(),
+        ) else {
             return;
         };
-        if losses.slots.is_empty() && losses.blocks.is_empty() {
+        if !skipped
+            && changes.cleared.is_empty()
+            && changes.lost.is_empty()
+            && changes.stored.is_empty()
+        {
             return;
         }
-        // Decisions other VMs published before these losses may still be unread in the ring:
+        // Decisions other VMs published before these changes may still be unread in the ring:
         // take them in first, so that what is forgotten now goes with them (read after, they
         // would credit a worker with blocks its engine has just dropped).
         let report = store.sync(host.store(), host.now_ms());
         host.count("approx.applied", report.applied);
         host.count("approx.skipped", report.skipped);
-        for slot in losses.slots.drain(..) {
+        if skipped {
+            let config = &self.config;
+            let slots = (0..config.slots.len()).filter_map(|s| SlotIdx::try_from(s).ok());
+            for slot in slots {
+                if config
+                    .worker_of_slot(slot)
+                    .is_some_and(|w| w.kv_mode.has_events())
+                {
+                    store.forget_slot(slot);
+                }
+            }
+        }
+        for slot in changes.cleared.drain(..) {
             store.forget_slot(slot);
         }
+        let mut confirmed = 0;
+        for (slot, hash) in changes.stored.drain(..) {
+            confirmed += u64::from(store.forget(slot, hash));
+        }
+        host.count("approx.confirmed", confirmed);
         let mut refuted = 0;
-        for (slot, hash) in losses.blocks.drain(..) {
+        for (slot, hash) in changes.lost.drain(..) {
             refuted += u64::from(store.forget(slot, hash));
         }
         host.count("approx.refuted", refuted);

@@ -15,6 +15,35 @@ use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::Duration;
 
+/// The engine's "stored" event for `tokens`' full blocks on the device tier (engine block
+/// hashes derived from the prefix hashes).
+pub fn stored_event(tokens: &[u32], block_size: u32) -> IndexEvent {
+    let locals = local_block_hashes(tokens, block_size, DYNAMO_HASH_SEED);
+    let seqs = prompt_sequence_hashes(tokens, block_size, None);
+    IndexEvent::Stored {
+        dp_rank: 0,
+        tier: StorageTier::Device,
+        parent: None,
+        blocks: seqs
+            .iter()
+            .zip(&locals)
+            .map(|(s, l)| (ExternalBlockHash(s.0 ^ 0x5555), *l))
+            .collect(),
+    }
+}
+
+/// The engine's "removed" event for the blocks of a [`stored_event`].
+pub fn removed_event(stored: &IndexEvent) -> IndexEvent {
+    let IndexEvent::Stored { blocks, .. } = stored else {
+        unreachable!("a stored event")
+    };
+    IndexEvent::Removed {
+        dp_rank: 0,
+        tier: StorageTier::Device,
+        blocks: blocks.iter().map(|(ext, _)| *ext).collect(),
+    }
+}
+
 /// A callout the request path sent.
 #[allow(dead_code)] // every field recorded, not every one asserted
 #[derive(Debug, Clone)]
@@ -239,19 +268,7 @@ impl Filter {
 
     /// Worker slot `slot` holds `tokens`' blocks on its device (in this VM's index replica).
     pub fn holds(&mut self, slot: u16, tokens: &[u32]) {
-        let block_size = self.vm.config.block_size;
-        let locals = local_block_hashes(tokens, block_size, DYNAMO_HASH_SEED);
-        let seqs = prompt_sequence_hashes(tokens, block_size, None);
-        let stored = IndexEvent::Stored {
-            dp_rank: 0,
-            tier: StorageTier::Device,
-            parent: None,
-            blocks: seqs
-                .iter()
-                .zip(&locals)
-                .map(|(s, l)| (ExternalBlockHash(s.0 ^ 0x5555), *l))
-                .collect(),
-        };
+        let stored = stored_event(tokens, self.vm.config.block_size);
         self.vm.replica.index.apply(slot, &stored).unwrap();
     }
 

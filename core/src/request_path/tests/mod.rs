@@ -375,6 +375,95 @@ fn a_client_priority_is_trusted_only_when_hints_are_honored() {
     assert_eq!(host.request_header_value("x-worker-instance-id"), None);
 }
 
+/// Appends one batch of `events` from `worker` to the shared log, as the poller does.
+fn append_events(host: &FakeHost, worker: u16, events: Vec<crate::events::IndexEvent>) {
+    use crate::events::{LogRecord, NumberedEvent};
+    let events = events
+        .into_iter()
+        .map(|event| NumberedEvent { event_id: 0, event })
+        .collect();
+    let record = LogRecord::Events { worker, events };
+    assert!(crate::replication::log::append(
+        &host.store,
+        7,
+        2,
+        host.now_ms,
+        &[record],
+        |_| true
+    ));
+}
+
+/// VM B's overlap header when it routes the test prompt now.
+fn overlap_seen_by(b: &mut Filter, host: &mut FakeHost) -> String {
+    host.next_request("/v1/completions", &completion(false));
+    let (mut request, action) = b.send(host);
+    assert_eq!(action, Action::Continue);
+    request.on_response_headers(host, &mut b.vm, false);
+    host.response_header_value("x-kv-router-overlap-blocks")
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// A prediction is a stand-in for the engine's "stored" event: once the engine reported the
+/// blocks stored, the index speaks for them. Here VM B's index (bounded at 4 blocks) drops
+/// them for newer ones before the engine's "removed" event comes, so that event takes nothing
+/// off B's index; the prediction must not outlive it and credit the worker with the prompt.
+#[test]
+fn an_engine_report_of_the_stored_blocks_replaces_the_prediction() {
+    let json = config(json!({"response_headers": true, "index": {"max_blocks": 4}}));
+    let mut host = FakeHost::new().post("/v1/completions", &completion(false));
+    let mut a = Filter::new(&host, &json);
+    let mut b = Filter::new(&host, &json);
+    let (_, action) = a.send(&mut host);
+    assert_eq!(action, Action::Continue);
+    let worker = u16::from(chosen(&host) == Some(W2));
+    // B reads A's prediction: the whole prompt (4 blocks) counts on that worker.
+    host.advance(5);
+    assert_eq!(overlap_seen_by(&mut b, &mut host), "4");
+    // The engine stores the prompt, then another one, then evicts the prompt.
+    let stored = fake::stored_event(&prompt(), 16);
+    let other: Vec<u32> = (0..64u32).map(|i| i * 11 + 5).collect();
+    append_events(&host, worker, vec![stored.clone()]);
+    append_events(&host, worker, vec![fake::stored_event(&other, 16)]);
+    append_events(&host, worker, vec![fake::removed_event(&stored)]);
+    host.advance(5);
+    assert_eq!(
+        overlap_seen_by(&mut b, &mut host),
+        "0",
+        "the engine evicted the prompt: nothing credits it"
+    );
+}
+
+/// A VM that fell more than the log's ring behind skips batches it can no longer read: the
+/// removals in them are unknown to it, so its predictions on workers with events go too.
+#[test]
+fn a_vm_that_skipped_log_batches_drops_its_predictions_on_workers_with_events() {
+    use crate::events::IndexEvent;
+    let json = config(json!({"response_headers": true}));
+    let mut host = FakeHost::new().post("/v1/completions", &completion(false));
+    let mut a = Filter::new(&host, &json);
+    let mut b = Filter::new(&host, &json);
+    let (_, action) = a.send(&mut host);
+    assert_eq!(action, Action::Continue);
+    let worker = u16::from(chosen(&host) == Some(W2));
+    host.advance(5);
+    assert_eq!(overlap_seen_by(&mut b, &mut host), "4");
+    // The engine clears its cache; then more batches than the ring holds pass by B.
+    append_events(&host, worker, vec![IndexEvent::Cleared { dp_rank: None }]);
+    let ring = crate::replication::log::LOG_SLOTS;
+    for i in 0..ring + 4 {
+        let tokens: Vec<u32> = (0..16u32).map(|t| t + 1000 * i as u32).collect();
+        append_events(&host, 1 - worker, vec![fake::stored_event(&tokens, 16)]);
+    }
+    host.advance(5);
+    assert_eq!(
+        overlap_seen_by(&mut b, &mut host),
+        "0",
+        "the clear B never read must not leave it crediting the worker"
+    );
+    assert!(host.counter("log.lost_sync") + host.counter("log.snapshot_loaded") >= 1);
+}
+
 /// A worker's engine cleared its cache after another VM routed a prompt there: that VM's
 /// prediction, still unread in the shared ring when this VM takes in the clear, goes with the
 /// clear. Read after it, it would credit the worker with blocks its engine no longer holds.
