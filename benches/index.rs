@@ -1,5 +1,5 @@
-//! The KV index's memory per entry and event throughput, for the compact `index::KvIndex` and,
-//! side by side in the same run, the index it replaced (`benches/legacy/index_v1.rs`).
+//! The KV index's (`index::KvIndex`) memory per entry and event throughput. (The index it
+//! replaced, and the two side by side: docs/history/benchmark-log.md.)
 //!
 //! Workload: 8 workers, each walking through its own documents and shared system prompts,
 //! storing 16-block batches chained to their parent and, like an engine under cache pressure,
@@ -10,15 +10,12 @@
 //!   Rows with bound "none" grow without eviction; rows with bound = entries fill an index
 //!   configured for exactly that many entries (its steady state in production).
 //! * throughput: events (and blocks) applied per second at the bound, evicting, as medians of
-//!   alternating old/new runs over the same pre-built event list.
+//!   runs over the same pre-built event list.
 //!
-//! Native figures (64-bit pointers): the old index is smaller on wasm32; the new one is the same.
+//! Native figures (64-bit pointers); the index's entries are the same size on wasm32.
 //! Usage: `cargo bench --bench index [-- --quick]` (`make bench`). Prints figures; asserts none.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
-
-#[path = "legacy/index_v1.rs"]
-mod legacy;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
@@ -29,7 +26,7 @@ use envoy_kv_router::events::IndexEvent;
 use envoy_kv_router::hashing::chain_sequence_hash;
 use envoy_kv_router::index::KvIndex;
 use envoy_kv_router::types::{
-    ExternalBlockHash, LocalBlockHash, Overlap, SequenceHash, SlotIdx, StorageTier,
+    ExternalBlockHash, LocalBlockHash, SequenceHash, SlotIdx, StorageTier,
 };
 
 /// `System`, tracking live bytes and their peak.
@@ -177,49 +174,16 @@ fn workload(seed: u64, count: usize, per_worker_cap: usize) -> Vec<(SlotIdx, Ind
     events
 }
 
-trait Index {
-    const NAME: &'static str;
-    fn new(slots: usize, bound: usize) -> Self;
-    fn apply(&mut self, slot: SlotIdx, event: &IndexEvent) -> usize;
-    fn entries(&self) -> usize;
-}
-
-impl Index for KvIndex {
-    const NAME: &'static str = "new";
-    fn new(slots: usize, bound: usize) -> Self {
-        KvIndex::new(slots, bound)
-    }
-    fn apply(&mut self, slot: SlotIdx, event: &IndexEvent) -> usize {
-        self.apply(slot, event).map_or(0, |s| s.evicted_blocks)
-    }
-    fn entries(&self) -> usize {
-        self.entries()
-    }
-}
-
-impl Index for legacy::KvIndex {
-    const NAME: &'static str = "old";
-    fn new(slots: usize, bound: usize) -> Self {
-        legacy::KvIndex::new(slots, bound)
-    }
-    fn apply(&mut self, slot: SlotIdx, event: &IndexEvent) -> usize {
-        self.apply(slot, event).map_or(0, |s| s.evicted_blocks)
-    }
-    fn entries(&self) -> usize {
-        self.entries()
-    }
-}
-
 /// (net bytes, peak bytes) per entry after applying events until `target` entries.
-fn memory<I: Index>(events: &[(SlotIdx, IndexEvent)], target: usize, bound: usize) -> (f64, f64) {
+fn memory(events: &[(SlotIdx, IndexEvent)], target: usize, bound: usize) -> (f64, f64) {
     let base = LIVE.load(Relaxed);
     PEAK.store(base, Relaxed);
-    let mut index = I::new(usize::from(WORKERS), bound);
+    let mut index = KvIndex::new(usize::from(WORKERS), bound);
     for (slot, event) in events {
         if index.entries() >= target {
             break;
         }
-        index.apply(*slot, event);
+        let _ = index.apply(*slot, event);
     }
     let n = index.entries() as f64;
     let net = (LIVE.load(Relaxed) - base) as f64 / n;
@@ -229,19 +193,19 @@ fn memory<I: Index>(events: &[(SlotIdx, IndexEvent)], target: usize, bound: usiz
 }
 
 /// Events per second applying `events` to an index already at its bound.
-fn throughput<I: Index>(
+fn throughput(
     warm: &[(SlotIdx, IndexEvent)],
     events: &[(SlotIdx, IndexEvent)],
     bound: usize,
 ) -> f64 {
-    let mut index = I::new(usize::from(WORKERS), bound);
+    let mut index = KvIndex::new(usize::from(WORKERS), bound);
     for (slot, event) in warm {
-        index.apply(*slot, event);
+        let _ = index.apply(*slot, event);
     }
     let start = Instant::now();
     let mut evicted = 0;
     for (slot, event) in events {
-        evicted += index.apply(*slot, event);
+        evicted += index.apply(*slot, event).map_or(0, |s| s.evicted_blocks);
     }
     black_box(evicted);
     events.len() as f64 / start.elapsed().as_secs_f64()
@@ -253,12 +217,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// A prefix every one of `slots` workers holds: (ns per lookup of the 64-block prompt, ns per
-/// stored+removed pair of one block), for an index type. Lookup and the chain walks are
-/// O(holders) in both indexes; this shows the constant.
-fn wide<I: Index + Lookup>(slots: u16, rounds: usize) -> (f64, f64) {
+/// stored+removed pair of one block). Lookup and the chain walks are O(holders); this shows
+/// the constant.
+fn wide(slots: u16, rounds: usize) -> (f64, f64) {
     let mut rng = Rng(5);
     let locals: Vec<u64> = (0..64).map(|_| rng.next()).collect();
-    let mut index = I::new(usize::from(slots), usize::MAX);
+    let mut index = KvIndex::new(usize::from(slots), usize::MAX);
     let stored = |slot: u16, range: std::ops::Range<usize>| IndexEvent::Stored {
         dp_rank: 0,
         tier: StorageTier::Device,
@@ -276,7 +240,7 @@ fn wide<I: Index + Lookup>(slots: u16, rounds: usize) -> (f64, f64) {
             .collect(),
     };
     for slot in 0..slots {
-        index.apply(slot, &stored(slot, 0..64));
+        let _ = index.apply(slot, &stored(slot, 0..64));
     }
     let mut prev = None;
     let seqs: Vec<SequenceHash> = locals
@@ -290,7 +254,7 @@ fn wide<I: Index + Lookup>(slots: u16, rounds: usize) -> (f64, f64) {
     let mut out = Vec::new();
     let start = Instant::now();
     for _ in 0..rounds {
-        index.lookup(&seqs, &mut out);
+        index.find_overlaps(&seqs, &mut out);
         black_box(&out);
     }
     let lookup = start.elapsed().as_secs_f64() * 1e9 / rounds as f64;
@@ -302,7 +266,7 @@ fn wide<I: Index + Lookup>(slots: u16, rounds: usize) -> (f64, f64) {
     let start = Instant::now();
     for i in 0..rounds {
         let slot = (i % usize::from(slots)) as u16;
-        index.apply(
+        let _ = index.apply(
             slot,
             &IndexEvent::Removed {
                 dp_rank: 0,
@@ -310,27 +274,11 @@ fn wide<I: Index + Lookup>(slots: u16, rounds: usize) -> (f64, f64) {
                 blocks: vec![ExternalBlockHash(locals[63] ^ u64::from(slot))],
             },
         );
-        index.apply(slot, &stored(slot, 63..64));
+        let _ = index.apply(slot, &stored(slot, 63..64));
     }
     black_box(&last);
     let churn = start.elapsed().as_secs_f64() * 1e9 / rounds as f64;
     (lookup, churn)
-}
-
-trait Lookup {
-    fn lookup(&self, seqs: &[SequenceHash], out: &mut Vec<Overlap>);
-}
-
-impl Lookup for KvIndex {
-    fn lookup(&self, seqs: &[SequenceHash], out: &mut Vec<Overlap>) {
-        self.find_overlaps(seqs, out);
-    }
-}
-
-impl Lookup for legacy::KvIndex {
-    fn lookup(&self, seqs: &[SequenceHash], out: &mut Vec<Overlap>) {
-        self.find_overlaps(seqs, out);
-    }
 }
 
 fn main() {
@@ -345,24 +293,18 @@ fn main() {
     println!(
         "memory per entry (counting allocator, bytes; peak = most held at once while filling)"
     );
-    println!(
-        "{:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
-        "entries", "bound", "old net", "old peak", "new net", "new peak"
-    );
+    println!("{:>9} {:>9} {:>9} {:>9}", "entries", "bound", "net", "peak");
     for &n in sizes {
         // No removals: every stored block stays until the target.
         let events = workload(7, n / 6, usize::MAX);
         for bound in [usize::MAX, n] {
-            let (old_net, old_peak) = memory::<legacy::KvIndex>(&events, n, bound);
-            let (new_net, new_peak) = memory::<KvIndex>(&events, n, bound);
+            let (net, peak) = memory(&events, n, bound);
             let bound = if bound == usize::MAX {
                 "none".to_string()
             } else {
                 bound.to_string()
             };
-            println!(
-                "{n:>9} {bound:>9} {old_net:>9.1} {old_peak:>9.1} {new_net:>9.1} {new_peak:>9.1}"
-            );
+            println!("{n:>9} {bound:>9} {net:>9.1} {peak:>9.1}");
         }
     }
     println!();
@@ -385,45 +327,28 @@ fn main() {
         })
         .sum();
     let per_event = blocks as f64 / run.len() as f64;
-    let (mut old, mut new) = (Vec::new(), Vec::new());
-    for _ in 0..5 {
-        old.push(throughput::<legacy::KvIndex>(warm, run, bound));
-        new.push(throughput::<KvIndex>(warm, run, bound));
-    }
-    let (old, new) = (median(old), median(new));
+    let rate = median((0..5).map(|_| throughput(warm, run, bound)).collect());
     println!(
-        "apply at the bound ({bound} entries, {} events of {per_event:.1} blocks, median of 5 alternating runs)",
+        "apply at the bound ({bound} entries, {} events of {per_event:.1} blocks, median of 5 runs)",
         run.len()
     );
-    for (name, rate) in [(legacy::KvIndex::NAME, old), (KvIndex::NAME, new)] {
-        println!(
-            "  {name}: {:>6.2} M events/s, {:>6.1} M blocks/s",
-            rate / 1e6,
-            rate * per_event / 1e6
-        );
-    }
-    println!("  new/old: {:.2}x", new / old);
+    println!(
+        "  {:>6.2} M events/s, {:>6.1} M blocks/s",
+        rate / 1e6,
+        rate * per_event / 1e6
+    );
     println!();
 
-    println!("one 64-block prefix held by every worker (median of 5 alternating runs)");
-    println!(
-        "{:>8} {:>14} {:>14} {:>16} {:>16}",
-        "workers", "old lookup", "new lookup", "old remove+store", "new remove+store"
-    );
+    println!("one 64-block prefix held by every worker (median of 5 runs)");
+    println!("{:>8} {:>14} {:>16}", "workers", "lookup", "remove+store");
     for slots in [8u16, 64, 512] {
         let rounds = if quick { 200 } else { 2_000 };
-        let (mut o, mut n) = (Vec::new(), Vec::new());
-        for _ in 0..5 {
-            o.push(wide::<legacy::KvIndex>(slots, rounds));
-            n.push(wide::<KvIndex>(slots, rounds));
-        }
-        let med = |v: &[(f64, f64)], f: fn(&(f64, f64)) -> f64| median(v.iter().map(f).collect());
+        let n: Vec<(f64, f64)> = (0..5).map(|_| wide(slots, rounds)).collect();
+        let med = |f: fn(&(f64, f64)) -> f64| median(n.iter().map(f).collect());
         println!(
-            "{slots:>8} {:>11.1} us {:>11.1} us {:>13.0} ns {:>13.0} ns",
-            med(&o, |x| x.0) / 1e3,
-            med(&n, |x| x.0) / 1e3,
-            med(&o, |x| x.1),
-            med(&n, |x| x.1)
+            "{slots:>8} {:>11.1} us {:>13.0} ns",
+            med(|x| x.0) / 1e3,
+            med(|x| x.1)
         );
     }
 }

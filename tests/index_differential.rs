@@ -1,10 +1,10 @@
-//! The compact `KvIndex` against the one it replaced (`benches/legacy/index_v1.rs`), fed the
+//! The compact `KvIndex` against the one it replaced (`index_differential/reference.rs`), fed the
 //! same pseudo-random event streams: every `apply` result (stats, errors), entry counts, per-slot
 //! counts, overlaps of every prompt and held tiers must agree, evictions included.
 
 #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
 
-#[path = "../benches/legacy/index_v1.rs"]
+#[path = "index_differential/reference.rs"]
 mod legacy;
 
 use envoy_kv_router::events::IndexEvent;

@@ -14,6 +14,7 @@ use log::{debug, warn};
 
 use crate::state::Shared;
 use kv_router_protocol::page::Load;
+use kv_router_protocol::prom::Scrape;
 
 const WAITING: &[&str] = &["vllm:num_requests_waiting", "sglang:num_queue_reqs"];
 const RUNNING: &[&str] = &["vllm:num_requests_running", "sglang:num_running_reqs"];
@@ -71,70 +72,25 @@ impl LoadSums {
     }
 }
 
-/// Reads the load series from a Prometheus text exposition.
+/// Reads the load series from a Prometheus text exposition (non-finite samples left out).
 pub fn parse_metrics(text: &str) -> LoadSums {
-    let mut sums = LoadSums::default();
-    for line in text.lines() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let Some((name, value)) = sample(line) else {
-            continue;
-        };
-        if !value.is_finite() {
-            continue;
-        }
-        // The name never ends in _created/_total for these gauges; match exactly.
-        if WAITING.contains(&name) {
-            sums.waiting += value;
-            sums.found = true;
-        } else if RUNNING.contains(&name) {
-            sums.running += value;
-            sums.found = true;
-        } else if USAGE.contains(&name) {
-            sums.usage_sum += value;
-            sums.usage_series += 1;
-        }
-    }
+    let scrape = Scrape::parse(text);
+    let finite = |names: &'static [&'static str]| {
+        names
+            .iter()
+            .flat_map(|name| scrape.values(name))
+            .filter(|v| v.is_finite())
+            .collect::<Vec<f64>>()
+    };
+    let (waiting, running, usage) = (finite(WAITING), finite(RUNNING), finite(USAGE));
     // Versions that export both usage names export the same value twice: the mean is unchanged.
-    sums
-}
-
-/// `(metric name, value)` of one sample line: `name{labels} value [timestamp]`.
-fn sample(line: &str) -> Option<(&str, f64)> {
-    let (name, rest) = match line.find(['{', ' ', '\t']) {
-        Some(i) => line.split_at(i),
-        None => return None,
-    };
-    let rest = if rest.starts_with('{') {
-        // Skip the label set; label values may hold spaces, braces and escaped quotes.
-        let mut in_quotes = false;
-        let mut escaped = false;
-        let mut end = None;
-        for (i, c) in rest.char_indices() {
-            match c {
-                _ if escaped => escaped = false,
-                '\\' if in_quotes => escaped = true,
-                '"' => in_quotes = !in_quotes,
-                '}' if !in_quotes => {
-                    end = Some(i);
-                    break;
-                }
-                _ => {}
-            }
-        }
-        rest.get(end? + 1..)?
-    } else {
-        rest
-    };
-    let value = rest.split_whitespace().next()?;
-    let value = match value {
-        "+Inf" => f64::INFINITY,
-        "-Inf" => f64::NEG_INFINITY,
-        v => v.parse().ok()?,
-    };
-    Some((name, value))
+    LoadSums {
+        waiting: waiting.iter().sum(),
+        running: running.iter().sum(),
+        usage_sum: usage.iter().sum(),
+        usage_series: u32::try_from(usage.len()).unwrap_or(u32::MAX),
+        found: !(waiting.is_empty() && running.is_empty()),
+    }
 }
 
 /// Scrapes every URL each `interval` and publishes the combined load.
@@ -292,6 +248,16 @@ vllm:prompt_tokens_total{engine="0"} 100.0
         assert_eq!(
             parse_metrics("process_cpu_seconds_total 3\n").to_load(),
             None
+        );
+        // A non-finite sample is left out, not summed into the load.
+        let nan = "vllm:num_requests_running 2\nvllm:num_requests_waiting +Inf\nvllm:kv_cache_usage_perc NaN\nvllm:gpu_cache_usage_perc 0.5\n";
+        assert_eq!(
+            parse_metrics(nan).to_load(),
+            Some(Load {
+                num_waiting: 0,
+                num_running: 2,
+                kv_usage: 0.5
+            })
         );
     }
 }

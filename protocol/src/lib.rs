@@ -6,7 +6,9 @@
 //!   writes, the `load` object, the id bound);
 //! * [`ring`]: the id-numbered, bounded event buffer behind `GET /kv/events` (bridge and mock);
 //! * `vllm` (feature `msgpack`): vLLM / SGLang KV-event msgpack, decoded by the bridge and
-//!   encoded by the mock's engine mode from the same types.
+//!   encoded by the mock's engine mode from the same types;
+//! * `prom` (feature `prom`): reading Prometheus text (engines' `/metrics`: the bridge's load;
+//!   the tests' and tools' scrapes).
 //!
 //! The default features build for wasm32-unknown-unknown (the filter links this crate): no async
 //! runtime, no proxy-wasm. Nothing here panics on bad input; decoders return errors.
@@ -15,6 +17,8 @@
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod page;
+#[cfg(feature = "prom")]
+pub mod prom;
 pub mod ring;
 #[cfg(feature = "msgpack")]
 pub mod vllm;

@@ -5,17 +5,18 @@
 //!   `kv-event-bridge` processes, and waits on them.
 //! * [`client`]: a small blocking HTTP client for tests, benches and the harness.
 //! * [`sse`]: reading server-sent event streams (chat completions with `stream: true`).
-//! * [`prom`]: reading Prometheus text (`/metrics` of engines, workers, bridges, routers).
+//! * [`prom`]: reading Prometheus text (`/metrics` of engines, workers, bridges, routers):
+//!   `kv_router_protocol::prom`, which the bridge reads engines' load with too.
 //! * [`sys`]: process limits and resource usage (open-file limit, CPU time, peak memory).
 //! * [`util`]: small shared helpers (deterministic mixing, HDR percentiles, poison-tolerant
 //!   locking, `reqwest` errors as `io::Error`).
 //!
-//! It depends on no other workspace crate; `envoy-kv-router-tools` depends on it and re-exports
+//! Of the workspace it depends on `kv-router-protocol` alone; `envoy-kv-router-tools` depends on it and re-exports
 //! these modules under their old paths (`envoy_kv_router_tools::harness`, ...).
 
 pub mod client;
 pub mod harness;
-pub mod prom;
+pub use kv_router_protocol::prom;
 pub mod sse;
 pub mod sys;
 pub mod util;

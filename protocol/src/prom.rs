@@ -1,6 +1,6 @@
 //! Reading Prometheus text (`/metrics` of engines, mock workers, bridges and vllm-router) with
 //! `prom_text_format_parser`, which takes vLLM's `vllm:` names (`prometheus-parse` drops every
-//! name with a colon).
+//! name with a colon). The bridge reads its engine's load with it; tests and tools their scrapes.
 
 use prom_text_format_parser::{Metric, Type, ValueType};
 
@@ -47,6 +47,11 @@ impl Scrape {
                     .all(|(k, v)| s.labels.iter().any(|l| l.key == *k && l.value == *v))
             })
             .filter_map(|s| Some((&s.labels, s.value.value.parse::<f64>().ok()?)))
+    }
+
+    /// The values of every sample of `name`, whatever its labels.
+    pub fn values<'s, 'q>(&'s self, name: &'q str) -> impl Iterator<Item = f64> + use<'s, 'q> {
+        self.samples(name, &[]).map(|(_, v)| v)
     }
 
     /// The sum of the samples of `name` whose labels include `labels`; `None` when there is none.

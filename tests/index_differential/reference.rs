@@ -1,7 +1,7 @@
 //! The `KvIndex` this crate used before the compact one (commit d7e38c8: per-slot hashbrown maps,
-//! lazy-deletion FIFOs, a global holders map; ~80-130 B per entry natively), kept only so
-//! `cargo bench --bench index` can measure both side by side and `tests/index_differential.rs`
-//! can check the compact index gives the same answers. Snapshot codec and unit tests dropped.
+//! lazy-deletion FIFOs, a global holders map; ~80-130 B per entry natively): simple enough to
+//! trust, so it stays as `tests/index_differential.rs`'s reference for the compact index's
+//! answers. Snapshot codec and unit tests dropped.
 #![allow(dead_code, unused_imports, clippy::all)]
 
 use core::cmp::Reverse;
