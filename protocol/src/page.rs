@@ -132,13 +132,52 @@ pub fn event_json(event_id: u64, event: &PageEvent, block_size: u32) -> String {
     json.unwrap_or_default()
 }
 
-/// Worker-reported load, as the page's `load` object.
+/// Worker-reported load, as the page's `load` object. Read leniently: a field left out or
+/// `null` is 0 (a producer that knows only some of them still reports those).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Load {
+    #[serde(deserialize_with = "null_as_default")]
     pub num_waiting: u32,
+    #[serde(deserialize_with = "null_as_default")]
     pub num_running: u32,
     /// Fraction of the worker's KV cache in use, 0.0..=1.0 as reported (not clamped).
+    #[serde(deserialize_with = "null_as_default")]
     pub kv_usage: f64,
+}
+
+fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_load_object_reads_missing_and_null_fields_as_zero() {
+        let load: Load = serde_json::from_str(r#"{"num_waiting": 3, "kv_usage": null}"#).unwrap();
+        assert_eq!(
+            load,
+            Load {
+                num_waiting: 3,
+                num_running: 0,
+                kv_usage: 0.0
+            }
+        );
+        let written = Load {
+            num_waiting: 1,
+            num_running: 2,
+            kv_usage: 0.5,
+        };
+        let back: Load = serde_json::from_str(&serde_json::to_string(&written).unwrap()).unwrap();
+        assert_eq!(back, written);
+        assert!(serde_json::from_str::<Load>(r#"{"num_waiting": -1}"#).is_err());
+    }
 }
 
 /// `GET /kv/events` body.

@@ -121,16 +121,9 @@ struct RawPage {
     last_event_id: Option<WireId>,
     #[serde(default)]
     events: Vec<RawEvent>,
-    load: Option<RawLoad>,
+    load: Option<ReportedLoad>,
     /// The worker's own description (optional; a malformed one is dropped, not the page).
     worker: Option<serde_json::Value>,
-}
-
-#[derive(Deserialize)]
-struct RawLoad {
-    num_waiting: Option<u32>,
-    num_running: Option<u32>,
-    kv_usage: Option<f64>,
 }
 
 /// Union of every event shape's fields; which ones are set tells the shape apart.
@@ -444,11 +437,7 @@ fn parse_body(
             }
         }
     }
-    let load = raw.load.map(|l| ReportedLoad {
-        num_waiting: l.num_waiting.unwrap_or(0),
-        num_running: l.num_running.unwrap_or(0),
-        kv_usage: l.kv_usage.unwrap_or(0.0),
-    });
+    let load = raw.load;
     let (worker, invalid_worker) = match raw.worker {
         None => (None, None),
         Some(value) => match serde_json::from_value::<WorkerDescription>(value) {
