@@ -203,6 +203,9 @@ pub struct LoadConfig {
     /// In-flight entries older than this are reaped (their VM or stream died). `> 0`.
     pub request_timeout_ms: u64,
     pub reported_load: bool,
+    /// With `reported_load`: scale this Envoy's own load by the fleet's requests in flight over
+    /// its own (`load::share`), so that replicas weigh load as if each saw all of it.
+    pub infer_unseen_traffic: bool,
 }
 
 impl Default for LoadConfig {
@@ -213,6 +216,7 @@ impl Default for LoadConfig {
             prefill_time_ms_poly: vec![16.5, 0.0152, 4.21e-7],
             request_timeout_ms: 900_000,
             reported_load: true,
+            infer_unseen_traffic: true,
         }
     }
 }
@@ -676,7 +680,7 @@ mod tests {
           "busy": {"decode_blocks_fraction": null, "prefill_tokens": null, "prefill_tokens_fraction": null},
           "load": {"track_output_blocks": false, "prefill_load_model": "none",
                    "prefill_time_ms_poly": [16.5, 0.0152, 4.21e-7], "request_timeout_ms": 900000,
-                   "reported_load": true},
+                   "reported_load": true, "infer_unseen_traffic": true},
           "device_ratio": 8.0, "tick_ms": 50,
           "events": {"cluster": "kv_events", "path": "/kv/events", "dump_path": "/kv/dump",
                      "poll_interval_ms": 100, "timeout_ms": 1000, "stale_after_ms": 5000,

@@ -154,32 +154,6 @@ where
     Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_load_object_reads_missing_and_null_fields_as_zero() {
-        let load: Load = serde_json::from_str(r#"{"num_waiting": 3, "kv_usage": null}"#).unwrap();
-        assert_eq!(
-            load,
-            Load {
-                num_waiting: 3,
-                num_running: 0,
-                kv_usage: 0.0
-            }
-        );
-        let written = Load {
-            num_waiting: 1,
-            num_running: 2,
-            kv_usage: 0.5,
-        };
-        let back: Load = serde_json::from_str(&serde_json::to_string(&written).unwrap()).unwrap();
-        assert_eq!(back, written);
-        assert!(serde_json::from_str::<Load>(r#"{"num_waiting": -1}"#).is_err());
-    }
-}
-
 /// `GET /kv/events` body.
 pub fn page_json(
     block_size: u32,
@@ -231,4 +205,30 @@ pub fn dump_json(block_size: u32, last_event_id: u64, runs: &[DumpRun]) -> Strin
     }
     out.push_str("]}");
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_load_object_reads_missing_and_null_fields_as_zero() {
+        let load: Load = serde_json::from_str(r#"{"num_waiting": 3, "kv_usage": null}"#).unwrap();
+        assert_eq!(
+            load,
+            Load {
+                num_waiting: 3,
+                num_running: 0,
+                kv_usage: 0.0
+            }
+        );
+        let written = Load {
+            num_waiting: 1,
+            num_running: 2,
+            kv_usage: 0.5,
+        };
+        let back: Load = serde_json::from_str(&serde_json::to_string(&written).unwrap()).unwrap();
+        assert_eq!(back, written);
+        assert!(serde_json::from_str::<Load>(r#"{"num_waiting": -1}"#).is_err());
+    }
 }

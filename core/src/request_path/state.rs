@@ -7,6 +7,7 @@ use crate::approx::PredictedStore;
 use crate::config::Config;
 use crate::events::ReportedLoad;
 use crate::learn;
+use crate::load::share::TrafficShare;
 use crate::load::{merge_reported, SlotLoad};
 use crate::load_store::{PendingReleases, ViewCache};
 use crate::membership::effective_config;
@@ -51,6 +52,10 @@ pub struct RoutingState {
     pub learned: learn::LearnedTimings,
     /// Mean lifetime (routing to release, ms) of the requests this VM routed; 0 before the first.
     pub lifetime_ms: f64,
+    /// This Envoy's own requests in flight against the workers' reports (`load::share`).
+    pub traffic_share: TrafficShare,
+    /// When the inferred scale was last recorded (`load.traffic_scale_pct`, once a second).
+    pub traffic_share_recorded_ms: u64,
 }
 
 impl RoutingState {
@@ -85,6 +90,8 @@ impl RoutingState {
             config,
             learned: learn::LearnedTimings::default(),
             lifetime_ms: 0.0,
+            traffic_share: TrafficShare::default(),
+            traffic_share_recorded_ms: 0,
         }
     }
 
@@ -306,6 +313,46 @@ impl SlotReports {
             stale: vec![false; slots],
             ..SlotReports::default()
         }
+    }
+
+    /// Samples this Envoy's own requests in flight against what the workers report (fresh
+    /// reports only) into `share`, then scales the own view `load` by the inferred factor
+    /// (`load::share`). Returns the factor.
+    pub fn scale_to_fleet(
+        &self,
+        config: &Config,
+        share: &mut TrafficShare,
+        load: &mut [SlotLoad],
+        now_ms: u64,
+    ) -> f64 {
+        let (mut own, mut reported, mut any) = (0.0, 0.0, false);
+        let slots = config.slots.iter().zip(&self.reported).zip(&self.stale);
+        for (((slot, report), stale), view) in slots.zip(load.iter()) {
+            let (Some(report), false) = (report, *stale) else {
+                continue;
+            };
+            let ranks = config
+                .workers
+                .get(usize::from(slot.worker))
+                .map_or(1, |w| w.dp_size.max(1));
+            own += f64::from(view.active_requests);
+            reported +=
+                f64::from(report.num_running.saturating_add(report.num_waiting)) / f64::from(ranks);
+            any = true;
+        }
+        if any {
+            share.observe(own, reported, now_ms);
+        }
+        let scale = share.scale();
+        if scale > 1.0 {
+            for view in load.iter_mut() {
+                view.prefill_tokens *= scale;
+                view.decode_blocks *= scale;
+                let requests = (f64::from(view.active_requests) * scale).round();
+                view.active_requests = requests.min(f64::from(u32::MAX)) as u32;
+            }
+        }
+        scale
     }
 
     /// Rebuilds the vectors if `head` or `config` moved since the last call.

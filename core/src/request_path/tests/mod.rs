@@ -464,6 +464,57 @@ fn a_vm_that_skipped_log_batches_drops_its_predictions_on_workers_with_events() 
     assert!(host.counter("log.lost_sync") + host.counter("log.snapshot_loaded") >= 1);
 }
 
+/// One Envoy of three in front of a fleet: the workers report three times the requests it has
+/// in flight. Weighed at its own third, the prefix holder's queue looks short and the request
+/// goes there; scaled to the fleet's (`load.infer_unseen_traffic`, on by default), the holder's
+/// queue outweighs the 4-block prefix and it goes to the idle worker.
+#[test]
+fn a_replica_weighs_load_at_the_fleets_scale_from_the_workers_reports() {
+    use crate::events::ReportedLoad;
+    for (infer, expected) in [(false, W1), (true, W2)] {
+        let json = config(json!({"policy": "dynamo", "response_headers": true,
+            "load": {"infer_unseen_traffic": infer}}));
+        let mut host = FakeHost::new().post("/v1/completions", &completion(false));
+        let mut filter = Filter::new(&host, &json);
+        filter.holds(0, &prompt());
+        // This Envoy's own: two 16-token requests in flight on worker 1.
+        for key in [1u64, 2] {
+            let now = host.now_ms;
+            let booked = crate::load_store::update_slot(&host.store, 2, 0, now, |t| {
+                t.admit(key, 0, 16, 1, None, now)
+            });
+            assert!(booked.is_ok());
+        }
+        // Worker 1 says it runs six, worker 2 none.
+        let report = |n| {
+            Some(ReportedLoad {
+                num_waiting: 0,
+                num_running: n,
+                kv_usage: 0.0,
+            })
+        };
+        assert!(crate::replication::log::update_head(
+            &host.store,
+            7,
+            2,
+            host.now_ms,
+            |head| {
+                head.workers[0].reported = report(6);
+                head.workers[1].reported = report(0);
+                true
+            }
+        ));
+        let (mut request, action) = filter.send(&mut host);
+        assert_eq!(action, Action::Continue);
+        assert_eq!(
+            chosen(&host),
+            Some(expected),
+            "infer_unseen_traffic {infer}"
+        );
+        request.on_response_headers(&mut host, &mut filter.vm, false);
+    }
+}
+
 /// A worker's engine cleared its cache after another VM routed a prompt there: that VM's
 /// prediction, still unread in the shared ring when this VM takes in the clear, goes with the
 /// clear. Read after it, it would credit the worker with blocks its engine no longer holds.
