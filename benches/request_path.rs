@@ -162,7 +162,6 @@ fn stage_decide(
         kv_usage: &[],
         learned: None,
         arrivals_per_ms: 0.0,
-        recent_stored: &[],
     };
     decide(config, &input, selector).unwrap()
 }

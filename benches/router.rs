@@ -429,7 +429,6 @@ fn bench_prompt(
             kv_usage: &[],
             learned: None,
             arrivals_per_ms: 0.0,
-            recent_stored: &[],
         };
         let decision = time(&mut route, || {
             decide(config, &input, &mut selector).unwrap()

@@ -726,7 +726,6 @@ fn router_worked_example_end_to_end() {
         kv_usage: &[],
         learned: None,
         arrivals_per_ms: 0.0,
-        recent_stored: &[],
     };
     assert_eq!(input.prompt_blocks, 10);
     let d = decide(&config, &input, &mut SelectorState::new(1)).unwrap();
@@ -761,7 +760,6 @@ fn router_random_ties_are_the_same_sequence_on_every_target() {
         kv_usage: &[],
         learned: None,
         arrivals_per_ms: 0.0,
-        recent_stored: &[],
     };
     let mut state = SelectorState::new(0x5eed);
     let picks: Vec<u16> = (0..24)

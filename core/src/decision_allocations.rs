@@ -36,8 +36,6 @@ fn allocations_per_decision(policy: &str, n: u64) -> (u64, usize) {
     learned.resize(64);
     let mut overlaps = vec![Overlap::default(); 64];
     let mut load = vec![SlotLoad::default(); 64];
-    // Every engine's recent stored blocks (the share term reads them), uneven.
-    let stored: Vec<f64> = (0..64).map(|i| f64::from(i % 5) * 40.0).collect();
     let mut state = SelectorState::new(7);
     // Preallocated: the test's own bookkeeping must not count.
     let mut picked = vec![false; 64];
@@ -56,7 +54,6 @@ fn allocations_per_decision(policy: &str, n: u64) -> (u64, usize) {
                 kv_usage: &[],
                 learned: Some(&learned),
                 arrivals_per_ms: 0.0,
-                recent_stored: &stored,
             };
             let decision = decide(&config, &input, &mut state).unwrap();
             assert_eq!(decision.fallbacks.len(), 2);

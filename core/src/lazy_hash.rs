@@ -377,7 +377,6 @@ mod tests {
                         kv_usage: &[],
                         learned: None,
                         arrivals_per_ms: 0.0,
-                        recent_stored: &[],
                     };
                     // Same selector seed on both sides: ties resolve identically.
                     decide(&config, &input, &mut SelectorState::new(round))

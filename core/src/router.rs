@@ -59,9 +59,6 @@ pub struct RouteInput<'a> {
     /// Requests expected to arrive per ms at each slot (the adaptive `ttft.compute_weight`);
     /// 0 when unknown.
     pub arrivals_per_ms: f64,
-    /// Per slot, the device blocks its engine stored lately (a signal the request path does not feed today: the
-    /// prefill work of every router in front of the fleet); empty = unknown.
-    pub recent_stored: &'a [f64],
 }
 
 /// Requests per slot the request-share term remembers (`ttft.share_weight`).
@@ -341,7 +338,6 @@ pub fn decide(
                     Shares {
                         requests: &state.recent,
                         request_unit: state.recent_unit,
-                        stored: input.recent_stored,
                     },
                     share_weight,
                     &candidates,
@@ -464,25 +460,19 @@ fn relative_slowness(config: &Config, learned: &LearnedTimings, slot: SlotIdx) -
 }
 
 /// What the request-share term weighs: per slot, the requests this VM sent it lately
-/// ([`SelectorState`]) and the device blocks its engine stored lately (every router's traffic).
+/// ([`SelectorState`]).
 struct Shares<'a> {
     /// In units of `request_unit` ([`SelectorState::recent`]).
     requests: &'a [f64],
     request_unit: f64,
-    stored: &'a [f64],
 }
 
-/// Pseudo-blocks per candidate the stored-block shares start from (as the request shares start
-/// from [`SHARE_MEMORY_PER_SLOT`] / 2 pseudo-requests): a fleet that stored little looks fair.
-const STORED_PRIOR_PER_SLOT: f64 = 64.0;
-
 /// Multiplies each candidate's cost by `1 + weight * excess`, `excess` being how far the slot's
-/// share is above its fair share (its speed over the candidates', speed being the inverse of the
-/// learned relative slowness); returns the new minimum. A slot's share is the larger of its
-/// share of this VM's recent requests and its share of the blocks the engines stored lately:
-/// the first sees this VM's decisions at once, the second every Envoy's (other replicas send the
-/// same workers requests this VM never counts). Both start from pseudo-counts spread fairly, so
-/// the first requests (and a VM that has seen few) do not look lopsided.
+/// share of this VM's recent requests is above its fair share (its speed over the candidates',
+/// speed being the inverse of the learned relative slowness); returns the new minimum. The
+/// shares start from pseudo-counts spread fairly, so the first requests (and a VM that has seen
+/// few) do not look lopsided. (Other Envoys' requests enter through the load instead:
+/// `load::share`.)
 fn weigh_by_share(
     config: &Config,
     learned: Option<&LearnedTimings>,
@@ -491,40 +481,31 @@ fn weigh_by_share(
     candidates: &[SlotIdx],
     costs: &mut [f64],
 ) -> f64 {
-    let of = |counts: &[f64], slot: SlotIdx| {
-        counts
-            .get(usize::from(slot))
-            .copied()
-            .filter(|c| c.is_finite() && *c > 0.0)
-            .unwrap_or(0.0)
-    };
     let unit = if shares.request_unit > 0.0 {
         shares.request_unit
     } else {
         1.0
     };
-    let requests_of = |slot: SlotIdx| of(shares.requests, slot) / unit;
+    let requests_of = |slot: SlotIdx| {
+        let count = shares.requests.get(usize::from(slot)).copied();
+        count.filter(|c| c.is_finite() && *c > 0.0).unwrap_or(0.0) / unit
+    };
     let speed_of =
         |slot: SlotIdx| learned.map_or(1.0, |l| 1.0 / relative_slowness(config, l, slot));
-    let (mut total_requests, mut total_stored, mut total_speed) = (0.0, 0.0, 0.0);
+    let (mut total_requests, mut total_speed) = (0.0, 0.0);
     for &slot in candidates {
         total_requests += requests_of(slot);
-        total_stored += of(shares.stored, slot);
         total_speed += speed_of(slot);
     }
-    let n = candidates.len() as f64;
-    let request_prior = SHARE_MEMORY_PER_SLOT / 2.0 * n;
-    let stored_prior = STORED_PRIOR_PER_SLOT * n;
+    let request_prior = SHARE_MEMORY_PER_SLOT / 2.0 * candidates.len() as f64;
     let mut min = f64::INFINITY;
     for (cost, &slot) in costs.iter_mut().zip(candidates) {
         if total_speed > 0.0 {
             let fair = speed_of(slot) / total_speed;
-            let requests =
+            let share =
                 (requests_of(slot) + request_prior * fair) / (total_requests + request_prior);
-            let stored =
-                (of(shares.stored, slot) + stored_prior * fair) / (total_stored + stored_prior);
             // Rounding leaves a fair share a hair above 1: no penalty below one part in 10^6.
-            let excess = requests.max(stored) / fair - 1.0;
+            let excess = share / fair - 1.0;
             if excess > 1e-6 && excess.is_finite() {
                 *cost *= 1.0 + weight * excess;
             }
@@ -857,7 +838,6 @@ mod tests {
             kv_usage: &[],
             learned: None,
             arrivals_per_ms: 0.0,
-            recent_stored: &[],
         };
         decide(c, &input, &mut SelectorState::new(seed))
     }
@@ -885,7 +865,6 @@ mod tests {
                 kv_usage: &[],
                 learned: None,
                 arrivals_per_ms: 0.0,
-                recent_stored: &[],
             };
             let d = decide(c, &input, state).unwrap();
             count[usize::from(d.slot)] += 1;
@@ -916,44 +895,6 @@ mod tests {
         // though worker 1 then holds every one of the last requests.
         let count = share_run(&on, 36, 40, &mut state);
         assert_eq!(count, [40, 0, 0, 0]);
-    }
-
-    /// Another Envoy's traffic reaches this VM only through the engines' events: with no
-    /// request of its own, a VM still steers new sessions off the worker whose engine stored
-    /// most of the fleet's recent blocks, and a session whose prompt that worker holds stays.
-    #[test]
-    fn the_engines_stored_blocks_count_other_routers_traffic() {
-        let c = config(
-            r#""block_size": 16, "policy": "adaptive""#,
-            r#"{"id": 1, "address": "10.0.0.1:8000"}, {"id": 2, "address": "10.0.0.2:8000"},
-               {"id": 3, "address": "10.0.0.3:8000"}, {"id": 4, "address": "10.0.0.4:8000"}"#,
-        );
-        let request = tokens(40 * 16);
-        let load = decode_load(&[0.0; 4]);
-        let pick = |overlaps: &[Overlap], stored: &[f64]| {
-            let input = RouteInput {
-                request: &request,
-                header_pin: Pin::default(),
-                prompt_blocks: 40,
-                overlaps,
-                load: &load,
-                stale_slots: &[],
-                kv_usage: &[],
-                learned: None,
-                arrivals_per_ms: 0.0,
-                recent_stored: stored,
-            };
-            decide(&c, &input, &mut SelectorState::new(7)).unwrap().slot
-        };
-        // Worker 1 holds the first 4 of the 40 blocks: the cheapest when the fleet looks fair.
-        let overlaps = [dev(4), dev(0), dev(0), dev(0)];
-        assert_eq!(pick(&overlaps, &[]), 0);
-        assert_eq!(pick(&overlaps, &[100.0, 100.0, 100.0, 100.0]), 0);
-        // Its engine stored 70% of the recent blocks: a new session goes elsewhere.
-        assert_ne!(pick(&overlaps, &[2100.0, 300.0, 300.0, 300.0]), 0);
-        // A session with 36 of its 40 blocks there stays.
-        let held = [dev(36), dev(0), dev(0), dev(0)];
-        assert_eq!(pick(&held, &[2100.0, 300.0, 300.0, 300.0]), 0);
     }
 
     /// The request counts, kept in growing units, are the decayed counts: each request keeps
@@ -1060,7 +1001,6 @@ mod tests {
             kv_usage: &[],
             learned,
             arrivals_per_ms: 0.0,
-            recent_stored: &[],
         };
         let d = decide(&c, &input(Some(&learned)), &mut SelectorState::new(1)).unwrap();
         assert_eq!(d.scores, vec![(0, 18.0), (1, 20.0), (2, 11.0)]);
@@ -1191,7 +1131,6 @@ mod tests {
                 kv_usage: &[],
                 learned: None,
                 arrivals_per_ms: 0.0,
-                recent_stored: &[],
             };
             counts[usize::from(decide(&c, &input, &mut state).unwrap().slot)] += 1;
         }
@@ -1246,7 +1185,6 @@ mod tests {
             kv_usage: &[],
             learned: None,
             arrivals_per_ms: 0.0,
-            recent_stored: &[],
         };
         // Slot 0 would cost 0 + 5 + 0 = 5 with its overlap; stale, it costs 10 + 5 + 10 = 25.
         let d = decide(&c, &input, &mut SelectorState::new(1)).unwrap();
@@ -1430,7 +1368,6 @@ mod tests {
             kv_usage: &[],
             learned: None,
             arrivals_per_ms: 0.0,
-            recent_stored: &[],
         };
         let d = decide(&c, &input, &mut SelectorState::new(1)).unwrap();
         assert_eq!(d.slot, 2);
@@ -1549,7 +1486,6 @@ mod tests {
                 kv_usage: &[],
                 learned: None,
                 arrivals_per_ms: 0.0,
-                recent_stored: &[],
             };
             let d = decide(c, &input, &mut state).unwrap();
             assert!(d.scores.is_empty() && d.cost.is_none());
@@ -1586,7 +1522,6 @@ mod tests {
                     kv_usage: &[],
                     learned: None,
                     arrivals_per_ms: 0.0,
-                    recent_stored: &[],
                 };
                 decide(&c, &input, &mut state).unwrap().slot
             })
@@ -1765,7 +1700,6 @@ mod tests {
                 kv_usage: &[],
                 learned: None,
                 arrivals_per_ms: 0.0,
-                recent_stored: &[],
             };
             let mut costs = Vec::new();
             let got = score_plain(&kv, &candidates, &overlaps, &input, &mut costs);

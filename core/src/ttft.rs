@@ -524,7 +524,6 @@ mod tests {
             kv_usage: &[],
             learned: None,
             arrivals_per_ms: 0.0,
-            recent_stored: &[],
         };
         decide(c, &input, &mut SelectorState::new(seed))
             .unwrap()

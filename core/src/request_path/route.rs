@@ -257,10 +257,6 @@ impl RequestPath {
             kv_usage,
             learned: learning.then_some(&vm.learned),
             arrivals_per_ms,
-            // None fed: the engines' stored-block shares were neutral on one Envoy, inconclusive
-            // on three (docs/race/2026-12-05c), and after a warm fill outweighed a 1023-of-1024
-            // block hit (tests/full_cache_resync.rs).
-            recent_stored: &[],
         };
         let decided = decide(config, &input, &mut vm.selector);
         vm.overlaps = overlaps;
