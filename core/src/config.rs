@@ -192,6 +192,20 @@ pub enum PrefillLoadModel {
     Polynomial,
 }
 
+/// What the workers' reported requests in flight add to this Envoy's own load view
+/// (`load::share`): the requests other routers (Envoy replicas) sent them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnseenTraffic {
+    /// The own view alone (the engine's count still floors `active_requests`).
+    Off,
+    /// Every worker's own load times the fleet's reported requests over this Envoy's own.
+    FleetScale,
+    /// Each worker's reported requests beyond this Envoy's own, at the size of its own
+    /// requests (queued prefill tokens and blocks per request in flight).
+    PerWorker,
+}
+
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields, expecting = "an object")]
 pub struct LoadConfig {
@@ -203,9 +217,9 @@ pub struct LoadConfig {
     /// In-flight entries older than this are reaped (their VM or stream died). `> 0`.
     pub request_timeout_ms: u64,
     pub reported_load: bool,
-    /// With `reported_load`: scale this Envoy's own load by the fleet's requests in flight over
-    /// its own (`load::share`), so that replicas weigh load as if each saw all of it.
-    pub infer_unseen_traffic: bool,
+    /// With `reported_load`: the other routers' requests the workers' reports show, added to
+    /// the own view (`load::share`), so that replicas weigh load as if each saw all of it.
+    pub unseen_traffic: UnseenTraffic,
 }
 
 impl Default for LoadConfig {
@@ -216,7 +230,7 @@ impl Default for LoadConfig {
             prefill_time_ms_poly: vec![16.5, 0.0152, 4.21e-7],
             request_timeout_ms: 900_000,
             reported_load: true,
-            infer_unseen_traffic: true,
+            unseen_traffic: UnseenTraffic::PerWorker,
         }
     }
 }
@@ -680,7 +694,7 @@ mod tests {
           "busy": {"decode_blocks_fraction": null, "prefill_tokens": null, "prefill_tokens_fraction": null},
           "load": {"track_output_blocks": false, "prefill_load_model": "none",
                    "prefill_time_ms_poly": [16.5, 0.0152, 4.21e-7], "request_timeout_ms": 900000,
-                   "reported_load": true, "infer_unseen_traffic": true},
+                   "reported_load": true, "unseen_traffic": "per_worker"},
           "device_ratio": 8.0, "tick_ms": 50,
           "events": {"cluster": "kv_events", "path": "/kv/events", "dump_path": "/kv/dump",
                      "poll_interval_ms": 100, "timeout_ms": 1000, "stale_after_ms": 5000,

@@ -18,34 +18,73 @@ pub const MAX_SCALE: f64 = 16.0;
 /// Below this mean of own requests in flight the ratio is noise: the scale stays 1.
 const MIN_OWN_IN_FLIGHT: f64 = 1.0;
 
-/// Decayed sums of own and reported requests in flight, sampled at each decision.
+/// Decayed sums of own and reported requests in flight, and of the own requests' queued
+/// prefill tokens and active blocks, sampled at each decision.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct TrafficShare {
     own: f64,
     reported: f64,
+    prefill_tokens: f64,
+    decode_blocks: f64,
     samples: f64,
     last_ms: u64,
 }
 
+/// One decision's sample (sums over the workers with a fresh report).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Sample {
+    /// This Envoy's requests in flight.
+    pub own: f64,
+    /// The requests the workers say they run or queue.
+    pub reported: f64,
+    /// This Envoy's queued prefill tokens and active blocks.
+    pub prefill_tokens: f64,
+    pub decode_blocks: f64,
+}
+
 impl TrafficShare {
-    /// One sample: `own` requests this Envoy has in flight on the workers that reported,
-    /// `reported` the requests those workers say they run or queue.
-    pub fn observe(&mut self, own: f64, reported: f64, now_ms: u64) {
-        if !(own.is_finite() && reported.is_finite()) {
+    pub fn observe(&mut self, sample: Sample, now_ms: u64) {
+        let Sample {
+            own,
+            reported,
+            prefill_tokens,
+            decode_blocks,
+        } = sample;
+        if ![own, reported, prefill_tokens, decode_blocks]
+            .iter()
+            .all(|v| v.is_finite())
+        {
             return;
         }
         let dt = now_ms.saturating_sub(self.last_ms) as f64;
         let keep = 0.5f64.powf(dt / HALF_LIFE_MS);
         self.own = self.own * keep + own.max(0.0);
         self.reported = self.reported * keep + reported.max(0.0);
+        self.prefill_tokens = self.prefill_tokens * keep + prefill_tokens.max(0.0);
+        self.decode_blocks = self.decode_blocks * keep + decode_blocks.max(0.0);
         self.samples = self.samples * keep + 1.0;
         self.last_ms = now_ms;
+    }
+
+    fn enough_own(&self) -> bool {
+        self.samples > 0.0 && self.own / self.samples >= MIN_OWN_IN_FLIGHT
+    }
+
+    /// What one of this Envoy's requests in flight holds on average: (queued prefill tokens,
+    /// active blocks); `None` until its own traffic is enough to tell.
+    pub fn per_request(&self) -> Option<(f64, f64)> {
+        self.enough_own().then(|| {
+            (
+                self.prefill_tokens / self.own,
+                self.decode_blocks / self.own,
+            )
+        })
     }
 
     /// The factor this Envoy's own load is scaled by: `reported / own`, within `1..=MAX_SCALE`;
     /// 1 until its own traffic is enough to tell.
     pub fn scale(&self) -> f64 {
-        if self.samples <= 0.0 || self.own / self.samples < MIN_OWN_IN_FLIGHT {
+        if !self.enough_own() {
             return 1.0;
         }
         (self.reported / self.own).clamp(1.0, MAX_SCALE)
@@ -56,12 +95,21 @@ impl TrafficShare {
 mod tests {
     use super::*;
 
+    fn sample(own: f64, reported: f64) -> Sample {
+        Sample {
+            own,
+            reported,
+            prefill_tokens: own * 1000.0,
+            decode_blocks: own * 64.0,
+        }
+    }
+
     fn steady(own: f64, reported: f64) -> TrafficShare {
         let mut s = TrafficShare::default();
         for i in 0..200u64 {
             // Reports lag and jitter: alternate above and below the true figure.
             let jitter = if i % 2 == 0 { 1.25 } else { 0.75 };
-            s.observe(own, reported * jitter, i * 100);
+            s.observe(sample(own, reported * jitter), i * 100);
         }
         s
     }
@@ -70,6 +118,8 @@ mod tests {
     fn one_envoy_of_three_scales_its_load_by_three() {
         let s = steady(4.0, 12.0);
         assert!((s.scale() - 3.0).abs() < 0.05, "{}", s.scale());
+        let (prefill, blocks) = s.per_request().unwrap();
+        assert!((prefill - 1000.0).abs() < 1e-6 && (blocks - 64.0).abs() < 1e-6);
     }
 
     #[test]
@@ -82,11 +132,12 @@ mod tests {
     #[test]
     fn too_little_own_traffic_or_bad_input_tells_nothing() {
         assert_eq!(steady(0.5, 10.0).scale(), 1.0);
+        assert_eq!(steady(0.5, 10.0).per_request(), None);
         assert_eq!(TrafficShare::default().scale(), 1.0);
         let mut s = steady(4.0, 12.0);
         let before = s;
-        s.observe(f64::NAN, 1.0, 30_000);
-        s.observe(1.0, f64::INFINITY, 30_000);
+        s.observe(sample(f64::NAN, 1.0), 30_000);
+        s.observe(sample(1.0, f64::INFINITY), 30_000);
         assert_eq!(s, before);
     }
 
@@ -96,7 +147,7 @@ mod tests {
         let mut s = steady(4.0, 12.0);
         // The two other replicas leave: a minute later this Envoy sees all of it again.
         for i in 0..600u64 {
-            s.observe(4.0, 4.0, 20_000 + i * 100);
+            s.observe(sample(4.0, 4.0), 20_000 + i * 100);
         }
         assert!(s.scale() < 1.05, "{}", s.scale());
     }

@@ -221,15 +221,14 @@ impl RequestPath {
         let mut load = std::mem::take(&mut vm.load_view);
         snapshot.view_with(now, &mut load, &mut vm.load_views);
         if config.load.reported_load {
-            if config.load.infer_unseen_traffic {
-                let share = &mut vm.traffic_share;
-                let scale = vm
-                    .slot_reports
-                    .scale_to_fleet(config, share, &mut load, now);
-                if now >= vm.traffic_share_recorded_ms + 1000 {
-                    vm.traffic_share_recorded_ms = now;
-                    host.histogram("load.traffic_scale_pct", (scale * 100.0) as u64);
-                }
+            let mode = config.load.unseen_traffic;
+            let share = &mut vm.traffic_share;
+            let scale = vm
+                .slot_reports
+                .add_unseen(config, mode, share, &mut load, now);
+            if now >= vm.traffic_share_recorded_ms + 1000 {
+                vm.traffic_share_recorded_ms = now;
+                host.histogram("load.traffic_scale_pct", (scale * 100.0) as u64);
             }
             vm.slot_reports.merge_into(config, &mut load);
         }

@@ -5,9 +5,10 @@
 use super::host::{Host, WorkerHistogram};
 use crate::approx::PredictedStore;
 use crate::config::Config;
+use crate::config::UnseenTraffic;
 use crate::events::ReportedLoad;
 use crate::learn;
-use crate::load::share::TrafficShare;
+use crate::load::share::{self, TrafficShare};
 use crate::load::{merge_reported, SlotLoad};
 use crate::load_store::{PendingReleases, ViewCache};
 use crate::membership::effective_config;
@@ -316,40 +317,68 @@ impl SlotReports {
     }
 
     /// Samples this Envoy's own requests in flight against what the workers report (fresh
-    /// reports only) into `share`, then scales the own view `load` by the inferred factor
-    /// (`load::share`). Returns the factor.
-    pub fn scale_to_fleet(
+    /// reports only) into `share`, then adds to the own view `load` what the reports show of
+    /// other routers' requests, as `mode` says (`load::share`). Returns the fleet's reported
+    /// requests over this Envoy's own (1 when it cannot tell).
+    pub fn add_unseen(
         &self,
         config: &Config,
+        mode: UnseenTraffic,
         share: &mut TrafficShare,
         load: &mut [SlotLoad],
         now_ms: u64,
     ) -> f64 {
-        let (mut own, mut reported, mut any) = (0.0, 0.0, false);
+        let requests_of = |slot: &crate::config::Slot, report: &ReportedLoad| {
+            let ranks = config
+                .workers
+                .get(usize::from(slot.worker))
+                .map_or(1, |w| w.dp_size.max(1));
+            f64::from(report.num_running.saturating_add(report.num_waiting)) / f64::from(ranks)
+        };
+        let mut sample = share::Sample::default();
+        let mut any = false;
         let slots = config.slots.iter().zip(&self.reported).zip(&self.stale);
         for (((slot, report), stale), view) in slots.zip(load.iter()) {
             let (Some(report), false) = (report, *stale) else {
                 continue;
             };
-            let ranks = config
-                .workers
-                .get(usize::from(slot.worker))
-                .map_or(1, |w| w.dp_size.max(1));
-            own += f64::from(view.active_requests);
-            reported +=
-                f64::from(report.num_running.saturating_add(report.num_waiting)) / f64::from(ranks);
+            sample.own += f64::from(view.active_requests);
+            sample.reported += requests_of(slot, report);
+            sample.prefill_tokens += view.prefill_tokens;
+            sample.decode_blocks += view.decode_blocks;
             any = true;
         }
         if any {
-            share.observe(own, reported, now_ms);
+            share.observe(sample, now_ms);
         }
         let scale = share.scale();
-        if scale > 1.0 {
-            for view in load.iter_mut() {
-                view.prefill_tokens *= scale;
-                view.decode_blocks *= scale;
-                let requests = (f64::from(view.active_requests) * scale).round();
-                view.active_requests = requests.min(f64::from(u32::MAX)) as u32;
+        match mode {
+            UnseenTraffic::Off => {}
+            UnseenTraffic::FleetScale if scale > 1.0 => {
+                for view in load.iter_mut() {
+                    view.prefill_tokens *= scale;
+                    view.decode_blocks *= scale;
+                    let requests = (f64::from(view.active_requests) * scale).round();
+                    view.active_requests = requests.min(f64::from(u32::MAX)) as u32;
+                }
+            }
+            UnseenTraffic::FleetScale => {}
+            UnseenTraffic::PerWorker => {
+                let Some((prefill, blocks)) = share.per_request() else {
+                    return scale;
+                };
+                let slots = config.slots.iter().zip(&self.reported).zip(&self.stale);
+                for (((slot, report), stale), view) in slots.zip(load.iter_mut()) {
+                    let (Some(report), false) = (report, *stale) else {
+                        continue;
+                    };
+                    let unseen =
+                        (requests_of(slot, report) - f64::from(view.active_requests)).max(0.0);
+                    view.prefill_tokens += unseen * prefill;
+                    view.decode_blocks += unseen * blocks;
+                    let requests = f64::from(view.active_requests) + unseen.round();
+                    view.active_requests = requests.min(f64::from(u32::MAX)) as u32;
+                }
             }
         }
         scale

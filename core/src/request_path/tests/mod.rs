@@ -466,14 +466,15 @@ fn a_vm_that_skipped_log_batches_drops_its_predictions_on_workers_with_events() 
 
 /// One Envoy of three in front of a fleet: the workers report three times the requests it has
 /// in flight. Weighed at its own third, the prefix holder's queue looks short and the request
-/// goes there; scaled to the fleet's (`load.infer_unseen_traffic`, on by default), the holder's
-/// queue outweighs the 4-block prefix and it goes to the idle worker.
+/// goes there; with the reports' unseen requests added (`load.unseen_traffic`: per worker by
+/// default, or the fleet's scale), the holder's queue outweighs the 4-block prefix and it goes
+/// to the idle worker.
 #[test]
 fn a_replica_weighs_load_at_the_fleets_scale_from_the_workers_reports() {
     use crate::events::ReportedLoad;
-    for (infer, expected) in [(false, W1), (true, W2)] {
+    for (mode, expected) in [("off", W1), ("fleet_scale", W2), ("per_worker", W2)] {
         let json = config(json!({"policy": "dynamo", "response_headers": true,
-            "load": {"infer_unseen_traffic": infer}}));
+            "load": {"unseen_traffic": mode}}));
         let mut host = FakeHost::new().post("/v1/completions", &completion(false));
         let mut filter = Filter::new(&host, &json);
         filter.holds(0, &prompt());
@@ -506,11 +507,7 @@ fn a_replica_weighs_load_at_the_fleets_scale_from_the_workers_reports() {
         ));
         let (mut request, action) = filter.send(&mut host);
         assert_eq!(action, Action::Continue);
-        assert_eq!(
-            chosen(&host),
-            Some(expected),
-            "infer_unseen_traffic {infer}"
-        );
+        assert_eq!(chosen(&host), Some(expected), "unseen_traffic {mode}");
         request.on_response_headers(&mut host, &mut filter.vm, false);
     }
 }
