@@ -92,6 +92,7 @@ impl TrafficShare {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // test code
 mod tests {
     use super::*;
 
