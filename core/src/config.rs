@@ -197,12 +197,12 @@ pub enum PrefillLoadModel {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum UnseenTraffic {
-    /// The own view alone (the engine's count still floors `active_requests`).
+    /// The own view alone (the engine's count still floors `active_requests`). The default:
+    /// three replicas routed faster with it than with `per_worker` (docs/OPERATIONS.md).
     Off,
-    /// Every worker's own load times the fleet's reported requests over this Envoy's own.
-    FleetScale,
     /// Each worker's reported requests beyond this Envoy's own, at the size of its own
-    /// requests (queued prefill tokens and blocks per request in flight).
+    /// requests (queued prefill tokens and blocks per request in flight): better balance
+    /// across replicas, a lower hit rate.
     PerWorker,
 }
 
@@ -230,7 +230,7 @@ impl Default for LoadConfig {
             prefill_time_ms_poly: vec![16.5, 0.0152, 4.21e-7],
             request_timeout_ms: 900_000,
             reported_load: true,
-            unseen_traffic: UnseenTraffic::PerWorker,
+            unseen_traffic: UnseenTraffic::Off,
         }
     }
 }
@@ -694,7 +694,7 @@ mod tests {
           "busy": {"decode_blocks_fraction": null, "prefill_tokens": null, "prefill_tokens_fraction": null},
           "load": {"track_output_blocks": false, "prefill_load_model": "none",
                    "prefill_time_ms_poly": [16.5, 0.0152, 4.21e-7], "request_timeout_ms": 900000,
-                   "reported_load": true, "unseen_traffic": "per_worker"},
+                   "reported_load": true, "unseen_traffic": "off"},
           "device_ratio": 8.0, "tick_ms": 50,
           "events": {"cluster": "kv_events", "path": "/kv/events", "dump_path": "/kv/dump",
                      "poll_interval_ms": 100, "timeout_ms": 1000, "stale_after_ms": 5000,

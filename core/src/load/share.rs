@@ -2,12 +2,16 @@
 //! requests in flight (the load table, every VM of the process) against the requests the engines
 //! report in flight (their pages' `load` objects).
 //!
-//! Several Envoy replicas in front of one fleet each book only their own requests. Weighed
-//! against a request's prefix, a load of a third of the truth pulls every replica onto the
-//! holders of popular prefixes at once. Scaling the own view by `reported / own` lets each
-//! replica weigh load as if it saw everyone's: without gossip, a leader or new infrastructure,
-//! and assuming the others route like it does (they run the same filter behind one balancer).
-//! One Envoy alone measures about 1 and changes nothing.
+//! Several Envoy replicas in front of one fleet each book only their own requests. With
+//! `load.unseen_traffic: per_worker` each worker's reported requests beyond this Envoy's own
+//! join its load view at the size of this Envoy's own requests (queued prefill tokens and blocks
+//! per request in flight): each replica weighs load as if it saw everyone's, without gossip, a
+//! leader or new infrastructure, assuming the others' requests look like its own (they run the
+//! same filter behind one balancer). One Envoy alone adds about nothing.
+//!
+//! Off by default: measured with three replicas it evened the requests per worker but moved
+//! requests off their prefix holders, and TTFT rose (docs/OPERATIONS.md, "Several Envoy
+//! replicas"). The ratio itself (`scale`) is the `load.traffic_scale_pct` metric either way.
 
 /// Half-life of the decayed sums (ms): long enough to average over the engines' report lag
 /// (a page's `load` is as old as the last scrape or event), short enough to follow a replica
@@ -81,8 +85,8 @@ impl TrafficShare {
         })
     }
 
-    /// The factor this Envoy's own load is scaled by: `reported / own`, within `1..=MAX_SCALE`;
-    /// 1 until its own traffic is enough to tell.
+    /// The fleet's reported requests in flight over this Envoy's own, within `1..=MAX_SCALE`
+    /// (about the number of replicas); 1 until its own traffic is enough to tell.
     pub fn scale(&self) -> f64 {
         if !self.enough_own() {
             return 1.0;

@@ -354,15 +354,6 @@ impl SlotReports {
         let scale = share.scale();
         match mode {
             UnseenTraffic::Off => {}
-            UnseenTraffic::FleetScale if scale > 1.0 => {
-                for view in load.iter_mut() {
-                    view.prefill_tokens *= scale;
-                    view.decode_blocks *= scale;
-                    let requests = (f64::from(view.active_requests) * scale).round();
-                    view.active_requests = requests.min(f64::from(u32::MAX)) as u32;
-                }
-            }
-            UnseenTraffic::FleetScale => {}
             UnseenTraffic::PerWorker => {
                 let Some((prefill, blocks)) = share.per_request() else {
                     return scale;

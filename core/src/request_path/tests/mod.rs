@@ -466,13 +466,12 @@ fn a_vm_that_skipped_log_batches_drops_its_predictions_on_workers_with_events() 
 
 /// One Envoy of three in front of a fleet: the workers report three times the requests it has
 /// in flight. Weighed at its own third, the prefix holder's queue looks short and the request
-/// goes there; with the reports' unseen requests added (`load.unseen_traffic`: per worker by
-/// default, or the fleet's scale), the holder's queue outweighs the 4-block prefix and it goes
-/// to the idle worker.
+/// goes there (the default); with the reports' unseen requests added (`load.unseen_traffic:
+/// per_worker`), the holder's queue outweighs the 4-block prefix and it goes to the idle worker.
 #[test]
 fn a_replica_weighs_load_at_the_fleets_scale_from_the_workers_reports() {
     use crate::events::ReportedLoad;
-    for (mode, expected) in [("off", W1), ("fleet_scale", W2), ("per_worker", W2)] {
+    for (mode, expected) in [("off", W1), ("per_worker", W2)] {
         let json = config(json!({"policy": "dynamo", "response_headers": true,
             "load": {"unseen_traffic": mode}}));
         let mut host = FakeHost::new().post("/v1/completions", &completion(false));
