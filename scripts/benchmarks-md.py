@@ -4,8 +4,8 @@
 Usage: scripts/benchmarks-md.py > docs/BENCHMARKS.md
 
 Each directory under docs/race/ holds one `loadgen race` run: its results.json (and optional
-`vllm/results.json`, `replicas/results.json`), and a README.md whose first paragraph and shell
-block say what was run. The newest directory comes first. The run logs of earlier sessions are
+`vllm/results.json`, `replicas*/results.json`), and a README.md whose first paragraph and shell
+block say what was run; a directory may hold replica runs alone. The newest directory comes first. The run logs of earlier sessions are
 in docs/history/benchmark-log.md and are not regenerated.
 """
 import json
@@ -38,27 +38,35 @@ def main():
     print("[history/benchmark-log.md](history/benchmark-log.md).\n")
     for name in sorted(os.listdir(RACES), reverse=True):
         d = os.path.join(RACES, name)
+        if not os.path.isdir(d):
+            continue
         results = [os.path.join(d, "results.json"), os.path.join(d, "vllm", "results.json")]
         results = [p for p in results if os.path.isfile(p)]
-        replicas = os.path.join(d, "replicas", "results.json")
-        if not results:
+        replicas = sorted(
+            sub for sub in os.listdir(d)
+            if sub.startswith("replicas") and os.path.isfile(os.path.join(d, sub, "results.json"))
+        )
+        if not results and not replicas:
             continue
-        with open(results[0]) as f:
+        first = results[0] if results else os.path.join(d, replicas[0], "results.json")
+        with open(first) as f:
             race = json.load(f)["race"]
         readme_path = os.path.join(d, "README.md")
         readme = open(readme_path).read() if os.path.isfile(readme_path) else ""
+        summary = f"race/{name}/summary.md" if results else f"race/{name}/{replicas[0]}/summary.md"
         print(f"## {name}\n")
         print(f"{race.get('started_utc', '?')} to {race.get('finished_utc', '?')}, "
               f"{race.get('runs')} run(s) per arm, scale {race.get('scale')}; "
-              f"[summary](race/{name}/summary.md), [notes](race/{name}/README.md).\n")
+              f"[summary]({summary}), [notes](race/{name}/README.md).\n")
         cmd = commands(readme)
         if cmd:
             print("```sh\n" + cmd + "\n```\n")
-        print(table(results) + "\n")
-        if os.path.isfile(replicas):
-            print("One Envoy (`kv`) against three in front of the same fleet (`kv*3`), "
-                  f"[summary](race/{name}/replicas/summary.md):\n")
-            print(table([replicas], "--no-targets") + "\n")
+        if results:
+            print(table(results) + "\n")
+        for sub in replicas:
+            print(f"`{sub}/`: one Envoy against three in front of the same fleet (the `*3` arms), "
+                  f"[summary](race/{name}/{sub}/summary.md):\n")
+            print(table([os.path.join(d, sub, "results.json")], "--no-targets") + "\n")
 
 
 if __name__ == "__main__":
