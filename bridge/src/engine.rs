@@ -80,14 +80,20 @@ pub struct SeqTracker {
 }
 
 impl SeqTracker {
-    pub fn observe(&self, seq: u64) -> Observed {
+    /// `payload_digest`: the batch's [`digest`]. The last applied batch (the anchor) seen again
+    /// with another payload is a new incarnation, not a duplicate: an engine restarted after a
+    /// replay (an idle stream's reconnection replays too) numbers its batches from 0 again.
+    pub fn observe(&self, seq: u64, payload_digest: u64) -> Observed {
         match self.next {
             None if seq == 0 => Observed::Apply,
             None => Observed::Unanchored,
             Some(n) if seq == n => Observed::Apply,
             Some(n) if seq > n => Observed::Gap { expected: n },
             Some(n) => {
-                if self.skip_through.is_some_and(|s| seq <= s) {
+                let other_anchor = self
+                    .anchor()
+                    .is_some_and(|(at, d)| at == seq && d != payload_digest);
+                if self.skip_through.is_some_and(|s| seq <= s) && !other_anchor {
                     Observed::Duplicate
                 } else {
                     Observed::Back { expected: n }
@@ -337,7 +343,7 @@ impl EngineTask {
         }
         let seq = parts.seq;
         let payload = parts.payload;
-        match self.tracker.observe(seq) {
+        match self.tracker.observe(seq, digest(payload)) {
             Observed::Apply => self.apply(seq, payload),
             Observed::Duplicate => {
                 self.shared
@@ -369,7 +375,7 @@ impl EngineTask {
     async fn recover(&mut self, cause: &'static str, seq: u64, payload: &[u8]) {
         if self.spec.replay.is_some() {
             match self.catch_up(cause).await {
-                Ok(()) => match self.tracker.observe(seq) {
+                Ok(()) => match self.tracker.observe(seq, digest(payload)) {
                     Observed::Apply => return self.apply(seq, payload),
                     Observed::Duplicate => return,
                     _ => {}
@@ -664,23 +670,25 @@ mod tests {
     #[test]
     fn tracker_classifies_sequences() {
         let mut t = SeqTracker::default();
-        assert_eq!(t.observe(0), Observed::Apply);
-        assert_eq!(t.observe(5), Observed::Unanchored);
+        assert_eq!(t.observe(0, 11), Observed::Apply);
+        assert_eq!(t.observe(5, 99), Observed::Unanchored);
         t.applied(0, 11);
         assert_eq!(t.anchor(), Some((0, 11)));
-        assert_eq!(t.observe(1), Observed::Apply);
-        assert_eq!(t.observe(3), Observed::Gap { expected: 1 });
-        assert_eq!(t.observe(0), Observed::Back { expected: 1 });
+        assert_eq!(t.observe(1, 12), Observed::Apply);
+        assert_eq!(t.observe(3, 14), Observed::Gap { expected: 1 });
+        assert_eq!(t.observe(0, 11), Observed::Back { expected: 1 });
         t.applied(1, 12);
         t.applied(2, 13);
         // A replay brought us to 2: live 1 and 2 still queued on the SUB socket are duplicates.
         t.replayed();
-        assert_eq!(t.observe(1), Observed::Duplicate);
-        assert_eq!(t.observe(2), Observed::Duplicate);
-        assert_eq!(t.observe(3), Observed::Apply);
+        assert_eq!(t.observe(1, 12), Observed::Duplicate);
+        assert_eq!(t.observe(2, 13), Observed::Duplicate);
+        // Batch 2 again with another payload: the engine restarted and reached 2 anew.
+        assert_eq!(t.observe(2, 99), Observed::Back { expected: 3 });
+        assert_eq!(t.observe(3, 14), Observed::Apply);
         t.applied(3, 14);
         // Past the replayed range, going back is a restart again.
-        assert_eq!(t.observe(1), Observed::Back { expected: 4 });
+        assert_eq!(t.observe(1, 12), Observed::Back { expected: 4 });
         t.reset();
         assert_eq!((t.next, t.anchor()), (None, None));
     }
