@@ -2,60 +2,22 @@
 //! "membership"). Flags (`--worker-*`) win; otherwise what the engine's metrics say
 //! (`vllm:cache_config_info`: `block_size`, `num_gpu_blocks`). Nothing known: no object.
 
+use kv_router_protocol::prom::Scrape;
 use kv_router_protocol::worker::{WorkerDescription, MAX_MODELS};
 
 /// `block_size` and `num_gpu_blocks` (the KV capacity of one engine, in blocks) from vLLM's
 /// `vllm:cache_config_info{block_size="16",num_gpu_blocks="3000",...} 1.0`.
 pub fn learn_from_metrics(text: &str) -> WorkerDescription {
-    let mut out = WorkerDescription::default();
-    let Some(rest) = text
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("vllm:cache_config_info{"))
-    else {
-        return out;
-    };
-    let labels = labels(rest);
+    let scrape = Scrape::parse(text);
     let label = |key: &str| -> Option<u32> {
-        labels
-            .iter()
-            .find(|(k, _)| k == key)
-            .and_then(|(_, v)| v.parse().ok())
+        scrape
+            .label("vllm:cache_config_info", key)
+            .and_then(|v| v.parse().ok())
     };
-    out.block_size = label("block_size");
-    out.kv_capacity_blocks = label("num_gpu_blocks").filter(|&b| b > 0);
-    out
-}
-
-/// `key="value"` pairs of a Prometheus label set, from just after its `{` to its `}`. Values
-/// may hold commas, braces and escaped quotes (vLLM's info labels are `str()` of config fields).
-fn labels(text: &str) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    let mut chars = text.chars().peekable();
-    loop {
-        while chars.peek().is_some_and(|c| *c == ',' || c.is_whitespace()) {
-            chars.next();
-        }
-        let key: String = chars
-            .by_ref()
-            .take_while(|c| *c != '=' && *c != '}')
-            .collect();
-        if key.is_empty() || chars.next() != Some('"') {
-            return out;
-        }
-        let mut value = String::new();
-        loop {
-            match chars.next() {
-                None => return out,
-                Some('\\') => {
-                    if let Some(c) = chars.next() {
-                        value.push(c);
-                    }
-                }
-                Some('"') => break,
-                Some(c) => value.push(c),
-            }
-        }
-        out.push((key.trim().to_owned(), value));
+    WorkerDescription {
+        block_size: label("block_size"),
+        kv_capacity_blocks: label("num_gpu_blocks").filter(|&b| b > 0),
+        ..WorkerDescription::default()
     }
 }
 
