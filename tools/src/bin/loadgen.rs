@@ -67,7 +67,7 @@ struct Args {
     #[arg(long, value_delimiter = ',')]
     target: Vec<String>,
     /// Routing modes to compare, e.g. kv,round-robin,vllm-router:cache_aware (each on a fresh
-    /// fleet and Envoy, or vllm-router for a vllm-router:<policy> arm).
+    /// fleet and Envoy, or vllm-router for a `vllm-router:<policy>` arm).
     #[arg(long)]
     modes: Option<String>,
     /// Mock workers in the fleet of --modes.
@@ -191,7 +191,7 @@ enum Command {
     /// JSON lines for --trace, and prints its pace and offered load.
     GenWorkload(GenWorkloadArgs),
     /// Every workload x arm, each arm on a fresh fleet, --runs times: medians against the
-    /// targets in OUT/results.json, OUT/summary.md and OUT/ttft-<workload>.svg (docs/RACE.md).
+    /// targets in OUT/results.json, OUT/summary.md and `OUT/ttft-<workload>.svg` (docs/RACE.md).
     Race(RaceArgs),
 }
 

@@ -14,7 +14,7 @@ mod runner;
 mod stats;
 
 pub use chat::{chat, ChatSpec};
-pub use replay::{affinity_replay, block_hashes, pooled_replay, Affinity};
+pub use replay::{affinity_replay, block_hashes, pooled_replay, Affinity, Why};
 pub use report::{
     comparison_table, format_stats, print_comparison_table, svg_chart, write_svg_chart,
 };

@@ -404,6 +404,21 @@ fn overlap_seen_by(b: &mut Filter, host: &mut FakeHost) -> String {
         .to_string()
 }
 
+/// Two VMs on one store: A routes the test prompt (its decision published as a prediction),
+/// then B reads that prediction: the whole prompt (4 blocks) counts on A's worker. Returns the
+/// host, B and that worker's index.
+fn prediction_read_by_a_second_vm(json: &str) -> (FakeHost, Filter, u16) {
+    let mut host = FakeHost::new().post("/v1/completions", &completion(false));
+    let mut a = Filter::new(&host, json);
+    let mut b = Filter::new(&host, json);
+    let (_, action) = a.send(&mut host);
+    assert_eq!(action, Action::Continue);
+    let worker = u16::from(chosen(&host) == Some(W2));
+    host.advance(5);
+    assert_eq!(overlap_seen_by(&mut b, &mut host), "4");
+    (host, b, worker)
+}
+
 /// A prediction is a stand-in for the engine's "stored" event: once the engine reported the
 /// blocks stored, the index speaks for them. Here VM B's index (bounded at 4 blocks) drops
 /// them for newer ones before the engine's "removed" event comes, so that event takes nothing
@@ -411,15 +426,7 @@ fn overlap_seen_by(b: &mut Filter, host: &mut FakeHost) -> String {
 #[test]
 fn an_engine_report_of_the_stored_blocks_replaces_the_prediction() {
     let json = config(json!({"response_headers": true, "index": {"max_blocks": 4}}));
-    let mut host = FakeHost::new().post("/v1/completions", &completion(false));
-    let mut a = Filter::new(&host, &json);
-    let mut b = Filter::new(&host, &json);
-    let (_, action) = a.send(&mut host);
-    assert_eq!(action, Action::Continue);
-    let worker = u16::from(chosen(&host) == Some(W2));
-    // B reads A's prediction: the whole prompt (4 blocks) counts on that worker.
-    host.advance(5);
-    assert_eq!(overlap_seen_by(&mut b, &mut host), "4");
+    let (mut host, mut b, worker) = prediction_read_by_a_second_vm(&json);
     // The engine stores the prompt, then another one, then evicts the prompt.
     let stored = fake::stored_event(&prompt(), 16);
     let other: Vec<u32> = (0..64u32).map(|i| i * 11 + 5).collect();
@@ -440,14 +447,7 @@ fn an_engine_report_of_the_stored_blocks_replaces_the_prediction() {
 fn a_vm_that_skipped_log_batches_drops_its_predictions_on_workers_with_events() {
     use crate::events::IndexEvent;
     let json = config(json!({"response_headers": true}));
-    let mut host = FakeHost::new().post("/v1/completions", &completion(false));
-    let mut a = Filter::new(&host, &json);
-    let mut b = Filter::new(&host, &json);
-    let (_, action) = a.send(&mut host);
-    assert_eq!(action, Action::Continue);
-    let worker = u16::from(chosen(&host) == Some(W2));
-    host.advance(5);
-    assert_eq!(overlap_seen_by(&mut b, &mut host), "4");
+    let (mut host, mut b, worker) = prediction_read_by_a_second_vm(&json);
     // The engine clears its cache; then more batches than the ring holds pass by B.
     append_events(&host, worker, vec![IndexEvent::Cleared { dp_rank: None }]);
     let ring = crate::replication::log::LOG_SLOTS;
