@@ -1,8 +1,11 @@
-//! The event page and the dump the filter polls (docs/DESIGN.md, "Worker event endpoint"): the
-//! vLLM-shaped events a producer (the bridge) writes, the `load` object, the id bound. The
-//! filter's reader (`events::parse_event_page`) takes these and the other shapes it accepts.
+//! The event page and the dump the filter polls (docs/DESIGN.md, "Worker event endpoint"): their
+//! JSON shapes ([`PageJson`], [`EventJson`]: written here for the bridge and the mock, read by the
+//! filter's `events::parse_event_page`), the `load` object, the id bound.
 
-use serde::{Deserialize, Serialize};
+use core::fmt;
+
+use serde::de::{self, Deserializer, Visitor};
+use serde::{Deserialize, Serialize, Serializer};
 
 /// A data-parallel rank.
 pub type DpRank = u32;
@@ -55,81 +58,257 @@ impl PageEvent {
     }
 }
 
-#[derive(Serialize)]
-struct StoredJson<'a> {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    event_id: Option<u64>,
-    dp_rank: DpRank,
-    #[serde(rename = "type")]
-    kind: &'static str,
-    block_hashes: &'a [u64],
-    parent_block_hash: Option<u64>,
-    token_ids: &'a [u32],
-    block_size: u32,
-    medium: &'a str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    lora_name: Option<&'a str>,
+// ---------------------------------------------------------------------------------------------
+// The JSON shapes, once: written by the bridge and the mock, read by the filter.
+// ---------------------------------------------------------------------------------------------
+
+/// A 64-bit hash in JSON. Written as an unsigned integer; read from an unsigned integer, a
+/// negative i64 (reinterpreted bit for bit: engines that emit signed hashes) or a decimal string
+/// (JSON producers that cannot write 64-bit integers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hash64(pub u64);
+
+impl Serialize for Hash64 {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(self.0)
+    }
 }
 
-#[derive(Serialize)]
-struct RemovedJson<'a> {
-    event_id: u64,
-    dp_rank: DpRank,
-    #[serde(rename = "type")]
-    kind: &'static str,
-    block_hashes: &'a [u64],
-    medium: &'a str,
+struct Hash64Visitor;
+
+impl Visitor<'_> for Hash64Visitor {
+    type Value = Hash64;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a 64-bit hash (integer or decimal string)")
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Hash64, E> {
+        Ok(Hash64(v))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Hash64, E> {
+        Ok(Hash64(u64::from_ne_bytes(v.to_ne_bytes())))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Hash64, E> {
+        if let Ok(u) = v.parse::<u64>() {
+            return Ok(Hash64(u));
+        }
+        match v.parse::<i64>() {
+            Ok(i) => self.visit_i64(i),
+            Err(_) => Err(E::invalid_value(de::Unexpected::Str(v), &self)),
+        }
+    }
 }
 
-#[derive(Serialize)]
-struct ClearedJson {
-    event_id: u64,
-    dp_rank: DpRank,
-    #[serde(rename = "type")]
-    kind: &'static str,
+impl<'de> Deserialize<'de> for Hash64 {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(Hash64Visitor)
+    }
+}
+
+/// An event id or cursor in JSON, read signed and wide so that "-1" or an id past 2^64 reaches
+/// the reader's range check (a clear "bad id") instead of failing as a JSON type error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EventId(pub i128);
+
+impl From<u64> for EventId {
+    fn from(id: u64) -> Self {
+        EventId(i128::from(id))
+    }
+}
+
+impl Serialize for EventId {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_i128(self.0)
+    }
+}
+
+struct EventIdVisitor;
+
+impl Visitor<'_> for EventIdVisitor {
+    type Value = EventId;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an integer event id")
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<EventId, E> {
+        Ok(EventId(i128::from(v)))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<EventId, E> {
+        Ok(EventId(i128::from(v)))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<EventId, E> {
+        v.parse::<i128>()
+            .map(EventId)
+            .map_err(|_| E::invalid_value(de::Unexpected::Str(v), &self))
+    }
+}
+
+impl<'de> Deserialize<'de> for EventId {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(EventIdVisitor)
+    }
+}
+
+/// One event of a page or a dump: the union of every shape the filter reads; which fields are
+/// set tells the shape apart.
+///
+/// * vLLM's, which the bridge and the mock write: `type` is `BlockStored` (`block_hashes`,
+///   `parent_block_hash`, `token_ids`, `block_size`, `medium`, `lora_name`), `BlockRemoved`
+///   (`block_hashes`, `medium`) or `AllBlocksCleared`.
+/// * Dynamo's: `data` is `"cleared"`, `{"stored": DynamoStored}` or `{"removed": DynamoRemoved}`
+///   with `storage_tier`, possibly wrapped as `{"worker_id", "storage_tier", "event": {...}}`.
+///
+/// `dp_rank` absent means rank 0, except in a clear, where it means every rank of the worker.
+/// Unknown fields are ignored (engines add fields). `Tokens` is how `token_ids` is read: a plain
+/// `Vec<u32>`, or the filter's fast reader. (A missing optional field reads as `None`.)
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventJson<Tokens = Vec<u32>> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event_id: Option<EventId>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp_rank: Option<DpRank>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub block_hashes: Option<Vec<Hash64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent_block_hash: Option<Hash64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Tokens>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub medium: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lora_name: Option<String>,
+    /// Dynamo: the tier of `data`'s blocks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub storage_tier: Option<String>,
+    /// Dynamo's wrapped shape: the event inside, its fields winning over the wrapper's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event: Option<Box<EventJson<Tokens>>>,
+    /// Dynamo: `"cleared"`, `{"stored": {...}}` or `{"removed": {...}}`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data: Option<serde_json::Value>,
+}
+
+/// Dynamo's `{"stored": ...}` body.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DynamoStored {
+    pub parent_hash: Option<Hash64>,
+    pub blocks: Vec<DynamoBlock>,
+}
+
+/// One block of [`DynamoStored`]: the engine's hash and the hash of its tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DynamoBlock {
+    pub block_hash: Hash64,
+    pub tokens_hash: Hash64,
+}
+
+/// Dynamo's `{"removed": ...}` body.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DynamoRemoved {
+    pub block_hashes: Vec<Hash64>,
+}
+
+/// A `GET /kv/events` page or a `GET /kv/dump` body. A dump has no `first_event_id` and only
+/// stored events, their ids optional. Every field is optional here so that the reader can say
+/// which one a page lacks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PageJson<Event> {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_event_id: Option<EventId>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_event_id: Option<EventId>,
+    #[serde(default = "Vec::new")]
+    pub events: Vec<Event>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load: Option<Load>,
+    /// The worker's own description ([`crate::worker::WorkerDescription`]), kept as a value so
+    /// that a malformed one costs the description, not the page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<serde_json::Value>,
+}
+
+fn hashes(hashes: &[u64]) -> Option<Vec<Hash64>> {
+    Some(hashes.iter().copied().map(Hash64).collect())
+}
+
+impl EventJson {
+    /// A vLLM `BlockStored` event.
+    pub fn stored(run: &DumpRun, block_size: u32) -> Self {
+        EventJson {
+            dp_rank: Some(run.dp_rank),
+            kind: Some("BlockStored".to_owned()),
+            block_hashes: hashes(&run.block_hashes),
+            parent_block_hash: run.parent.map(Hash64),
+            token_ids: Some(run.token_ids.clone()),
+            block_size: Some(u64::from(block_size)),
+            medium: Some(run.medium.clone()),
+            lora_name: run.lora_name.clone(),
+            ..EventJson::default()
+        }
+    }
+
+    /// The vLLM-shaped JSON of a page event.
+    pub fn of(event: &PageEvent, block_size: u32) -> Self {
+        let kind = Some(event.kind().to_owned());
+        match event {
+            PageEvent::Stored {
+                dp_rank,
+                medium,
+                parent,
+                block_hashes,
+                token_ids,
+                lora_name,
+            } => EventJson {
+                dp_rank: Some(*dp_rank),
+                kind,
+                block_hashes: hashes(block_hashes),
+                parent_block_hash: parent.map(Hash64),
+                token_ids: Some(token_ids.clone()),
+                block_size: Some(u64::from(block_size)),
+                medium: Some(medium.clone()),
+                lora_name: lora_name.clone(),
+                ..EventJson::default()
+            },
+            PageEvent::Removed {
+                dp_rank,
+                medium,
+                block_hashes,
+            } => EventJson {
+                dp_rank: Some(*dp_rank),
+                kind,
+                block_hashes: hashes(block_hashes),
+                medium: Some(medium.clone()),
+                ..EventJson::default()
+            },
+            PageEvent::Cleared { dp_rank } => EventJson {
+                dp_rank: Some(*dp_rank),
+                kind,
+                ..EventJson::default()
+            },
+        }
+    }
 }
 
 /// One page event as JSON with its id.
 pub fn event_json(event_id: u64, event: &PageEvent, block_size: u32) -> String {
-    let kind = event.kind();
-    let json = match event {
-        PageEvent::Stored {
-            dp_rank,
-            medium,
-            parent,
-            block_hashes,
-            token_ids,
-            lora_name,
-        } => serde_json::to_string(&StoredJson {
-            event_id: Some(event_id),
-            dp_rank: *dp_rank,
-            kind,
-            block_hashes,
-            parent_block_hash: *parent,
-            token_ids,
-            block_size,
-            medium,
-            lora_name: lora_name.as_deref(),
-        }),
-        PageEvent::Removed {
-            dp_rank,
-            medium,
-            block_hashes,
-        } => serde_json::to_string(&RemovedJson {
-            event_id,
-            dp_rank: *dp_rank,
-            kind,
-            block_hashes,
-            medium,
-        }),
-        PageEvent::Cleared { dp_rank } => serde_json::to_string(&ClearedJson {
-            event_id,
-            dp_rank: *dp_rank,
-            kind,
-        }),
+    let json = EventJson {
+        event_id: Some(event_id.into()),
+        ..EventJson::of(event, block_size)
     };
-    // These structs hold only numbers and strings: serialization cannot fail.
-    json.unwrap_or_default()
+    // Numbers and strings only: serialization cannot fail.
+    serde_json::to_string(&json).unwrap_or_default()
 }
 
 /// Worker-reported load, as the page's `load` object. Read leniently: a field left out or
@@ -154,7 +333,8 @@ where
     Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
-/// `GET /kv/events` body.
+/// `GET /kv/events` body: a [`PageJson`] with the events' texts (as the ring keeps them) spliced
+/// in, so that serving a page copies its bytes once instead of parsing and re-writing each event.
 pub fn page_json(
     block_size: u32,
     first_event_id: u64,
@@ -184,32 +364,107 @@ pub fn page_json(
 
 /// `GET /kv/dump` body: the mirror as stored events (no ids) and the id it corresponds to.
 pub fn dump_json(block_size: u32, last_event_id: u64, runs: &[DumpRun]) -> String {
-    let mut out =
-        format!("{{\"block_size\":{block_size},\"last_event_id\":{last_event_id},\"events\":[");
-    for (i, run) in runs.iter().enumerate() {
-        if i > 0 {
-            out.push(',');
-        }
-        let json = serde_json::to_string(&StoredJson {
-            event_id: None,
-            dp_rank: run.dp_rank,
-            kind: "BlockStored",
-            block_hashes: &run.block_hashes,
-            parent_block_hash: run.parent,
-            token_ids: &run.token_ids,
-            block_size,
-            medium: &run.medium,
-            lora_name: run.lora_name.as_deref(),
-        });
-        out.push_str(&json.unwrap_or_default());
-    }
-    out.push_str("]}");
-    out
+    let dump = PageJson {
+        block_size: Some(u64::from(block_size)),
+        first_event_id: None,
+        last_event_id: Some(last_event_id.into()),
+        events: runs
+            .iter()
+            .map(|run| EventJson::stored(run, block_size))
+            .collect(),
+        load: None,
+        worker: None,
+    };
+    serde_json::to_string(&dump).unwrap_or_default()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn stored() -> PageEvent {
+        PageEvent::Stored {
+            dp_rank: 1,
+            medium: "GPU".to_owned(),
+            parent: Some(u64::MAX),
+            block_hashes: vec![7, 8],
+            token_ids: vec![1, 2, 3, 4],
+            lora_name: None,
+        }
+    }
+
+    #[test]
+    fn what_the_writers_write_reads_back_as_the_same_page() {
+        let events = [
+            event_json(5, &stored(), 2),
+            event_json(
+                6,
+                &PageEvent::Removed {
+                    dp_rank: 1,
+                    medium: "CPU".to_owned(),
+                    block_hashes: vec![8],
+                },
+                2,
+            ),
+            event_json(7, &PageEvent::Cleared { dp_rank: 0 }, 2),
+        ];
+        let texts: Vec<&str> = events.iter().map(String::as_str).collect();
+        let load = Load {
+            num_waiting: 1,
+            num_running: 2,
+            kv_usage: 0.25,
+        };
+        let page: PageJson<EventJson> =
+            serde_json::from_str(&page_json(2, 5, 7, &texts, Some(load))).unwrap();
+        assert_eq!(page.block_size, Some(2));
+        assert_eq!(page.first_event_id, Some(EventId(5)));
+        assert_eq!(page.last_event_id, Some(EventId(7)));
+        assert_eq!(page.load, Some(load));
+        let kinds: Vec<_> = page.events.iter().map(|e| e.kind.as_deref()).collect();
+        assert_eq!(
+            kinds,
+            [
+                Some("BlockStored"),
+                Some("BlockRemoved"),
+                Some("AllBlocksCleared")
+            ]
+        );
+        let first = page.events.first().unwrap();
+        assert_eq!(first.event_id, Some(EventId(5)));
+        assert_eq!(first.block_hashes, Some(vec![Hash64(7), Hash64(8)]));
+        assert_eq!(first.parent_block_hash, Some(Hash64(u64::MAX)));
+        assert_eq!(first.token_ids, Some(vec![1, 2, 3, 4]));
+        assert_eq!(first.block_size, Some(2));
+        // A dump is the same shape: stored events without ids.
+        let run = DumpRun {
+            dp_rank: 1,
+            medium: "GPU".to_owned(),
+            parent: None,
+            block_hashes: vec![7],
+            token_ids: vec![1, 2],
+            lora_name: Some("adapter".to_owned()),
+        };
+        let dump: PageJson<EventJson> =
+            serde_json::from_str(&dump_json(2, 9, std::slice::from_ref(&run))).unwrap();
+        assert_eq!(dump.last_event_id, Some(EventId(9)));
+        assert_eq!(dump.first_event_id, None);
+        assert_eq!(dump.events, [EventJson::stored(&run, 2)]);
+    }
+
+    #[test]
+    fn hashes_and_ids_read_in_every_form_producers_write() {
+        let read = |json: &str| serde_json::from_str::<Hash64>(json);
+        assert_eq!(read("18446744073709551615").unwrap(), Hash64(u64::MAX));
+        assert_eq!(read("-1").unwrap(), Hash64(u64::MAX));
+        assert_eq!(read(r#""-2""#).unwrap(), Hash64(u64::MAX - 1));
+        assert_eq!(read(r#""42""#).unwrap(), Hash64(42));
+        assert!(read(r#""0x2a""#).is_err());
+        assert!(read("1.5").is_err());
+        let id = |json: &str| serde_json::from_str::<EventId>(json);
+        assert_eq!(id("-1").unwrap(), EventId(-1));
+        assert_eq!(id(r#""18446744073709551616""#).unwrap(), EventId(1 << 64));
+        assert_eq!(serde_json::to_string(&EventId(3)).unwrap(), "3");
+    }
 
     #[test]
     fn a_load_object_reads_missing_and_null_fields_as_zero() {

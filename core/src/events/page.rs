@@ -14,94 +14,16 @@
 //!   hashes); decimal strings are accepted (JSON producers that cannot emit 64-bit integers).
 //! * Unknown fields are ignored (engines add fields); unknown event types and tiers are errors.
 
-use core::fmt;
-
-use serde::de::{self, Deserializer, Visitor};
+use kv_router_protocol::page::{DynamoRemoved, DynamoStored, EventId, EventJson, Hash64, PageJson};
+use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
-use super::{EventError, EventPage, IndexEvent, NumberedEvent, ReportedLoad, MAX_EVENT_ID};
+use super::{EventError, EventPage, IndexEvent, NumberedEvent, MAX_EVENT_ID};
 use crate::hashing::{hash_seed, local_block_hashes};
 use crate::types::{DpRank, ExternalBlockHash, LocalBlockHash, StorageTier};
 use crate::worker_description::WorkerDescription;
 
-// ---------------------------------------------------------------------------------------------
-// Wire types
-// ---------------------------------------------------------------------------------------------
-
-/// A 64-bit hash as found on the wire: u64, negative i64 (reinterpreted), or a decimal string.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct WireHash(u64);
-
-struct WireHashVisitor;
-
-impl Visitor<'_> for WireHashVisitor {
-    type Value = WireHash;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a 64-bit hash (integer or decimal string)")
-    }
-
-    fn visit_u64<E: de::Error>(self, v: u64) -> Result<WireHash, E> {
-        Ok(WireHash(v))
-    }
-
-    fn visit_i64<E: de::Error>(self, v: i64) -> Result<WireHash, E> {
-        Ok(WireHash(u64::from_ne_bytes(v.to_ne_bytes())))
-    }
-
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<WireHash, E> {
-        if let Ok(u) = v.parse::<u64>() {
-            return Ok(WireHash(u));
-        }
-        match v.parse::<i64>() {
-            Ok(i) => self.visit_i64(i),
-            Err(_) => Err(E::invalid_value(de::Unexpected::Str(v), &self)),
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for WireHash {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(WireHashVisitor)
-    }
-}
-
-/// An event id or cursor as found on the wire, kept signed so "-1" is reported as a bad id rather
-/// than as a JSON type error.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct WireId(i128);
-
-struct WireIdVisitor;
-
-impl Visitor<'_> for WireIdVisitor {
-    type Value = WireId;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an integer event id")
-    }
-
-    fn visit_u64<E: de::Error>(self, v: u64) -> Result<WireId, E> {
-        Ok(WireId(i128::from(v)))
-    }
-
-    fn visit_i64<E: de::Error>(self, v: i64) -> Result<WireId, E> {
-        Ok(WireId(i128::from(v)))
-    }
-
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<WireId, E> {
-        v.parse::<i128>()
-            .map(WireId)
-            .map_err(|_| E::invalid_value(de::Unexpected::Str(v), &self))
-    }
-}
-
-impl<'de> Deserialize<'de> for WireId {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(WireIdVisitor)
-    }
-}
-
-/// Token ids as found on the wire. During [`parse_fast`] a cut array (`[]` in the copy) takes
+/// Token ids as the filter reads them. During [`fast::parse`] a cut array (`[]` in the copy) takes
 /// the ids the structural scan read for it; otherwise serde's value (see [`fast`]).
 struct WireTokens(Vec<u32>);
 
@@ -114,55 +36,9 @@ impl<'de> Deserialize<'de> for WireTokens {
     }
 }
 
-#[derive(Deserialize)]
-struct RawPage {
-    block_size: Option<u64>,
-    first_event_id: Option<WireId>,
-    last_event_id: Option<WireId>,
-    #[serde(default)]
-    events: Vec<RawEvent>,
-    load: Option<ReportedLoad>,
-    /// The worker's own description (optional; a malformed one is dropped, not the page).
-    worker: Option<serde_json::Value>,
-}
-
-/// Union of every event shape's fields; which ones are set tells the shape apart.
-#[derive(Deserialize)]
-struct RawEvent {
-    event_id: Option<WireId>,
-    dp_rank: Option<DpRank>,
-    storage_tier: Option<String>,
-    /// Dynamo's wrapped shape: `{"worker_id", "storage_tier", "event": {...}}`.
-    event: Option<Box<RawEvent>>,
-    /// Dynamo: `"cleared"`, `{"stored": {...}}` or `{"removed": {...}}`.
-    data: Option<serde_json::Value>,
-    /// vLLM: `BlockStored`, `BlockRemoved`, `AllBlocksCleared`.
-    #[serde(rename = "type")]
-    kind: Option<String>,
-    block_hashes: Option<Vec<WireHash>>,
-    parent_block_hash: Option<WireHash>,
-    token_ids: Option<WireTokens>,
-    block_size: Option<u64>,
-    lora_name: Option<String>,
-    medium: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct RawDynamoStored {
-    parent_hash: Option<WireHash>,
-    blocks: Vec<RawDynamoBlock>,
-}
-
-#[derive(Deserialize)]
-struct RawDynamoBlock {
-    block_hash: WireHash,
-    tokens_hash: WireHash,
-}
-
-#[derive(Deserialize)]
-struct RawDynamoRemoved {
-    block_hashes: Vec<WireHash>,
-}
+/// The protocol's event and page shapes, with the fast token reader.
+type RawEvent = EventJson<WireTokens>;
+type RawPage = PageJson<RawEvent>;
 
 // ---------------------------------------------------------------------------------------------
 // Parsing
@@ -175,7 +51,7 @@ fn malformed(err: &serde_json::Error) -> EventError {
 }
 
 /// A positive event id (ids start at 1; 0 is the "nothing seen yet" cursor).
-fn positive_id(id: WireId, field: &'static str) -> Result<u64, EventError> {
+fn positive_id(id: EventId, field: &'static str) -> Result<u64, EventError> {
     match u64::try_from(id.0) {
         Ok(v) if v > 0 && v <= MAX_EVENT_ID => Ok(v),
         _ => Err(EventError::InvalidEventId { field, value: id.0 }),
@@ -183,7 +59,7 @@ fn positive_id(id: WireId, field: &'static str) -> Result<u64, EventError> {
 }
 
 /// A cursor: 0 allowed.
-fn cursor_id(id: WireId, field: &'static str) -> Result<u64, EventError> {
+fn cursor_id(id: EventId, field: &'static str) -> Result<u64, EventError> {
     match u64::try_from(id.0) {
         Ok(v) if v <= MAX_EVENT_ID => Ok(v),
         _ => Err(EventError::InvalidEventId { field, value: id.0 }),
@@ -197,7 +73,7 @@ fn parse_tier(event_id: u64, name: Option<&str>) -> Result<StorageTier, EventErr
     })
 }
 
-fn ext_hashes(hashes: Vec<WireHash>) -> Vec<ExternalBlockHash> {
+fn ext_hashes(hashes: Vec<Hash64>) -> Vec<ExternalBlockHash> {
     hashes.into_iter().map(|h| ExternalBlockHash(h.0)).collect()
 }
 
@@ -223,7 +99,7 @@ fn dynamo_event(
     };
     match kind.as_str() {
         "stored" => {
-            let raw: RawDynamoStored = serde_json::from_value(body).map_err(|e| malformed(&e))?;
+            let raw: DynamoStored = serde_json::from_value(body).map_err(|e| malformed(&e))?;
             Ok(IndexEvent::Stored {
                 dp_rank: dp_rank.unwrap_or(0),
                 tier: parse_tier(event_id, tier_name)?,
@@ -241,7 +117,7 @@ fn dynamo_event(
             })
         }
         "removed" => {
-            let raw: RawDynamoRemoved = serde_json::from_value(body).map_err(|e| malformed(&e))?;
+            let raw: DynamoRemoved = serde_json::from_value(body).map_err(|e| malformed(&e))?;
             Ok(IndexEvent::Removed {
                 dp_rank: dp_rank.unwrap_or(0),
                 tier: parse_tier(event_id, tier_name)?,

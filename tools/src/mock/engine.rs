@@ -41,7 +41,7 @@ use super::openai::VOCAB;
 use super::timing::{Chunk, Jitter, StepWork};
 use crate::util::lock;
 use crate::util::splitmix64;
-use kv_router_protocol::page::Load;
+use kv_router_protocol::page::{EventJson, Load, PageEvent};
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -689,32 +689,31 @@ impl EngineCore {
     }
 }
 
-/// A cache event in vLLM's JSON shape (without `event_id`).
+/// A cache event in the page's vLLM shape (the protocol's [`EventJson`]), without `event_id`.
 pub fn event_json(ev: &CacheEvent, block_size: usize, dp_rank: u32) -> Value {
-    match ev {
+    let event = match ev {
         CacheEvent::Stored {
             tier,
             parent,
             hashes,
             token_ids,
-        } => json!({
-            "type": "BlockStored",
-            "dp_rank": dp_rank,
-            "block_hashes": hashes,
-            "parent_block_hash": parent,
-            "token_ids": token_ids,
-            "block_size": block_size,
-            "lora_name": null,
-            "medium": tier.medium(),
-        }),
-        CacheEvent::Removed { tier, hashes } => json!({
-            "type": "BlockRemoved",
-            "dp_rank": dp_rank,
-            "block_hashes": hashes,
-            "medium": tier.medium(),
-        }),
-        CacheEvent::Cleared => json!({"type": "AllBlocksCleared", "dp_rank": dp_rank}),
-    }
+        } => PageEvent::Stored {
+            dp_rank,
+            medium: tier.medium().to_owned(),
+            parent: *parent,
+            block_hashes: hashes.clone(),
+            token_ids: token_ids.clone(),
+            lora_name: None,
+        },
+        CacheEvent::Removed { tier, hashes } => PageEvent::Removed {
+            dp_rank,
+            medium: tier.medium().to_owned(),
+            block_hashes: hashes.clone(),
+        },
+        CacheEvent::Cleared => PageEvent::Cleared { dp_rank },
+    };
+    let block_size = u32::try_from(block_size).unwrap_or(u32::MAX);
+    serde_json::to_value(EventJson::of(&event, block_size)).unwrap_or_default()
 }
 
 /// The event page's `load` object (the shared [`Load`]).
