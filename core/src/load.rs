@@ -1378,6 +1378,12 @@ mod tests {
     }
 }
 
+/// A worker's reported requests (running and waiting) per data-parallel rank: the engine counts
+/// all its ranks, the load table has a slot per rank.
+pub fn reported_requests(reported: &crate::events::ReportedLoad, dp_size: u32) -> f64 {
+    f64::from(reported.num_running.saturating_add(reported.num_waiting)) / f64::from(dp_size.max(1))
+}
+
 /// Folds a worker's own counters (reported with its KV events) into this router's view of one
 /// of its slots. Each Envoy replica books only its own traffic; the worker sees everyone's, so
 /// taking the larger of the two keeps replicas in front of the same workers from all believing
@@ -1388,8 +1394,8 @@ pub fn merge_reported(
     kv_capacity_blocks: Option<u32>,
     dp_size: u32,
 ) {
-    let ranks = dp_size.max(1);
-    let requests = reported.num_running.saturating_add(reported.num_waiting) / ranks;
+    // Floored: a slot's count is whole (exact in f64: the sum fits 32 bits).
+    let requests = reported_requests(reported, dp_size) as u32;
     load.active_requests = load.active_requests.max(requests);
     if let Some(capacity) = kv_capacity_blocks {
         let usage = reported.kv_usage.clamp(0.0, 1.0);

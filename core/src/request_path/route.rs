@@ -6,7 +6,7 @@ use super::host::Host;
 use super::state::RoutingState;
 use super::steer::{merge_predictions, record_prediction};
 use super::REASON_HEADER;
-use crate::config::{ClientHints, Config, KvPolicy, RoutingMode};
+use crate::config::{ClientHints, Config, KvPolicy, RoutingMode, UnseenTraffic};
 use crate::lazy_hash::PromptHasher;
 use crate::load_store;
 use crate::prompt_text::prompt_text;
@@ -221,13 +221,21 @@ impl RequestPath {
         let mut load = std::mem::take(&mut vm.load_view);
         snapshot.view_with(now, &mut load, &mut vm.load_views);
         if config.load.reported_load {
-            let mode = config.load.unseen_traffic;
-            let share = &mut vm.traffic_share;
-            let scale = vm
-                .slot_reports
-                .add_unseen(config, mode, share, &mut load, now);
-            if now >= vm.traffic_share_recorded_ms + 1000 {
+            // The share is sampled on every decision only when it shapes the load view;
+            // otherwise only for its metric, once a second.
+            let per_worker = config.load.unseen_traffic == UnseenTraffic::PerWorker;
+            let due = now >= vm.traffic_share_recorded_ms + 1000;
+            if per_worker || due {
+                let share = &mut vm.traffic_share;
+                vm.slot_reports.sample_share(config, share, &load, now);
+            }
+            if per_worker {
+                vm.slot_reports
+                    .add_unseen(config, &vm.traffic_share, &mut load);
+            }
+            if due {
                 vm.traffic_share_recorded_ms = now;
+                let scale = vm.traffic_share.scale();
                 host.histogram("load.traffic_scale_pct", (scale * 100.0) as u64);
             }
             vm.slot_reports.merge_into(config, &mut load);

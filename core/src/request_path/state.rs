@@ -5,11 +5,10 @@
 use super::host::{Host, WorkerHistogram};
 use crate::approx::PredictedStore;
 use crate::config::Config;
-use crate::config::UnseenTraffic;
 use crate::events::ReportedLoad;
 use crate::learn;
 use crate::load::share::{self, TrafficShare};
-use crate::load::{merge_reported, SlotLoad};
+use crate::load::{merge_reported, reported_requests, SlotLoad};
 use crate::load_store::{PendingReleases, ViewCache};
 use crate::membership::effective_config;
 use crate::render::RenderCache;
@@ -316,34 +315,23 @@ impl SlotReports {
         }
     }
 
-    /// Samples this Envoy's own requests in flight against what the workers report (fresh
-    /// reports only) into `share`, then adds to the own view `load` what the reports show of
-    /// other routers' requests, as `mode` says (`load::share`). Returns the fleet's reported
-    /// requests over this Envoy's own (1 when it cannot tell).
-    pub fn add_unseen(
+    /// Samples this Envoy's own requests in flight (`load`, its own view) against what the
+    /// workers report (fresh reports only) into `share`.
+    pub fn sample_share(
         &self,
         config: &Config,
-        mode: UnseenTraffic,
         share: &mut TrafficShare,
-        load: &mut [SlotLoad],
+        load: &[SlotLoad],
         now_ms: u64,
-    ) -> f64 {
-        let requests_of = |slot: &crate::config::Slot, report: &ReportedLoad| {
-            let ranks = config
-                .workers
-                .get(usize::from(slot.worker))
-                .map_or(1, |w| w.dp_size.max(1));
-            f64::from(report.num_running.saturating_add(report.num_waiting)) / f64::from(ranks)
-        };
+    ) {
         let mut sample = share::Sample::default();
         let mut any = false;
-        let slots = config.slots.iter().zip(&self.reported).zip(&self.stale);
-        for (((slot, report), stale), view) in slots.zip(load.iter()) {
-            let (Some(report), false) = (report, *stale) else {
+        for (slot, view) in self.fresh_reports(config).zip(load) {
+            let Some((dp_size, report)) = slot else {
                 continue;
             };
             sample.own += f64::from(view.active_requests);
-            sample.reported += requests_of(slot, report);
+            sample.reported += reported_requests(report, dp_size);
             sample.prefill_tokens += view.prefill_tokens;
             sample.decode_blocks += view.decode_blocks;
             any = true;
@@ -351,28 +339,40 @@ impl SlotReports {
         if any {
             share.observe(sample, now_ms);
         }
-        let scale = share.scale();
-        match mode {
-            UnseenTraffic::Off => {}
-            UnseenTraffic::PerWorker => {
-                let Some((prefill, blocks)) = share.per_request() else {
-                    return scale;
-                };
-                let slots = config.slots.iter().zip(&self.reported).zip(&self.stale);
-                for (((slot, report), stale), view) in slots.zip(load.iter_mut()) {
-                    let (Some(report), false) = (report, *stale) else {
-                        continue;
-                    };
-                    let unseen =
-                        (requests_of(slot, report) - f64::from(view.active_requests)).max(0.0);
-                    view.prefill_tokens += unseen * prefill;
-                    view.decode_blocks += unseen * blocks;
-                    let requests = f64::from(view.active_requests) + unseen.round();
-                    view.active_requests = requests.min(f64::from(u32::MAX)) as u32;
-                }
-            }
+    }
+
+    /// Adds to the own view `load` the other routers' requests the reports show, each at the size
+    /// of this Envoy's own (`load.unseen_traffic: per_worker`, `load::share`).
+    pub fn add_unseen(&self, config: &Config, share: &TrafficShare, load: &mut [SlotLoad]) {
+        let Some((prefill, blocks)) = share.per_request() else {
+            return;
+        };
+        for (slot, view) in self.fresh_reports(config).zip(load.iter_mut()) {
+            let Some((dp_size, report)) = slot else {
+                continue;
+            };
+            let unseen =
+                (reported_requests(report, dp_size) - f64::from(view.active_requests)).max(0.0);
+            view.prefill_tokens += unseen * prefill;
+            view.decode_blocks += unseen * blocks;
+            let requests = f64::from(view.active_requests) + unseen.round();
+            view.active_requests = requests.min(f64::from(u32::MAX)) as u32;
         }
-        scale
+    }
+
+    /// Per slot, its worker's rank count and fresh report (`None`: stale or not reported).
+    fn fresh_reports<'a>(
+        &'a self,
+        config: &'a Config,
+    ) -> impl Iterator<Item = Option<(u32, &'a ReportedLoad)>> + 'a {
+        let slots = config.slots.iter().zip(&self.reported).zip(&self.stale);
+        slots.map(move |((slot, report), stale)| {
+            let dp_size = config
+                .workers
+                .get(usize::from(slot.worker))
+                .map_or(1, |w| w.dp_size);
+            report.as_ref().filter(|_| !*stale).map(|r| (dp_size, r))
+        })
     }
 
     /// Rebuilds the vectors if `head` or `config` moved since the last call.

@@ -508,6 +508,16 @@ fn a_replica_weighs_load_at_the_fleets_scale_from_the_workers_reports() {
         assert_eq!(action, Action::Continue);
         assert_eq!(chosen(&host), Some(expected), "unseen_traffic {mode}");
         request.on_response_headers(&mut host, &mut filter.vm, false);
+        // The inferred scale, 6 reported over 2 own, is recorded once a second whatever the mode.
+        let (_, again) = filter.send(&mut host);
+        assert_eq!(again, Action::Continue);
+        let scales: Vec<u64> = host
+            .histograms
+            .iter()
+            .filter(|(name, _)| name == "load.traffic_scale_pct")
+            .map(|(_, v)| *v)
+            .collect();
+        assert_eq!(scales, [300], "unseen_traffic {mode}");
     }
 }
 
