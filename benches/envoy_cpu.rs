@@ -45,6 +45,7 @@ use envoy_kv_router::hashing::{local_block_hashes, DYNAMO_HASH_SEED};
 use envoy_kv_router::index::KvIndex;
 use envoy_kv_router::types::{ExternalBlockHash, StorageTier};
 use envoy_kv_router_tools::harness::{workspace_root, Envoy, EnvoyOptions, Worker};
+use kv_router_testkit::kv_events::{self, removed_event, GPU};
 use serde_json::{json, Value};
 use std::hint::black_box;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -259,9 +260,8 @@ fn completion_body(prompt: &[u32]) -> Vec<u8> {
 fn stored_event(prompt: &[u32], base: u64) -> Value {
     let blocks = prompt.len() as u64 / u64::from(BLOCK_SIZE);
     let hashes: Vec<u64> = (0..blocks).map(|h| base + h).collect();
-    json!({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": null,
-        "token_ids": &prompt[..(blocks * u64::from(BLOCK_SIZE)) as usize],
-        "block_size": BLOCK_SIZE, "medium": "GPU"})
+    let tokens = &prompt[..(blocks * u64::from(BLOCK_SIZE)) as usize];
+    kv_events::stored_event(&hashes, None, tokens, BLOCK_SIZE, GPU)
 }
 
 /// Publishes `events` to `worker` and waits until `envoy`'s replicas (`--concurrency 1`: the
@@ -859,7 +859,7 @@ fn event_stream(n: usize) -> (Vec<IndexEvent>, Vec<Value>) {
                 tier: StorageTier::Device,
                 blocks: vec![ExternalBlockHash(h)],
             });
-            wire.push(json!({"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"}));
+            wire.push(removed_event(&[h], GPU));
         } else {
             tokens[0] = next as u32;
             let local = local_block_hashes(&tokens, BLOCK_SIZE, DYNAMO_HASH_SEED)[0];
@@ -869,9 +869,8 @@ fn event_stream(n: usize) -> (Vec<IndexEvent>, Vec<Value>) {
                 parent: None,
                 blocks: vec![(ExternalBlockHash(next), local)],
             });
-            wire.push(json!({"type": "BlockStored", "block_hashes": [next],
-                "parent_block_hash": null, "token_ids": tokens, "block_size": BLOCK_SIZE,
-                "medium": "GPU"}));
+            let stored = kv_events::stored_event(&[next], None, &tokens, BLOCK_SIZE, GPU);
+            wire.push(stored);
             next += 1;
         }
     }

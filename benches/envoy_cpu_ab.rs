@@ -18,6 +18,7 @@
 
 use envoy_kv_router_tools::client as http;
 use envoy_kv_router_tools::harness::{wasm_path, workspace_root, Envoy, EnvoyOptions, Worker};
+use kv_router_testkit::kv_events::{stored_event, GPU};
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -134,8 +135,7 @@ fn main() {
         let hashes: Vec<u64> = (0..u64::from(tokens / 64))
             .map(|h| h + u64::from(tokens) * 1000)
             .collect();
-        let stored = json!([{"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": null,
-            "token_ids": prompt, "block_size": 64, "medium": "GPU"}]);
+        let stored = json!([stored_event(&hashes, None, &prompt, 64, GPU)]);
         let before: Vec<u64> = variants
             .iter()
             .map(|v| v.envoy.router_stat("events.applied"))

@@ -37,6 +37,7 @@
 
 use envoy_kv_router_tools::client;
 use envoy_kv_router_tools::harness::{workspace_root, Envoy, EnvoyOptions, Worker};
+use kv_router_testkit::kv_events::{stored_event, GPU};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -218,12 +219,11 @@ fn run(wasm: &Path, threads: u32, entries: u64) -> Run {
     while block < entries {
         let n = BLOCKS_PER_EVENT.min(entries - block);
         let hashes: Vec<u64> = (block..block + n).map(|h| h + 1).collect();
-        let tokens: Vec<u64> = (block * BLOCK_SIZE..(block + n) * BLOCK_SIZE)
-            .map(|t| t % 50_000)
+        let tokens: Vec<u32> = (block * BLOCK_SIZE..(block + n) * BLOCK_SIZE)
+            .map(|t| (t % 50_000) as u32)
             .collect();
-        let stored = json!([{"type": "BlockStored", "block_hashes": hashes,
-            "parent_block_hash": parent, "token_ids": tokens, "block_size": BLOCK_SIZE,
-            "medium": "GPU"}]);
+        let event = stored_event(&hashes, parent, &tokens, BLOCK_SIZE as u32, GPU);
+        let stored = json!([event]);
         worker.admin("/admin/events", &stored).expect("publish");
         parent = hashes.last().copied();
         block += n;

@@ -9,6 +9,7 @@
 
 use envoy_kv_router_tools::client as http;
 use envoy_kv_router_tools::harness::{Envoy, EnvoyOptions, Worker};
+use kv_router_testkit::kv_events::{stored_event, GPU};
 use serde_json::json;
 use std::time::{Duration, Instant};
 
@@ -43,8 +44,7 @@ fn main() {
         let hashes: Vec<u64> = (0..u64::from(tokens / 64))
             .map(|h| h + u64::from(tokens) * 1000)
             .collect();
-        let stored = json!([{"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": null,
-            "token_ids": prompt, "block_size": 64, "medium": "GPU"}]);
+        let stored = json!([stored_event(&hashes, None, &prompt, 64, GPU)]);
         let before = with.router_stat("events.applied");
         worker.admin("/admin/events", &stored).expect("publish");
         // Applied by every replica: the main thread's VM and the 2 worker threads'.

@@ -11,6 +11,7 @@
 
 use envoy_kv_router::events::{decode_log_batch, encode_log_batch, parse_event_page, LogRecord};
 use envoy_kv_router::index::KvIndex;
+use kv_router_testkit::kv_events::{page_event, removed, stored, GPU};
 use serde_json::{json, Value};
 use std::hint::black_box;
 use std::time::Instant;
@@ -25,15 +26,11 @@ fn wire_events(n: usize) -> Vec<Value> {
         let id = i as u64 + 1;
         if i % 2 == 1 && next > 500 {
             let h = next - 500;
-            out.push(
-                json!({"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU",
-                "event_id": id}),
-            );
+            out.push(page_event(Some(id), &removed(&[h], GPU), BLOCK_SIZE));
         } else {
             tokens[0] = next as u32;
-            out.push(json!({"type": "BlockStored", "block_hashes": [next],
-                "parent_block_hash": null, "token_ids": tokens, "block_size": BLOCK_SIZE,
-                "medium": "GPU", "event_id": id}));
+            let event = stored(&[next], None, &tokens, GPU);
+            out.push(page_event(Some(id), &event, BLOCK_SIZE));
             next += 1;
         }
     }

@@ -3,6 +3,7 @@
 
 mod common;
 use common::*;
+use kv_router_testkit::kv_events::stored_event;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -197,13 +198,12 @@ fn the_linear_memory_gauge_counts_every_replica() {
     let mut parent = None;
     for first in (0..BLOCKS).step_by(1000) {
         let hashes: Vec<u64> = (first + 1..=first + 1000).collect();
-        let ids: Vec<u64> = (0..1000 * u64::from(BLOCK))
-            .map(|t| (first + t) % 50_000)
+        let ids: Vec<u32> = (0..1000 * u64::from(BLOCK))
+            .map(|t| ((first + t) % 50_000) as u32)
             .collect();
         publish(
             &workers[0],
-            vec![json!({"type": "BlockStored", "block_hashes": hashes,
-                "parent_block_hash": parent, "token_ids": ids, "block_size": BLOCK})],
+            vec![stored_event(&hashes, parent, &ids, BLOCK, "GPU")],
         );
         parent = hashes.last().copied();
     }
@@ -500,10 +500,7 @@ fn a_gap_in_event_ids_triggers_a_resync_from_the_dump() {
     let dump = json!({"block_size": BLOCK, "last_event_id": 4,
         "events": [vllm_stored(&prompt[..(2 * BLOCK) as usize], BLOCK, None, 1, "GPU")]});
     workers[0].admin("/admin/dump", &dump).expect("dump");
-    publish(
-        &workers[0],
-        vec![json!({"type": "BlockRemoved", "block_hashes": [99], "medium": "GPU"})],
-    );
+    publish(&workers[0], vec![vllm_removed(&[99], "GPU")]);
     assert!(
         envoy.wait_for(Duration::from_secs(5), |e| e.router_stat("events.resyncs")
             > resyncs)

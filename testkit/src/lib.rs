@@ -7,6 +7,8 @@
 //! * [`sse`]: reading server-sent event streams (chat completions with `stream: true`).
 //! * [`prom`]: reading Prometheus text (`/metrics` of engines, workers, bridges, routers):
 //!   `kv_router_protocol::prom`, which the bridge reads engines' load with too.
+//! * [`kv_events`]: vLLM-shaped KV events (`BlockStored`, `BlockRemoved`) for fixtures, written
+//!   by `kv_router_protocol::page::EventJson`.
 //! * [`sys`]: process limits and resource usage (open-file limit, CPU time, peak memory).
 //! * [`util`]: small shared helpers (deterministic mixing, HDR percentiles, poison-tolerant
 //!   locking, `reqwest` errors as `io::Error`).
@@ -16,6 +18,7 @@
 
 pub mod client;
 pub mod harness;
+pub mod kv_events;
 pub use kv_router_protocol::prom;
 pub mod sse;
 pub mod sys;

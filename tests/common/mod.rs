@@ -4,6 +4,7 @@
 pub use envoy_kv_router_tools::client as http;
 #[allow(unused_imports)]
 pub use envoy_kv_router_tools::harness::{Envoy, EnvoyOptions, Steering, Worker};
+use kv_router_testkit::kv_events::{removed_event, stored_event};
 use serde_json::{json, Value};
 
 /// `count` echo-mode workers (ids 1..=count) with the given block size.
@@ -93,12 +94,12 @@ pub fn vllm_stored(
 ) -> Value {
     let blocks = tokens.len() as u64 / u64::from(block_size);
     let hashes: Vec<u64> = (first_hash..first_hash + blocks).collect();
-    json!({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-           "token_ids": tokens, "block_size": block_size, "medium": medium})
+    stored_event(&hashes, parent, tokens, block_size, medium)
 }
 
+/// vLLM-shaped "removed" event of `hashes`.
 pub fn vllm_removed(hashes: &[u64], medium: &str) -> Value {
-    json!({"type": "BlockRemoved", "block_hashes": hashes, "medium": medium})
+    removed_event(hashes, medium)
 }
 
 /// Appends events to a mock worker's event buffer (the filter polls them).

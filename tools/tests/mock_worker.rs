@@ -6,6 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use envoy_kv_router_tools::client::{get, post_json, request, request_streaming};
+use kv_router_testkit::kv_events::stored_event;
 use serde_json::{json, Value};
 
 struct Worker {
@@ -254,7 +255,7 @@ fn echo_mode_event_endpoint_is_test_controlled() {
 
     let events = json!([
         {"dp_rank": 0, "data": {"stored": {"parent_hash": null, "blocks": [{"block_hash": 7, "tokens_hash": 99}]}}},
-        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": null, "token_ids": [1, 2], "block_size": 16, "medium": "GPU"},
+        stored_event(&[1], None, &[1, 2], 16, "GPU"),
         {"data": {"removed": {"block_hashes": [7]}}}
     ]);
     let r = post_json(&w.addr, "/admin/events", &events)
