@@ -243,20 +243,44 @@ fn hashes(hashes: &[u64]) -> Option<Vec<Hash64>> {
     Some(hashes.iter().copied().map(Hash64).collect())
 }
 
-impl EventJson {
-    /// A vLLM `BlockStored` event.
-    pub fn stored(run: &DumpRun, block_size: u32) -> Self {
+/// A vLLM `BlockStored` event's fields (a page's stored event and a dump's run carry the same).
+struct StoredParts<'a> {
+    dp_rank: DpRank,
+    medium: &'a str,
+    parent: Option<u64>,
+    block_hashes: &'a [u64],
+    token_ids: &'a [u32],
+    lora_name: Option<&'a str>,
+}
+
+impl StoredParts<'_> {
+    fn json(&self, block_size: u32) -> EventJson {
         EventJson {
-            dp_rank: Some(run.dp_rank),
+            dp_rank: Some(self.dp_rank),
             kind: Some("BlockStored".to_owned()),
-            block_hashes: hashes(&run.block_hashes),
-            parent_block_hash: run.parent.map(Hash64),
-            token_ids: Some(run.token_ids.clone()),
+            block_hashes: hashes(self.block_hashes),
+            parent_block_hash: self.parent.map(Hash64),
+            token_ids: Some(self.token_ids.to_vec()),
             block_size: Some(u64::from(block_size)),
-            medium: Some(run.medium.clone()),
-            lora_name: run.lora_name.clone(),
+            medium: Some(self.medium.to_owned()),
+            lora_name: self.lora_name.map(str::to_owned),
             ..EventJson::default()
         }
+    }
+}
+
+impl EventJson {
+    /// A dump's run as a vLLM `BlockStored` event.
+    pub fn stored(run: &DumpRun, block_size: u32) -> Self {
+        StoredParts {
+            dp_rank: run.dp_rank,
+            medium: &run.medium,
+            parent: run.parent,
+            block_hashes: &run.block_hashes,
+            token_ids: &run.token_ids,
+            lora_name: run.lora_name.as_deref(),
+        }
+        .json(block_size)
     }
 
     /// The vLLM-shaped JSON of a page event.
@@ -270,17 +294,15 @@ impl EventJson {
                 block_hashes,
                 token_ids,
                 lora_name,
-            } => EventJson {
-                dp_rank: Some(*dp_rank),
-                kind,
-                block_hashes: hashes(block_hashes),
-                parent_block_hash: parent.map(Hash64),
-                token_ids: Some(token_ids.clone()),
-                block_size: Some(u64::from(block_size)),
-                medium: Some(medium.clone()),
-                lora_name: lora_name.clone(),
-                ..EventJson::default()
-            },
+            } => StoredParts {
+                dp_rank: *dp_rank,
+                medium,
+                parent: *parent,
+                block_hashes,
+                token_ids,
+                lora_name: lora_name.as_deref(),
+            }
+            .json(block_size),
             PageEvent::Removed {
                 dp_rank,
                 medium,

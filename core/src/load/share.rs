@@ -23,7 +23,8 @@ pub const MAX_SCALE: f64 = 16.0;
 const MIN_OWN_IN_FLIGHT: f64 = 1.0;
 
 /// Decayed sums of own and reported requests in flight, and of the own requests' queued
-/// prefill tokens and active blocks, sampled at each decision.
+/// prefill tokens and active blocks: sampled at each decision with `per_worker`, otherwise once
+/// a second for the metric.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct TrafficShare {
     own: f64,
