@@ -4,25 +4,35 @@
 //! When the router sends a request to a worker it predicts the request's time to first token
 //! there ([`crate::ttft`], with the default timing polynomials, which describe no particular
 //! engine). When the first token arrives the adapter hands the observed time and that prediction
-//! to [`TimingRecord::observe`]. Per worker the record keeps decayed sums of both, and the
-//! worker's *timing factor* is their ratio: observed ≈ factor × predicted. Every later
-//! prediction for the worker is multiplied by it, so
+//! to [`TimingRecord::observe`]. Per worker the record keeps decayed, prediction-weighted sums
+//! of the log ratio `ln(observed / predicted)`, and [`LearnedTimings::refresh`] turns every
+//! worker's sums into its *timing factor*: observed ≈ factor × predicted. Every later prediction
+//! for the worker is multiplied by it, so a worker 2x slower than the polynomial (or than its
+//! neighbours) is priced 2x, whatever its hardware, with nothing configured.
 //!
-//! * a worker 2x slower than the polynomial (or than its neighbours) is priced 2x, whatever
-//!   its hardware, with nothing configured;
-//! * a worker whose queue grows beyond what the router booked (other replicas' traffic, long
-//!   decodes, a slow engine) sees its observed times rise, its factor rise, and traffic move off
-//!   it: an open-loop hot spot corrects itself.
+//! A worker's samples are noisy: its TTFTs include queueing the router did not see (other Envoy
+//! replicas' requests, long decodes) and jitter, and a worker priced high by noise gets few new
+//! samples to correct it. So the factors are *empirical-Bayes* estimates: each worker's mean
+//! log ratio is shrunk toward the fleet's by how much of the spread between workers its own
+//! noise explains (James-Stein):
 //!
-//! Forgetting: each sample multiplies the sums by `1 - 1/SAMPLE_MEMORY` (a burst is learned
-//! within tens of requests), and the sums and the sample count halve every `HALF_LIFE_MS` of
-//! wall time, so a worker that stopped getting traffic because it looked slow drifts back to the
-//! prior and is tried again. Prior: with `n` samples (decayed in time) the factor is the
-//! geometric blend `ratio^t * prior^(1-t)`, `t = min(n / PRIOR_SAMPLES, 1)`, the prior being
-//! the fleet's mean factor, so a new worker starts at its peers' speed and is priced by its
-//! own after a few samples.
+//! ```text
+//! factor = exp(fleet + B (mean - fleet)),  B = between² / (between² + within² / n)
+//! ```
 //!
-//! A record is 40 bytes, one shared-data key per worker entry of the configuration
+//! `within²` is the pooled variance of single samples around their worker's mean, `n` the
+//! worker's effective sample count and `between²` the variance of the workers' means beyond what
+//! that noise alone would give. On a fleet of one speed the workers' means differ by noise,
+//! `between²` is ~0 and every worker is priced at the fleet's factor; on a fleet whose speeds
+//! differ the means differ by more than noise and each worker is priced by its own. A new worker
+//! (`n` = 0) starts at the fleet's factor.
+//!
+//! Forgetting: each sample multiplies the sums by `1 - 1/SAMPLE_MEMORY` (a change is learned
+//! within tens of requests), and the sums halve every `HALF_LIFE_MS` of wall time, so a worker
+//! that stopped getting traffic because it looked slow drifts back to the fleet's factor and is
+//! tried again.
+//!
+//! A record is 56 bytes, one shared-data key per worker entry of the configuration
 //! (`ekr.timing.<index>`): bounded by the configuration, never per request.
 
 use crate::store::{SharedStore, StoreError};
@@ -31,8 +41,8 @@ use crate::store::{SharedStore, StoreError};
 pub const SAMPLE_MEMORY: f64 = 32.0;
 /// Wall-time half-life of what was learned (ms).
 pub const HALF_LIFE_MS: f64 = 30_000.0;
-/// Samples after which a worker's own ratio is trusted alone (before, it is blended with the
-/// prior in proportion).
+/// With fewer than two workers learned, there is no spread to measure: a worker's own mean is
+/// blended with the prior as `n / (n + PRIOR_SAMPLES)`.
 pub const PRIOR_SAMPLES: f64 = 4.0;
 /// A sample's observed/predicted ratio is clamped to `[1/MAX_RATIO, MAX_RATIO]`.
 const MAX_RATIO: f64 = 32.0;
@@ -41,30 +51,59 @@ pub const MAX_FACTOR: f64 = 256.0;
 /// Predictions shorter than this teach nothing (a fully cached prompt on an idle worker is
 /// predicted at ~0 ms; its observed time is network and one step).
 pub const MIN_PREDICTED_MS: f64 = 1.0;
+/// The least spread of single log-ratio samples assumed (a fleet without jitter would
+/// otherwise trust one sample fully).
+const MIN_SAMPLE_VARIANCE: f64 = 0.01;
 
 /// Bytes of an encoded record.
-pub const RECORD_LEN: usize = 40;
-const MAGIC: u32 = 0x4b52_5431; // "KRT1"
+pub const RECORD_LEN: usize = 56;
+const MAGIC: u32 = 0x4b52_5432; // "KRT2"
 
 /// Shared-data key of worker entry `index`'s record.
 pub fn key(index: usize) -> String {
     format!("ekr.timing.{index}")
 }
 
-/// One worker's learned timing. `Default` is "nothing learned".
+/// What the timing polynomials predicted for one request on the worker it was sent to.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Prediction {
+    /// The whole time to first token: the queue ahead, the request's own prefill, the decode
+    /// steps in between (ms).
+    pub ttft_ms: f64,
+    /// The request's own uncached prefill alone (ms): the part of the time that is the worker's
+    /// compute, not a queue the router may not have seen.
+    pub own_ms: f64,
+}
+
+/// One worker's learned timing: decayed sums over its samples, each sample weighted by `p`, the
+/// predicted time of its own prefill. A sample whose time is mostly its own compute says how
+/// fast the worker is; one whose time is mostly a queue (a cached prompt behind other
+/// requests, some of them other replicas' that the router did not see) says little of it.
+/// `Default` is "nothing learned".
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct TimingRecord {
-    /// Decayed sum of observed TTFTs (ms).
-    pub observed_ms: f64,
-    /// Decayed sum of the predictions for the same requests (ms).
+    /// Σ p (ms).
     pub predicted_ms: f64,
-    /// Sample count, decayed in wall time only (so steady traffic trusts its own ratio fully,
-    /// and an idle worker's trust fades).
-    pub weight: f64,
+    /// Σ p · ln(observed / predicted).
+    pub log_ratio: f64,
+    /// Σ p · ln(observed / predicted)².
+    pub log_ratio_sq: f64,
+    /// Σ p² (for the effective sample count `(Σ p)² / Σ p²`).
+    pub predicted_sq: f64,
     /// When the sums were last decayed (ms since the epoch).
     pub updated_ms: u64,
     /// Samples ever taken (not decayed; for stats).
     pub samples: u32,
+}
+
+/// What one record says, as of a time: its mean log ratio, the spread of its samples around it,
+/// and how many samples it is worth.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Summary {
+    pub mean_log: f64,
+    /// Σ p · (x - mean)² over Σ p: the samples' variance around the mean.
+    pub variance: f64,
+    pub effective_samples: f64,
 }
 
 impl TimingRecord {
@@ -76,60 +115,77 @@ impl TimingRecord {
         } else {
             1.0
         };
+        self.scaled(keep, now_ms.max(self.updated_ms))
+    }
+
+    fn scaled(&self, keep: f64, updated_ms: u64) -> TimingRecord {
         TimingRecord {
-            observed_ms: self.observed_ms * keep,
             predicted_ms: self.predicted_ms * keep,
-            weight: self.weight * keep,
-            updated_ms: now_ms.max(self.updated_ms),
+            log_ratio: self.log_ratio * keep,
+            log_ratio_sq: self.log_ratio_sq * keep,
+            predicted_sq: self.predicted_sq * keep,
+            updated_ms,
             samples: self.samples,
         }
     }
 
-    /// Takes one request's observed TTFT against its prediction (both in ms). Returns whether
-    /// the sample was used (finite, and a prediction of at least [`MIN_PREDICTED_MS`]).
-    pub fn observe(&mut self, observed_ms: f64, predicted_ms: f64, now_ms: u64) -> bool {
-        if !(observed_ms.is_finite() && predicted_ms.is_finite())
-            || predicted_ms < MIN_PREDICTED_MS
+    /// Takes one request's observed TTFT (ms) against its prediction. Returns whether the
+    /// sample was used (finite, and a whole prediction and own prefill of at least
+    /// [`MIN_PREDICTED_MS`]).
+    pub fn observe(&mut self, observed_ms: f64, predicted: Prediction, now_ms: u64) -> bool {
+        let Prediction { ttft_ms, own_ms } = predicted;
+        if !(observed_ms.is_finite() && ttft_ms.is_finite() && own_ms.is_finite())
+            || ttft_ms < MIN_PREDICTED_MS
+            || own_ms < MIN_PREDICTED_MS
             || observed_ms < 0.0
         {
             return false;
         }
-        let observed = observed_ms.clamp(predicted_ms / MAX_RATIO, predicted_ms * MAX_RATIO);
-        let keep = 1.0 - 1.0 / SAMPLE_MEMORY;
-        let mut r = self.decayed(now_ms);
-        r.observed_ms = r.observed_ms * keep + observed;
-        r.predicted_ms = r.predicted_ms * keep + predicted_ms;
-        r.weight += 1.0;
+        let observed = observed_ms.clamp(ttft_ms / MAX_RATIO, ttft_ms * MAX_RATIO);
+        let x = (observed / ttft_ms).ln();
+        let p = own_ms.min(ttft_ms);
+        let decayed = self.decayed(now_ms);
+        let mut r = decayed.scaled(1.0 - 1.0 / SAMPLE_MEMORY, decayed.updated_ms);
+        r.predicted_ms += p;
+        r.log_ratio += p * x;
+        r.log_ratio_sq += p * x * x;
+        r.predicted_sq += p * p;
         r.samples = r.samples.saturating_add(1);
         *self = r;
         true
     }
 
-    /// The worker's timing factor at `now_ms`, blended with `prior` (the fleet's factor).
-    pub fn factor(&self, prior: f64, now_ms: u64) -> f64 {
-        let prior = clamp_factor(prior);
+    /// The record as of `now_ms`; `None` when nothing is left of what was learned.
+    pub fn summary(&self, now_ms: u64) -> Option<Summary> {
         let r = self.decayed(now_ms);
-        if !(r.weight > 1e-9 && r.predicted_ms > 0.0 && r.observed_ms > 0.0) {
-            return prior;
+        if !(r.predicted_ms > 1e-9 && r.predicted_sq > 0.0) {
+            return None;
         }
-        let ratio = clamp_factor(r.observed_ms / r.predicted_ms);
-        let trust = (r.weight / PRIOR_SAMPLES).min(1.0);
-        clamp_factor((trust * ratio.ln() + (1.0 - trust) * prior.ln()).exp())
+        let mean_log = r.log_ratio / r.predicted_ms;
+        let variance = (r.log_ratio_sq / r.predicted_ms - mean_log * mean_log).max(0.0);
+        let effective_samples = r.predicted_ms * r.predicted_ms / r.predicted_sq;
+        let sane = mean_log.is_finite() && variance.is_finite() && effective_samples.is_finite();
+        sane.then_some(Summary {
+            mean_log,
+            variance,
+            effective_samples,
+        })
     }
 
-    /// Decayed samples at `now_ms`.
+    /// Effective samples left at `now_ms` (0 when nothing was learned).
     pub fn weight_at(&self, now_ms: u64) -> f64 {
-        self.decayed(now_ms).weight
+        self.summary(now_ms).map_or(0.0, |s| s.effective_samples)
     }
 
     pub fn encode(&self) -> [u8; RECORD_LEN] {
         let mut out = [0u8; RECORD_LEN];
-        let parts: [&[u8]; 6] = [
+        let parts: [&[u8]; 7] = [
             &MAGIC.to_le_bytes(),
             &self.samples.to_le_bytes(),
-            &self.observed_ms.to_le_bytes(),
             &self.predicted_ms.to_le_bytes(),
-            &self.weight.to_le_bytes(),
+            &self.log_ratio.to_le_bytes(),
+            &self.log_ratio_sq.to_le_bytes(),
+            &self.predicted_sq.to_le_bytes(),
             &self.updated_ms.to_le_bytes(),
         ];
         let mut at = 0;
@@ -142,7 +198,8 @@ impl TimingRecord {
         out
     }
 
-    /// `None` for anything but a record [`Self::encode`] wrote with finite, non-negative sums.
+    /// `None` for anything but a record [`Self::encode`] wrote with finite sums (the weights
+    /// non-negative).
     pub fn decode(bytes: &[u8]) -> Option<TimingRecord> {
         let u32_at = |at: usize| -> Option<u32> {
             Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
@@ -155,13 +212,18 @@ impl TimingRecord {
         }
         let r = TimingRecord {
             samples: u32_at(4)?,
-            observed_ms: f64::from_bits(u64_at(8)?),
-            predicted_ms: f64::from_bits(u64_at(16)?),
-            weight: f64::from_bits(u64_at(24)?),
-            updated_ms: u64_at(32)?,
+            predicted_ms: f64::from_bits(u64_at(8)?),
+            log_ratio: f64::from_bits(u64_at(16)?),
+            log_ratio_sq: f64::from_bits(u64_at(24)?),
+            predicted_sq: f64::from_bits(u64_at(32)?),
+            updated_ms: u64_at(40)?,
         };
-        let sane = |v: f64| v.is_finite() && v >= 0.0;
-        (sane(r.observed_ms) && sane(r.predicted_ms) && sane(r.weight)).then_some(r)
+        let weight = |v: f64| v.is_finite() && v >= 0.0;
+        (weight(r.predicted_ms)
+            && weight(r.predicted_sq)
+            && weight(r.log_ratio_sq)
+            && r.log_ratio.is_finite())
+        .then_some(r)
     }
 }
 
@@ -172,7 +234,7 @@ pub fn record_sample(
     store: &impl SharedStore,
     index: usize,
     observed_ms: f64,
-    predicted_ms: f64,
+    predicted: Prediction,
     now_ms: u64,
 ) -> Option<TimingRecord> {
     let key = key(index);
@@ -182,7 +244,7 @@ pub fn record_sample(
             .as_deref()
             .and_then(TimingRecord::decode)
             .unwrap_or_default();
-        if !record.observe(observed_ms, predicted_ms, now_ms) {
+        if !record.observe(observed_ms, predicted, now_ms) {
             return None;
         }
         match store.set(&key, &record.encode(), cas) {
@@ -240,26 +302,58 @@ impl LearnedTimings {
         self.factors.resize(workers, 1.0);
     }
 
-    /// Recomputes the factors at `now_ms`: the fleet's as the sample-weighted geometric mean of
-    /// the workers' own ratios (1 when nothing was learned), then each worker's blended with it.
+    /// Recomputes the factors at `now_ms`: the fleet's mean log ratio (weighted by the workers'
+    /// effective samples; factor 1 when nothing was learned), then each worker's mean shrunk
+    /// toward it by how much of the workers' spread is noise (see the module's doc).
     pub fn refresh(&mut self, now_ms: u64) {
-        let (mut sum, mut weights) = (0.0, 0.0);
-        for r in &self.records {
-            let w = r.weight_at(now_ms);
-            if w > 1e-9 {
-                sum += w * r.factor(1.0, now_ms).ln();
-                weights += w;
-            }
-        }
-        self.fleet = if weights > 0.0 {
-            clamp_factor((sum / weights).exp())
+        let summaries: Vec<Option<Summary>> =
+            self.records.iter().map(|r| r.summary(now_ms)).collect();
+        let learned = || summaries.iter().flatten();
+        let samples: f64 = learned().map(|s| s.effective_samples).sum();
+        let fleet_log = if samples > 1e-9 {
+            learned()
+                .map(|s| s.effective_samples * s.mean_log)
+                .sum::<f64>()
+                / samples
         } else {
-            1.0
+            0.0
+        };
+        self.fleet = clamp_factor(fleet_log.exp());
+        let fleet_log = self.fleet.ln();
+        // Single samples' spread around their worker's mean, pooled over the fleet.
+        let within = if samples > 1e-9 {
+            learned()
+                .map(|s| s.effective_samples * s.variance)
+                .sum::<f64>()
+                / samples
+        } else {
+            0.0
+        }
+        .max(MIN_SAMPLE_VARIANCE);
+        // The workers' means' spread beyond what their noise gives (method of moments).
+        let workers = learned().count();
+        let between = if workers >= 2 {
+            let (mut spread, mut noise) = (0.0, 0.0);
+            for s in learned() {
+                spread += (s.mean_log - fleet_log).powi(2);
+                noise += within / s.effective_samples;
+            }
+            Some(((spread - noise) / workers as f64).max(0.0))
+        } else {
+            None
         };
         self.factors.clear();
-        let fleet = self.fleet;
-        self.factors
-            .extend(self.records.iter().map(|r| r.factor(fleet, now_ms)));
+        self.factors.extend(summaries.iter().map(|s| match s {
+            None => self.fleet,
+            Some(s) => {
+                let own = match between {
+                    Some(b) if b > 0.0 => b / (b + within / s.effective_samples),
+                    Some(_) => 0.0,
+                    None => s.effective_samples / (s.effective_samples + PRIOR_SAMPLES),
+                };
+                clamp_factor((fleet_log + own * (s.mean_log - fleet_log)).exp())
+            }
+        }));
     }
 
     /// Worker entry `index`'s factor (the fleet's for an unknown one).
@@ -275,9 +369,34 @@ impl LearnedTimings {
 #[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
+    use crate::rng::Rng;
+
+    /// A prediction that is all the request's own prefill.
+    fn all(ms: f64) -> Prediction {
+        Prediction {
+            ttft_ms: ms,
+            own_ms: ms,
+        }
+    }
 
     fn near(a: f64, b: f64, rel: f64) -> bool {
         (a - b).abs() <= rel * b.abs()
+    }
+
+    /// Workers `slowness[i]` times slower than predicted, `samples` each, every sample's ratio
+    /// multiplied by a jitter of `exp(±jitter)` (uniform in log).
+    fn fleet(slowness: &[f64], samples: u64, jitter: f64, seed: u64) -> LearnedTimings {
+        let mut rng = Rng::new(seed);
+        let mut t = LearnedTimings::default();
+        t.resize(slowness.len());
+        for i in 0..samples {
+            for (w, slow) in slowness.iter().enumerate() {
+                let noise = ((rng.next_f64() * 2.0 - 1.0) * jitter).exp();
+                t.records[w].observe(100.0 * slow * noise, all(100.0), i);
+            }
+        }
+        t.refresh(samples);
+        t
     }
 
     #[test]
@@ -287,76 +406,167 @@ mod tests {
         let mut t = LearnedTimings::default();
         t.resize(3);
         assert_eq!(t.factor(2), 1.0);
-    }
-
-    #[test]
-    fn nothing_learned_is_the_prior() {
-        let r = TimingRecord::default();
-        assert_eq!(r.factor(1.0, 0), 1.0);
-        assert_eq!(r.factor(2.5, 1000), 2.5);
+        t.refresh(1_000);
+        assert_eq!((t.factors.clone(), t.fleet), (vec![1.0; 3], 1.0));
     }
 
     #[test]
     fn a_worker_twice_as_slow_as_predicted_learns_two() {
-        let mut r = TimingRecord::default();
+        let t = fleet(&[2.0], 64, 0.0, 1);
+        assert!(near(t.factor(0), 2.0, 0.01), "{}", t.factor(0));
+        // A worker added later starts at the fleet's factor.
+        assert!(near(t.factor(5), 2.0, 0.01));
+    }
+
+    #[test]
+    fn queue_dominated_samples_say_little_of_speed() {
+        // Long prompts computed as fast as predicted, alternating with cached prompts (2 ms of
+        // their own) that waited 3x their prediction behind requests the router did not see:
+        // the worker computes at the predicted speed (weighing by whole predictions would say
+        // 1.25, counting samples alike 1.7).
+        let mut t = LearnedTimings::default();
+        t.resize(1);
+        let queued = Prediction {
+            ttft_ms: 50.0,
+            own_ms: 2.0,
+        };
         for i in 0..64 {
-            assert!(r.observe(200.0, 100.0, i * 10));
+            assert!(t.records[0].observe(200.0, all(200.0), i));
+            assert!(t.records[0].observe(150.0, queued, i));
         }
-        let f = r.factor(1.0, 640);
-        assert!(near(f, 2.0, 0.01), "{f}");
-        // Few samples stay close to the prior.
-        let mut few = TimingRecord::default();
-        few.observe(200.0, 100.0, 0);
-        let f1 = few.factor(1.0, 0);
-        assert!(f1 > 1.15 && f1 < 1.25, "{f1}");
+        t.refresh(64);
+        assert!(t.factor(0) < 1.05, "{}", t.factor(0));
+        // A fully cached prompt has nothing of its own to compute: it teaches nothing.
+        let cached = Prediction {
+            ttft_ms: 50.0,
+            own_ms: 0.0,
+        };
+        assert!(!t.records[0].observe(150.0, cached, 65));
     }
 
     #[test]
     fn a_worker_that_speeds_up_is_relearned_within_its_sample_memory() {
-        let mut r = TimingRecord::default();
-        for i in 0..200 {
-            r.observe(300.0, 100.0, i);
-        }
-        assert!(near(r.factor(1.0, 200), 3.0, 0.03));
+        let mut t = fleet(&[3.0], 200, 0.0, 1);
+        assert!(near(t.factor(0), 3.0, 0.03));
         for i in 0..100 {
-            r.observe(100.0, 100.0, 200 + i);
+            t.records[0].observe(100.0, all(100.0), 200 + i);
         }
-        let f = r.factor(1.0, 300);
+        t.refresh(300);
+        let f = t.factor(0);
         assert!(f < 1.2, "after 100 samples at 1x the factor is {f}");
     }
 
     #[test]
-    fn an_idle_worker_drifts_back_to_the_prior() {
-        let mut r = TimingRecord::default();
-        for i in 0..100 {
-            r.observe(400.0, 100.0, i);
+    fn a_fleet_of_one_speed_is_priced_as_one_whatever_its_noise() {
+        // Eight equal workers, 15 samples each with a 2x jitter either way: each worker's own
+        // mean strays by noise (the unshrunk estimate's spread), the factors do not, but for
+        // the odd draw where one worker's noise looks like a real difference.
+        let spread = |v: &mut dyn Iterator<Item = f64>| {
+            let (lo, hi) = v.fold((f64::MAX, 0.0f64), |(lo, hi), f| (lo.min(f), hi.max(f)));
+            hi / lo
+        };
+        let mut flat = 0;
+        for seed in 1..=20 {
+            let t = fleet(&[1.5; 8], 15, 2f64.ln(), seed);
+            let shrunk = spread(&mut t.factors.iter().copied());
+            let now = 15;
+            let raw = spread(
+                &mut t
+                    .records
+                    .iter()
+                    .map(|r| r.summary(now).map_or(1.0, |s| s.mean_log.exp())),
+            );
+            assert!(
+                raw > 1.15,
+                "seed {seed}: the noise is large enough to matter ({raw})"
+            );
+            assert!(
+                shrunk < 1.4 && shrunk <= raw,
+                "seed {seed}: {shrunk} (unshrunk {raw})"
+            );
+            flat += usize::from(shrunk < 1.02);
+            assert!(near(t.fleet, 1.5, 0.1), "seed {seed}: fleet {}", t.fleet);
         }
-        assert!(near(r.factor(1.0, 100), 4.0, 0.03));
-        // Six half-lives later: ~1.6 samples of weight left, the prior has over half the say.
-        let later = 100 + 6 * HALF_LIFE_MS as u64;
-        let f = r.factor(1.0, later);
-        assert!(f > 1.5 && f < 2.2, "{f}");
-        let much_later = 100 + 20 * HALF_LIFE_MS as u64;
-        assert!(r.factor(1.0, much_later) < 1.01);
+        assert!(flat >= 15, "{flat} of 20 fleets priced flat");
+        // The same noise and samples on workers 1x, 2x and 4x apart: each is priced by its own.
+        for seed in 1..=20 {
+            let t = fleet(&[1.0, 1.0, 2.0, 2.0, 4.0, 4.0], 15, 2f64.ln(), seed);
+            for (f, slow) in t.factors.iter().zip([1.0, 1.0, 2.0, 2.0, 4.0, 4.0]) {
+                assert!(
+                    near(*f / t.fleet, slow / 2.0, 0.3),
+                    "seed {seed}: {:?}",
+                    t.factors
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_noisy_worker_is_trusted_as_far_as_its_samples_go() {
+        // Three workers at 1x with many samples, a fourth 2x slower: with few noisy samples it
+        // is priced between the fleet and its own mean, with many at its own.
+        let noisy = |samples| {
+            let mut t = fleet(&[1.0, 1.0, 1.0], 200, 0.5, 3);
+            let mut rng = Rng::new(9);
+            t.resize(4);
+            for i in 0..samples {
+                let noise = ((rng.next_f64() * 2.0 - 1.0) * 0.5).exp();
+                t.records[3].observe(200.0 * noise, all(100.0), 200 + i);
+            }
+            t.refresh(200 + samples);
+            t.factor(3) / t.factor(0)
+        };
+        let (few, many) = (noisy(2), noisy(100));
+        assert!(few > 1.05 && few < 1.9, "2 samples: {few}");
+        assert!(near(many, 2.0, 0.1), "100 samples: {many}");
+    }
+
+    #[test]
+    fn an_idle_worker_drifts_back_to_the_fleet() {
+        // Worker 1 is 4x slower and stops getting traffic; worker 0 keeps getting it.
+        let mut t = fleet(&[1.0, 4.0], 100, 0.3, 5);
+        assert!(near(t.factor(1) / t.factor(0), 4.0, 0.1));
+        let mut rng = Rng::new(6);
+        let mut at = |t: &mut LearnedTimings, half_lives: u64| {
+            let until = 100 + half_lives * HALF_LIFE_MS as u64;
+            let mut now = 100;
+            while now < until {
+                now += 1_000;
+                let noise = ((rng.next_f64() * 2.0 - 1.0) * 0.3).exp();
+                t.records[0].observe(100.0 * noise, all(100.0), now);
+            }
+            t.refresh(now);
+            t.factor(1) / t.factor(0)
+        };
+        let later = at(&mut t, 10);
+        assert!(later > 1.2 && later < 3.5, "{later}");
+        let much_later = at(&mut t, 20);
+        assert!(much_later < 1.2, "{much_later}");
     }
 
     #[test]
     fn outliers_and_useless_samples_are_bounded() {
         let mut r = TimingRecord::default();
-        assert!(!r.observe(f64::NAN, 100.0, 0));
-        assert!(!r.observe(100.0, 0.2, 0));
-        assert!(!r.observe(-1.0, 100.0, 0));
+        assert!(!r.observe(f64::NAN, all(100.0), 0));
+        assert!(!r.observe(100.0, all(0.2), 0));
+        assert!(!r.observe(-1.0, all(100.0), 0));
         assert_eq!(r, TimingRecord::default());
         for i in 0..100 {
-            r.observe(1e12, 10.0, i);
+            r.observe(1e12, all(10.0), i);
         }
-        assert!(r.factor(1.0, 100) <= MAX_RATIO * 1.0001);
+        let mut t = LearnedTimings {
+            records: vec![r],
+            ..LearnedTimings::default()
+        };
+        t.refresh(100);
+        assert!(t.factor(0) <= MAX_RATIO * 1.0001);
     }
 
     #[test]
     fn records_round_trip_and_garbage_is_refused() {
         let mut r = TimingRecord::default();
-        r.observe(123.0, 45.0, 1_700_000_000_000);
+        r.observe(123.0, all(45.0), 1_700_000_000_000);
+        r.observe(12.0, all(45.0), 1_700_000_000_001);
         let bytes = r.encode();
         assert_eq!(TimingRecord::decode(&bytes), Some(r));
         assert_eq!(TimingRecord::decode(&bytes[1..]), None);
@@ -366,6 +576,9 @@ mod tests {
         let mut nan = bytes;
         nan[8..16].copy_from_slice(&f64::NAN.to_bits().to_le_bytes());
         assert_eq!(TimingRecord::decode(&nan), None);
+        let mut negative = bytes;
+        negative[32..40].copy_from_slice(&(-1.0f64).to_bits().to_le_bytes());
+        assert_eq!(TimingRecord::decode(&negative), None);
     }
 
     #[test]
@@ -373,41 +586,36 @@ mod tests {
         use crate::store::fake::MemStore;
         let store = MemStore::new();
         assert_eq!(read_record(&store, 3), TimingRecord::default());
-        record_sample(&store, 3, 300.0, 100.0, 10).unwrap();
+        record_sample(&store, 3, 300.0, all(100.0), 10).unwrap();
         // Another VM writes between this one's get and set: the CAS retry keeps both samples.
         let raced = std::rc::Rc::new(std::cell::Cell::new(false));
         let flag = std::rc::Rc::clone(&raced);
         store.set_hook(move |s, op| {
             if matches!(op, crate::store::fake::Op::Set(_)) && !flag.get() {
                 flag.set(true);
-                record_sample(s, 3, 300.0, 100.0, 10);
+                record_sample(s, 3, 300.0, all(100.0), 10);
             }
         });
-        let written = record_sample(&store, 3, 300.0, 100.0, 10).unwrap();
+        let written = record_sample(&store, 3, 300.0, all(100.0), 10).unwrap();
         store.clear_hook();
         assert!(raced.get());
         assert_eq!(written.samples, 3);
         assert_eq!(read_record(&store, 3), written);
         assert_eq!(read_record(&store, 2), TimingRecord::default());
-        assert!(record_sample(&store, 3, 300.0, 0.0, 10).is_none());
+        assert!(record_sample(&store, 3, 300.0, all(0.0), 10).is_none());
     }
 
     #[test]
     fn a_mixed_fleet_learns_each_workers_relative_speed() {
         // Workers 1x, 2x and 4x slower than predicted; a new fourth worker starts at the
         // fleet's factor.
-        let mut t = LearnedTimings::default();
+        let mut t = fleet(&[1.0, 2.0, 4.0], 100, 0.2, 7);
         t.resize(4);
-        for i in 0..100u64 {
-            for (w, slow) in [1.0, 2.0, 4.0].iter().enumerate() {
-                t.records[w].observe(50.0 * slow, 50.0, i);
-            }
-        }
         t.refresh(100);
-        assert!(near(t.factor(0), 1.0, 0.03));
-        assert!(near(t.factor(1), 2.0, 0.03));
-        assert!(near(t.factor(2), 4.0, 0.03));
-        assert!(near(t.fleet, 2.0, 0.03), "{}", t.fleet);
+        assert!(near(t.factor(0), 1.0, 0.05), "{:?}", t.factors);
+        assert!(near(t.factor(1), 2.0, 0.05));
+        assert!(near(t.factor(2), 4.0, 0.05));
+        assert!(near(t.fleet, 2.0, 0.05), "{}", t.fleet);
         assert!(near(t.factor(3), t.fleet, 1e-9));
         assert!(near(t.factor(99), t.fleet, 1e-9));
     }

@@ -27,7 +27,7 @@ use crate::affinity::{affine_slot, AffinityCandidate};
 use crate::config::{Config, KvPolicy, RoutingMode, TtftConfig};
 use crate::cost;
 use crate::filters;
-use crate::learn::LearnedTimings;
+use crate::learn::{LearnedTimings, Prediction};
 use crate::load::SlotLoad;
 use crate::request::{LlmRequest, Pin};
 use crate::rng::Rng;
@@ -193,8 +193,8 @@ pub struct Decision {
     pub isl_tokens: u32,
     pub reason: Reason,
     /// The chosen slot's time to first token as the timing polynomials predict it, before the
-    /// learned factor (`kv` mode with the predicted policy): what the response is compared with.
-    pub predicted_base_ms: Option<f64>,
+    /// learned factor (`kv` mode with a `ttft` model): what the response is compared with.
+    pub prediction: Option<Prediction>,
 }
 
 /// Input tokens of a request: its token ids, else `ceil(text_chars / 4)`; saturates at u32::MAX.
@@ -419,11 +419,14 @@ pub fn decide(
     state.buffers.candidates = candidates;
 
     let overlap = overlap_of(slot);
-    let predicted_base_ms = match &config.ttft {
+    let prediction = match &config.ttft {
         Some(t) if config.mode == RoutingMode::Kv => {
             ttft_score(config, t, input, slot, isl, overlap, load_of(slot))
                 .ok()
-                .map(|p| p.base_ms)
+                .map(|p| Prediction {
+                    ttft_ms: p.base_ms,
+                    own_ms: p.own_prefill_ms,
+                })
         }
         _ => None,
     };
@@ -439,7 +442,7 @@ pub fn decide(
         prompt_blocks: cost::new_decode_blocks(input.prompt_blocks, &overlap),
         isl_tokens: isl,
         reason,
-        predicted_base_ms,
+        prediction,
     })
 }
 
@@ -1009,7 +1012,9 @@ mod tests {
         let d = decide(&c, &input(None), &mut SelectorState::new(1)).unwrap();
         assert_eq!(d.scores, vec![(0, 18.0), (1, 10.0), (2, 11.0)]);
         // The time-to-first-token model still predicts the choice, for the learning.
-        assert!(d.predicted_base_ms.is_some_and(|ms| ms > 0.0));
+        assert!(d
+            .prediction
+            .is_some_and(|p| p.ttft_ms > 0.0 && p.own_ms > 0.0 && p.own_ms <= p.ttft_ms));
     }
 
     /// Dynamo docs worked example (`"policy": "dynamo"`): block size 16, 160-token prompt (raw prefill 10

@@ -98,6 +98,9 @@ pub struct PredictedTtft {
     /// `prefill + decode + admission` before the learned factor and any preference: what the
     /// timing polynomials alone predict, which [`crate::learn`] compares with the observed TTFT.
     pub base_ms: f64,
+    /// The request's own uncached tokens alone, in steps, on this slot's worker (ms): the part
+    /// of `base_ms` that is its own compute, not the queue ahead.
+    pub own_prefill_ms: f64,
     /// `compute_weight` times the request's own prefill time (tier-weighted uncached tokens).
     pub compute_ms: f64,
     /// What the router minimises: `ttft_ms + compute_ms`.
@@ -226,6 +229,7 @@ pub fn predicted_ttft(
         admission_ms,
         ttft_ms,
         base_ms: prefill_ms + decode_ms + admission_ms,
+        own_prefill_ms: chunked_prefill_ms(prefill_poly, uncached_tokens, chunk),
         compute_ms,
         score_ms,
     })

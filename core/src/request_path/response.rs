@@ -167,7 +167,7 @@ impl RequestPath {
             booking.address = upstream;
             // The prediction was for the first host: nothing to learn from this response.
             booking.sample.worker_index = index;
-            booking.sample.predicted_ms = None;
+            booking.sample.prediction = None;
             if let Some(detail) = self.outcome.as_mut().and_then(|o| o.detail.as_mut()) {
                 detail.worker = worker.id.to_string();
             }

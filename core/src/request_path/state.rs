@@ -210,9 +210,10 @@ impl RoutingState {
             let ttft = WorkerHistogram::TtftMs;
             host.worker_histogram(sample.worker_index, worker, ttft, observed as u64);
         }
-        let Some(predicted) = sample.predicted_ms else {
+        let Some(prediction) = sample.prediction else {
             return;
         };
+        let predicted = prediction.ttft_ms;
         let factor = self.learned.factor(sample.worker_index);
         if predicted >= learn::MIN_PREDICTED_MS {
             // How far off the learned prediction was, in percent of it.
@@ -225,7 +226,7 @@ impl RoutingState {
             }
         }
         if let Some(record) =
-            learn::record_sample(host.store(), sample.worker_index, observed, predicted, now)
+            learn::record_sample(host.store(), sample.worker_index, observed, prediction, now)
         {
             if let Some(r) = self.learned.records.get_mut(sample.worker_index) {
                 *r = record;
@@ -282,8 +283,8 @@ pub struct Sample {
     pub worker_index: usize,
     pub routed_ms: u64,
     /// The polynomials' prediction for the chosen slot; `None` when there is nothing to learn
-    /// (another policy, or the request moved to a retry's host).
-    pub predicted_ms: Option<f64>,
+    /// (another mode, or the request moved to a retry's host).
+    pub prediction: Option<learn::Prediction>,
 }
 
 /// The id of worker entry `index` (0 if there is none).

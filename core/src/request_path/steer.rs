@@ -121,7 +121,7 @@ impl RequestPath {
                 sample: Sample {
                     worker_index: usize::from(slot.worker),
                     routed_ms: now,
-                    predicted_ms: decision.predicted_base_ms,
+                    prediction: decision.prediction,
                 },
                 first_token_ms: 0,
                 chunks: 0,
