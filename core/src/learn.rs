@@ -310,26 +310,21 @@ impl LearnedTimings {
             self.records.iter().map(|r| r.summary(now_ms)).collect();
         let learned = || summaries.iter().flatten();
         let samples: f64 = learned().map(|s| s.effective_samples).sum();
-        let fleet_log = if samples > 1e-9 {
-            learned()
-                .map(|s| s.effective_samples * s.mean_log)
-                .sum::<f64>()
-                / samples
-        } else {
-            0.0
+        // A value's mean over the fleet, each worker weighted by its effective samples.
+        let fleet_mean = |value: fn(&Summary) -> f64| {
+            if samples > 1e-9 {
+                learned()
+                    .map(|s| s.effective_samples * value(s))
+                    .sum::<f64>()
+                    / samples
+            } else {
+                0.0
+            }
         };
-        self.fleet = clamp_factor(fleet_log.exp());
+        self.fleet = clamp_factor(fleet_mean(|s| s.mean_log).exp());
         let fleet_log = self.fleet.ln();
         // Single samples' spread around their worker's mean, pooled over the fleet.
-        let within = if samples > 1e-9 {
-            learned()
-                .map(|s| s.effective_samples * s.variance)
-                .sum::<f64>()
-                / samples
-        } else {
-            0.0
-        }
-        .max(MIN_SAMPLE_VARIANCE);
+        let within = fleet_mean(|s| s.variance).max(MIN_SAMPLE_VARIANCE);
         // The workers' means' spread beyond what their noise gives (method of moments).
         let workers = learned().count();
         let between = if workers >= 2 {
