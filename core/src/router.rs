@@ -33,7 +33,7 @@ use crate::request::{LlmRequest, Pin};
 use crate::rng::Rng;
 pub use crate::route_error::{Incompatibility, RouteError};
 use crate::select;
-use crate::ttft::{predicted_ttft, EngineTiming, PredictedTtft, TtftInputs};
+use crate::ttft::{self, predicted_ttft, EngineTiming, PredictedTtft, TtftInputs};
 use crate::types::{Overlap, SlotIdx};
 
 /// Characters per token assumed for requests without token ids.
@@ -423,9 +423,12 @@ pub fn decide(
         Some(t) if config.mode == RoutingMode::Kv => {
             ttft_score(config, t, input, slot, isl, overlap, load_of(slot))
                 .ok()
-                .map(|p| Prediction {
-                    ttft_ms: p.base_ms,
-                    own_ms: p.own_prefill_ms,
+                .map(|p| {
+                    let (timing, chunk) = slot_engine(config, t, slot);
+                    Prediction {
+                        ttft_ms: p.base_ms,
+                        own_ms: ttft::own_prefill_ms(&timing, p.uncached_tokens, chunk),
+                    }
                 })
         }
         _ => None,
@@ -628,13 +631,12 @@ fn ttft_score(
         (Some(l), None) => (l.fleet, l.fleet),
         (None, _) => (1.0, 1.0),
     };
+    let (timing, chunk_tokens) = slot_engine(config, ttft, slot);
     let inputs = TtftInputs {
         isl_tokens,
         overlap,
         load,
-        chunk_tokens: worker
-            .and_then(|w| w.max_num_batched_tokens)
-            .unwrap_or(ttft.chunk_tokens),
+        chunk_tokens,
         kv_capacity_blocks: worker.and_then(|w| w.kv_capacity_blocks),
         kv_usage: input.kv_usage.get(usize::from(slot)).copied().flatten(),
         output_tokens: input
@@ -647,6 +649,16 @@ fn ttft_score(
         fleet_factor,
         arrivals_per_ms: input.arrivals_per_ms,
     };
+    predicted_ttft(ttft, &config.cost, &timing, config.block_size, &inputs)
+}
+
+/// `slot`'s worker's timing polynomials (its own, else the fleet's) and prefill step size.
+fn slot_engine<'a>(
+    config: &'a Config,
+    ttft: &'a TtftConfig,
+    slot: SlotIdx,
+) -> (EngineTiming<'a>, u32) {
+    let worker = config.worker_of_slot(slot);
     let fleet_prefill = &config.load.prefill_time_ms_poly;
     let fleet_decode = &ttft.decode_step_ms_poly;
     let timing = EngineTiming {
@@ -654,7 +666,10 @@ fn ttft_score(
         fleet_prefill_ms_poly: fleet_prefill,
         decode_step_ms_poly: worker.map_or(fleet_decode, |w| w.decode_poly(fleet_decode)),
     };
-    predicted_ttft(ttft, &config.cost, &timing, config.block_size, &inputs)
+    let chunk = worker
+        .and_then(|w| w.max_num_batched_tokens)
+        .unwrap_or(ttft.chunk_tokens);
+    (timing, chunk)
 }
 
 /// The fallbacks: the best `fallback_count` candidates (by cost, else fewest in flight; ties by

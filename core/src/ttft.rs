@@ -98,9 +98,6 @@ pub struct PredictedTtft {
     /// `prefill + decode + admission` before the learned factor and any preference: what the
     /// timing polynomials alone predict, which [`crate::learn`] compares with the observed TTFT.
     pub base_ms: f64,
-    /// The request's own uncached tokens alone, in steps, on this slot's worker (ms): the part
-    /// of `base_ms` that is its own compute, not the queue ahead.
-    pub own_prefill_ms: f64,
     /// `compute_weight` times the request's own prefill time (tier-weighted uncached tokens).
     pub compute_ms: f64,
     /// What the router minimises: `ttft_ms + compute_ms`.
@@ -133,6 +130,17 @@ pub fn prefill_duration_ms(poly: &[f64], tokens: u32, chunk: Option<u32>) -> f64
     } else {
         0.0
     }
+}
+
+/// The request's own `uncached_tokens` alone, in steps of `chunk_tokens`, on an engine of
+/// `timing` (ms): the part of a prediction's `base_ms` that is its own compute, not the queue
+/// ahead. Computed for the chosen slot only, for the learning ([`crate::learn::Prediction`]).
+pub fn own_prefill_ms(timing: &EngineTiming, uncached_tokens: f64, chunk_tokens: u32) -> f64 {
+    chunked_prefill_ms(
+        timing.prefill_ms_poly,
+        uncached_tokens,
+        f64::from(chunk_tokens.max(1)),
+    )
 }
 
 /// A polynomial (lowest degree first) at `x`.
@@ -229,7 +237,6 @@ pub fn predicted_ttft(
         admission_ms,
         ttft_ms,
         base_ms: prefill_ms + decode_ms + admission_ms,
-        own_prefill_ms: chunked_prefill_ms(prefill_poly, uncached_tokens, chunk),
         compute_ms,
         score_ms,
     })
