@@ -509,10 +509,16 @@ mod tests {
                 t.records[3].observe(200.0 * noise, all(100.0), 200 + i);
             }
             t.refresh(200 + samples);
-            t.factor(3) / t.factor(0)
+            // Its own mean, unshrunk, against the others'.
+            let own = t.records[3].summary(200 + samples).unwrap().mean_log.exp() / t.factor(0);
+            (t.factor(3) / t.factor(0), own)
         };
-        let (few, many) = (noisy(2), noisy(100));
+        let ((few, few_own), (many, _)) = (noisy(2), noisy(100));
         assert!(few > 1.05 && few < 1.9, "2 samples: {few}");
+        assert!(
+            few < few_own * 0.95,
+            "2 samples: {few}, its own mean {few_own}"
+        );
         assert!(near(many, 2.0, 0.1), "100 samples: {many}");
     }
 
