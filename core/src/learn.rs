@@ -55,9 +55,12 @@ pub const MIN_PREDICTED_MS: f64 = 1.0;
 /// otherwise trust one sample fully).
 const MIN_SAMPLE_VARIANCE: f64 = 0.01;
 
+/// The pooled slope of the log ratio on the log own prefill is kept within `±MAX_SLOPE`.
+const MAX_SLOPE: f64 = 2.0;
+
 /// Bytes of an encoded record.
-pub const RECORD_LEN: usize = 56;
-const MAGIC: u32 = 0x4b52_5432; // "KRT2"
+pub const RECORD_LEN: usize = 72;
+const MAGIC: u32 = 0x4b52_5433; // "KRT3"
 
 /// Shared-data key of worker entry `index`'s record.
 pub fn key(index: usize) -> String {
@@ -90,6 +93,12 @@ pub struct TimingRecord {
     pub log_ratio_sq: f64,
     /// Σ p² (for the effective sample count `(Σ p)² / Σ p²`).
     pub predicted_sq: f64,
+    /// Σ p · ln(own prefill) (the sample's size, for the mix adjustment).
+    pub log_own: f64,
+    /// Σ p · ln(own prefill)².
+    pub log_own_sq: f64,
+    /// Σ p · ln(observed / predicted) · ln(own prefill).
+    pub cross: f64,
     /// When the sums were last decayed (ms since the epoch).
     pub updated_ms: u64,
     /// Samples ever taken (not decayed; for stats).
@@ -104,6 +113,12 @@ pub struct Summary {
     /// Σ p · (x - mean)² over Σ p: the samples' variance around the mean.
     pub variance: f64,
     pub effective_samples: f64,
+    /// The weighted mean of the samples' log own prefill (their size).
+    pub mean_size: f64,
+    /// The weighted variance of the samples' log own prefill.
+    pub size_variance: f64,
+    /// The weighted covariance of the log ratio with the log own prefill.
+    pub covariance: f64,
 }
 
 impl TimingRecord {
@@ -124,6 +139,9 @@ impl TimingRecord {
             log_ratio: self.log_ratio * keep,
             log_ratio_sq: self.log_ratio_sq * keep,
             predicted_sq: self.predicted_sq * keep,
+            log_own: self.log_own * keep,
+            log_own_sq: self.log_own_sq * keep,
+            cross: self.cross * keep,
             updated_ms,
             samples: self.samples,
         }
@@ -144,12 +162,16 @@ impl TimingRecord {
         let observed = observed_ms.clamp(ttft_ms / MAX_RATIO, ttft_ms * MAX_RATIO);
         let x = (observed / ttft_ms).ln();
         let p = own_ms.min(ttft_ms);
+        let z = p.ln();
         let decayed = self.decayed(now_ms);
         let mut r = decayed.scaled(1.0 - 1.0 / SAMPLE_MEMORY, decayed.updated_ms);
         r.predicted_ms += p;
         r.log_ratio += p * x;
         r.log_ratio_sq += p * x * x;
         r.predicted_sq += p * p;
+        r.log_own += p * z;
+        r.log_own_sq += p * z * z;
+        r.cross += p * x * z;
         r.samples = r.samples.saturating_add(1);
         *self = r;
         true
@@ -161,15 +183,30 @@ impl TimingRecord {
         if !(r.predicted_ms > 1e-9 && r.predicted_sq > 0.0) {
             return None;
         }
-        let mean_log = r.log_ratio / r.predicted_ms;
-        let variance = (r.log_ratio_sq / r.predicted_ms - mean_log * mean_log).max(0.0);
-        let effective_samples = r.predicted_ms * r.predicted_ms / r.predicted_sq;
-        let sane = mean_log.is_finite() && variance.is_finite() && effective_samples.is_finite();
-        sane.then_some(Summary {
+        let w = r.predicted_ms;
+        let mean_log = r.log_ratio / w;
+        let variance = (r.log_ratio_sq / w - mean_log * mean_log).max(0.0);
+        let effective_samples = w * w / r.predicted_sq;
+        let mean_size = r.log_own / w;
+        let size_variance = (r.log_own_sq / w - mean_size * mean_size).max(0.0);
+        let covariance = r.cross / w - mean_log * mean_size;
+        let summary = Summary {
             mean_log,
             variance,
             effective_samples,
-        })
+            mean_size,
+            size_variance,
+            covariance,
+        };
+        let values = [
+            mean_log,
+            variance,
+            effective_samples,
+            mean_size,
+            size_variance,
+            covariance,
+        ];
+        values.iter().all(|v| v.is_finite()).then_some(summary)
     }
 
     /// Effective samples left at `now_ms` (0 when nothing was learned).
@@ -179,13 +216,16 @@ impl TimingRecord {
 
     pub fn encode(&self) -> [u8; RECORD_LEN] {
         let mut out = [0u8; RECORD_LEN];
-        let parts: [&[u8]; 7] = [
+        let parts: [&[u8]; 10] = [
             &MAGIC.to_le_bytes(),
             &self.samples.to_le_bytes(),
             &self.predicted_ms.to_le_bytes(),
             &self.log_ratio.to_le_bytes(),
             &self.log_ratio_sq.to_le_bytes(),
             &self.predicted_sq.to_le_bytes(),
+            &self.log_own.to_le_bytes(),
+            &self.log_own_sq.to_le_bytes(),
+            &self.cross.to_le_bytes(),
             &self.updated_ms.to_le_bytes(),
         ];
         let mut at = 0;
@@ -216,13 +256,19 @@ impl TimingRecord {
             log_ratio: f64::from_bits(u64_at(16)?),
             log_ratio_sq: f64::from_bits(u64_at(24)?),
             predicted_sq: f64::from_bits(u64_at(32)?),
-            updated_ms: u64_at(40)?,
+            log_own: f64::from_bits(u64_at(40)?),
+            log_own_sq: f64::from_bits(u64_at(48)?),
+            cross: f64::from_bits(u64_at(56)?),
+            updated_ms: u64_at(64)?,
         };
         let weight = |v: f64| v.is_finite() && v >= 0.0;
         (weight(r.predicted_ms)
             && weight(r.predicted_sq)
             && weight(r.log_ratio_sq)
-            && r.log_ratio.is_finite())
+            && weight(r.log_own_sq)
+            && r.log_ratio.is_finite()
+            && r.log_own.is_finite()
+            && r.cross.is_finite())
         .then_some(r)
     }
 }
@@ -311,7 +357,7 @@ impl LearnedTimings {
         let learned = || summaries.iter().flatten();
         let samples: f64 = learned().map(|s| s.effective_samples).sum();
         // A value's mean over the fleet, each worker weighted by its effective samples.
-        let fleet_mean = |value: fn(&Summary) -> f64| {
+        let fleet_mean = |value: &dyn Fn(&Summary) -> f64| {
             if samples > 1e-9 {
                 learned()
                     .map(|s| s.effective_samples * value(s))
@@ -321,16 +367,30 @@ impl LearnedTimings {
                 0.0
             }
         };
-        self.fleet = clamp_factor(fleet_mean(|s| s.mean_log).exp());
+        // How the log ratio moves with the size of a sample's own prefill, within workers,
+        // pooled (one slope for the fleet: the predictor's error in form, not a worker's
+        // speed). Each worker's mean is then read at the fleet's mean size, so a worker that
+        // happened to get the short prompts is not priced by the predictor's error on them.
+        let size_spread = fleet_mean(&|s| s.size_variance);
+        let slope = if size_spread > 1e-6 {
+            (fleet_mean(&|s| s.covariance) / size_spread).clamp(-MAX_SLOPE, MAX_SLOPE)
+        } else {
+            0.0
+        };
+        let center = fleet_mean(&|s| s.mean_size);
+        let adjusted = |s: &Summary| s.mean_log - slope * (s.mean_size - center);
+        self.fleet = clamp_factor(fleet_mean(&adjusted).exp());
         let fleet_log = self.fleet.ln();
-        // Single samples' spread around their worker's mean, pooled over the fleet.
-        let within = fleet_mean(|s| s.variance).max(MIN_SAMPLE_VARIANCE);
+        // Single samples' spread around their worker's line, pooled over the fleet.
+        let residual =
+            |s: &Summary| s.variance - 2.0 * slope * s.covariance + slope * slope * s.size_variance;
+        let within = fleet_mean(&residual).max(MIN_SAMPLE_VARIANCE);
         // The workers' means' spread beyond what their noise gives (method of moments).
         let workers = learned().count();
         let between = if workers >= 2 {
             let (mut spread, mut noise) = (0.0, 0.0);
             for s in learned() {
-                spread += (s.mean_log - fleet_log).powi(2);
+                spread += (adjusted(s) - fleet_log).powi(2);
                 noise += within / s.effective_samples;
             }
             Some(((spread - noise) / workers as f64).max(0.0))
@@ -346,7 +406,7 @@ impl LearnedTimings {
                     Some(_) => 0.0,
                     None => s.effective_samples / (s.effective_samples + PRIOR_SAMPLES),
                 };
-                clamp_factor((fleet_log + own * (s.mean_log - fleet_log)).exp())
+                clamp_factor((fleet_log + own * (adjusted(s) - fleet_log)).exp())
             }
         }));
     }
@@ -492,6 +552,63 @@ mod tests {
                     "seed {seed}: {:?}",
                     t.factors
                 );
+            }
+        }
+    }
+
+    /// Workers `slowness[i]` times slower, each sent short prompts (own prefill 10 ms) and long
+    /// ones (400 ms), worker `i` a share `long[i]` of long ones; the predictor errs by prompt
+    /// size (observed = slowness × predicted × (own / 100 ms)^0.4, a 4.4x spread between the
+    /// sizes) with a jitter of `exp(±0.3)`.
+    fn mixes(slowness: &[f64], long: &[f64], samples: u64, seed: u64) -> LearnedTimings {
+        let mut rng = Rng::new(seed);
+        let mut t = LearnedTimings::default();
+        t.resize(slowness.len());
+        for i in 0..samples {
+            for (w, (slow, long)) in slowness.iter().zip(long).enumerate() {
+                let own = if rng.next_f64() < *long { 400.0 } else { 10.0 };
+                let noise = ((rng.next_f64() * 2.0 - 1.0) * 0.3).exp();
+                let observed = slow * own * (own / 100.0f64).powf(0.4) * noise;
+                t.records[w].observe(observed, all(own), i);
+            }
+        }
+        t.refresh(samples);
+        t
+    }
+
+    #[test]
+    fn a_worker_is_not_priced_by_the_sizes_it_happened_to_get() {
+        // Equal workers, some sent mostly short prompts and some mostly long ones: their own
+        // means differ by the predictor's error in form, their factors do not.
+        let long = [0.03, 0.03, 0.03, 0.03, 0.5, 0.5, 0.5, 0.5];
+        for seed in 1..=10 {
+            let t = mixes(&[1.0; 8], &long, 60, seed);
+            let spread = |v: &mut dyn Iterator<Item = f64>| {
+                let (lo, hi) = v.fold((f64::MAX, 0.0f64), |(lo, hi), f| (lo.min(f), hi.max(f)));
+                hi / lo
+            };
+            let raw = spread(&mut (0..8).map(|w| t.records[w].summary(60).unwrap().mean_log.exp()));
+            assert!(raw > 1.4, "seed {seed}: own means spread {raw}");
+            let priced = spread(&mut t.factors.iter().copied());
+            assert!(
+                priced < 1.15,
+                "seed {seed}: {:?} (own means {raw})",
+                t.factors
+            );
+        }
+        // The slow half of a mixed fleet got the long prompts: it is priced 3x, not the 5-14x
+        // its own means say.
+        for seed in 1..=10 {
+            let t = mixes(&[1.0, 1.0, 3.0, 3.0], &[0.03, 0.03, 0.5, 0.5], 60, seed);
+            let own = |w: usize| t.records[w].summary(60).unwrap().mean_log;
+            for w in [2, 3] {
+                let relative = t.factor(w) / (t.factor(0) * t.factor(1)).sqrt();
+                let unadjusted = (own(w) - (own(0) + own(1)) / 2.0).exp();
+                assert!(
+                    unadjusted > 4.5,
+                    "seed {seed}: the mix confounds ({unadjusted})"
+                );
+                assert!(near(relative, 3.0, 0.2), "seed {seed}: {:?}", t.factors);
             }
         }
     }
