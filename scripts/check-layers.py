@@ -55,7 +55,9 @@ LAYERS = [
     ("state", ["index", "load", "load_store", "approx", "replication", "membership", "polling"]),
     # 5. The decision: filters -> costs (TTFT model, its learning, priority, affinity) -> pick, and
     #    the router that runs them for one request.
-    ("decide", ["filters", "affinity", "learn", "ttft", "priority", "cost", "select", "router"]),
+    ("decide", [
+        "filters", "affinity", "learn", "prefill_work", "ttft", "priority", "cost", "select", "router",
+    ]),
     # 6. The request path, from a request's headers to the release of its load, over the small
     #    `Host` trait (no host calls of its own).
     ("path", ["request_path"]),

@@ -9,6 +9,8 @@
 mod common;
 
 use common::*;
+use envoy_kv_router::config::LoadConfig;
+use envoy_kv_router::prefill_work::prefill_work_tokens;
 use serde_json::{json, Value};
 use std::time::Duration;
 
@@ -95,12 +97,15 @@ fn a_request_past_the_first_load_shard_is_booked_and_released_there() {
         envoy.wait_for(Duration::from_secs(10), |e| e.router_stat(&gauge) > 0),
         "the booking shows on entry {pinned}"
     );
-    // No prefix cached anywhere: 800 prefill tokens, 50 decode blocks, 1 request (the load
-    // model is `none`, see above).
-    assert_eq!(envoy.router_stat(&gauge), 50 * u64::from(BLOCK));
+    // No prefix cached anywhere: the prefill work of 800 tokens from scratch at the default
+    // polynomial, 50 decode blocks, 1 request (the load model is `none`, see above).
+    let poly = &LoadConfig::default().prefill_time_ms_poly;
+    let work = prefill_work_tokens(poly, f64::from(50 * BLOCK), 0.0).round() as u64;
+    assert!(work > 800 && work < 820, "{work}");
+    assert_eq!(envoy.router_stat(&gauge), work);
     assert_eq!(
         total_load(&envoy),
-        (50 * u64::from(BLOCK) + 50 + 1, 1),
+        (work + 50 + 1, 1),
         "booked on entry {pinned} only"
     );
     held.join().expect("pinned request");

@@ -25,6 +25,7 @@ use std::fmt;
 
 use crate::config::CostWeights;
 use crate::load::SlotLoad;
+use crate::prefill_work::WorkShape;
 use crate::types::Overlap;
 
 /// Everything the cost of one slot depends on.
@@ -92,6 +93,9 @@ pub struct KvCost {
     /// weights, NaN otherwise) and the decode blocks it adds, for [`KvCost::unchecked_cost`].
     zero_credit: f64,
     zero_new_blocks: f64,
+    /// With [`KvCost::with_work`]: the prefill polynomial's shape, and the request's work from
+    /// scratch.
+    work: Option<(WorkShape, f64)>,
 }
 
 impl KvCost {
@@ -109,7 +113,17 @@ impl KvCost {
             prompt_blocks,
             zero_credit: credit_blocks(weights, &zero),
             zero_new_blocks: f64::from(new_decode_blocks(prompt_blocks, &zero)),
+            work: None,
         }
+    }
+
+    /// Prices prefill as work ([`crate::prefill_work`]) of the polynomial `poly`: the request's
+    /// own term is its work after the slot's credited prefix, the booked load the work ahead
+    /// (booked as such). A long prompt then weighs what its attention costs, and a cached prefix
+    /// is credited with all it saves. Unchanged without a per-token rate.
+    pub fn with_work(mut self, poly: &[f64]) -> Self {
+        self.work = WorkShape::of(poly).map(|shape| (shape, shape.from_scratch(self.isl)));
+        self
     }
 
     /// The slot's cost and its terms. Inlined into the decision's loop, where only `cost` is
@@ -140,7 +154,22 @@ impl KvCost {
         preferred_multiplier: f64,
     ) -> SlotCost {
         let w = &self.weights;
-        let raw_prefill_blocks = (load.prefill_tokens + self.isl) / self.bs;
+        let (own, credit_blocks) = match &self.work {
+            None => (self.isl, credit_blocks),
+            // The credited prefix saves its own work from scratch: what is left is the rest of
+            // the prompt's work after it.
+            Some((shape, isl_work)) => {
+                let cached = (credit_blocks * self.bs).clamp(0.0, self.isl);
+                // A NaN credit (corrupt weights) stays NaN, for the caller's check.
+                let saved = if cached > 0.0 || cached.is_nan() {
+                    shape.from_scratch(cached)
+                } else {
+                    0.0
+                };
+                (*isl_work, saved / self.bs)
+            }
+        };
+        let raw_prefill_blocks = (load.prefill_tokens + own) / self.bs;
         // `f64::max` would turn a NaN into 0 and hide corrupt inputs: keep NaN for the check.
         let diff = raw_prefill_blocks - credit_blocks;
         let adjusted_prefill_blocks = if diff.is_nan() { diff } else { diff.max(0.0) };
@@ -279,6 +308,54 @@ mod tests {
         assert_eq!(c.adjusted_prefill_blocks, 7.0);
         // Only device blocks are shared for decode: 10 - 2 new blocks either way.
         assert_eq!(c.decode_blocks, 8.0);
+    }
+
+    #[test]
+    fn priced_as_work_a_cached_long_prefix_saves_its_attention_too() {
+        const POLY: [f64; 3] = [16.5, 0.0152, 4.21e-7];
+        let w = CostWeights::default();
+        // A 60,000-token prompt (938 blocks of 64), 900 of them cached on the holder, whose
+        // queue holds 150,000 tokens of work; an idle slot has nothing of it.
+        let (isl, blocks) = (60_000, 938);
+        let kv = |work: bool| {
+            let kv = KvCost::new(&w, 64, isl, blocks);
+            if work {
+                kv.with_work(&POLY)
+            } else {
+                kv
+            }
+        };
+        let holder = |kv: KvCost| {
+            let o = Overlap {
+                device_blocks: 900,
+                ..Overlap::default()
+            };
+            let load = SlotLoad {
+                prefill_tokens: 150_000.0,
+                ..SlotLoad::default()
+            };
+            kv.terms(&o, &load, 1.0).unwrap()
+        };
+        let idle = |kv: KvCost| {
+            kv.terms(&Overlap::default(), &SlotLoad::default(), 1.0)
+                .unwrap()
+        };
+        // In tokens the queue outweighs the prefix: the idle slot wins (a cost of ~1,876
+        // against ~2,419).
+        assert!(idle(kv(false)).cost < holder(kv(false)).cost);
+        // As work the 60,000 tokens are ~160,000 to compute from scratch, the 2,400 after the
+        // prefix ~4,300 (they attend to it): the holder wins (~2,449 against ~3,433).
+        let (h, i) = (holder(kv(true)), idle(kv(true)));
+        assert!(h.cost < i.cost, "{h:?} {i:?}");
+        let own = crate::prefill_work::prefill_work_tokens(&POLY, 2_400.0, 57_600.0);
+        assert!(
+            (h.adjusted_prefill_blocks - (150_000.0 + own) / 64.0).abs() < 1e-6,
+            "{h:?}"
+        );
+        // Nothing cached, nothing credited; a constant polynomial changes nothing.
+        assert_eq!(i.credit_blocks, 0.0);
+        let flat = KvCost::new(&w, 64, isl, blocks).with_work(&[5.0]);
+        assert_eq!(idle(flat), idle(kv(false)));
     }
 
     #[test]

@@ -20,6 +20,7 @@ pub mod load;
 pub mod load_store;
 pub mod membership;
 pub mod polling;
+pub mod prefill_work;
 pub mod priority;
 pub mod prompt_text;
 pub mod render;

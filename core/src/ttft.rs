@@ -3,14 +3,16 @@
 //! ```text
 //! uncached = max(isl - block_size * (overlap_score_credit * device_blocks
 //!              + host_cache_hit_weight * host_blocks + disk_cache_hit_weight * disk_blocks), 0)
-//! work     = active_prefill_tokens(worker) + uncached          (prefill runs in arrival order)
-//! prefill  = floor(work / chunk) * poly(chunk) + poly(work mod chunk)      (poly(0) = 0)
-//! steps    = max(ceil(work / chunk), 1)
+//! context  = isl - uncached                                    (the cached prefix)
+//! W(t, c)  = (P(c + t) - P(c)) / rate    (P = poly beyond its constant, rate = its linear term)
+//! work     = active_prefill_work(worker) + W(uncached, context)  (prefill runs in arrival order)
+//! steps    = max(ceil(active_prefill_work / W(chunk, 0) + uncached / chunk), 1)
+//! prefill  = steps * poly(0) + rate * work
 //! decode   = steps * decode_poly(fill)   if requests in flight, else 0
 //!            (fill = decode_blocks / kv_capacity_blocks, else the worker's reported KV usage)
 //! admit    = short * lifetime / used    (ttft.admission_wait; 0 when short <= 0, see below)
 //! ttft_ms  = (prefill + decode + admit) * factor * preferred_taint_multiplier
-//! own      = floor(uncached / chunk) * fleet_poly(chunk) + fleet_poly(uncached mod chunk)
+//! own      = the same prefill of W(uncached, context) alone, at fleet_poly
 //! weight   = compute_weight, or (unset) min(arrivals_per_ms * ttft_ms, 100)
 //! score_ms = ttft_ms + weight * own * fleet_factor * preferred_taint_multiplier
 //! ```
@@ -19,7 +21,11 @@
 //!   fleet's, `fleet_poly`; the mocker's 4.21e-7 T^2 + 0.0152 T + 16.5 by default), and `chunk`
 //!   the worker's `max_num_batched_tokens` (else `ttft.chunk_tokens`): an engine with
 //!   chunked prefill computes the queue ahead of the request, then the request, in steps of at
-//!   most `chunk` tokens, each step paying the polynomial of its own tokens.
+//!   most `chunk` tokens. Each step pays the polynomial's constant; its tokens attend to every
+//!   token of their sequence before them, a cached prefix included, so the attention of a long
+//!   prompt grows with its whole length, not with its step's ([`prefill_work_tokens`]). Booked
+//!   prefills are work in token-equivalents (`W`), so a queue is the sum of its prompts' own
+//!   costs.
 //! * Cached blocks count through the Dynamo cost's own credits, so the tiers weigh the same in
 //!   both policies (a host-tier block is reloaded, not free).
 //! * `factor` is the worker's timing learned from its responses ([`crate::learn`]: observed over
@@ -56,6 +62,8 @@
 use crate::config::{CostWeights, TtftConfig};
 use crate::cost::NonFiniteCost;
 use crate::load::SlotLoad;
+pub use crate::prefill_work::prefill_work_tokens;
+use crate::prefill_work::token_rate_ms;
 use crate::types::Overlap;
 
 /// What the prediction for one slot depends on.
@@ -88,7 +96,8 @@ pub struct TtftInputs {
 pub struct PredictedTtft {
     /// This request's tokens to compute on the slot (tier-weighted).
     pub uncached_tokens: f64,
-    /// Active prefill tokens ahead of it plus its own.
+    /// The prefill work ahead of it plus its own, in token-equivalents
+    /// ([`prefill_work_tokens`]).
     pub work_tokens: f64,
     pub prefill_ms: f64,
     pub decode_ms: f64,
@@ -104,27 +113,56 @@ pub struct PredictedTtft {
     pub score_ms: f64,
 }
 
-/// Prefill time of `tokens` computed in steps of at most `chunk` tokens.
+/// Prefill time of `tokens` computed in steps of at most `chunk` tokens, each step paying the
+/// polynomial of its own tokens: the fallback for a polynomial without a per-token rate.
 fn chunked_prefill_ms(poly: &[f64], tokens: f64, chunk: f64) -> f64 {
     let full_chunks = (tokens / chunk).floor();
     let rest = tokens - full_chunks * chunk;
     full_chunks * step_prefill_ms(poly, chunk) + step_prefill_ms(poly, rest)
 }
 
-/// How long the engine computes `tokens` uncached prompt tokens alone (ms): in steps of at most
-/// `chunk` tokens (the worker's `max_num_batched_tokens`, or `ttft.chunk_tokens`), each step
-/// paying `poly` of its own tokens, as [`predicted_ttft`] prices them; the whole prompt through
-/// `poly` at once when no step size is known. This is the decay time of a booked prefill
-/// (`load.prefill_load_model: polynomial`): a 112k-token prompt is ~14 steps of 8,192 tokens
-/// (~2.3 s with the mocker's polynomial), not `poly(112k)` (~7.1 s, the quadratic term applied
-/// to the whole prompt), which kept a worker's queue looking full long after its engine had
-/// computed most of it. Finite and `>= 0`.
-pub fn prefill_duration_ms(poly: &[f64], tokens: u32, chunk: Option<u32>) -> f64 {
-    let t = f64::from(tokens);
-    let ms = match chunk {
-        Some(c) if c > 0 => chunked_prefill_ms(poly, t, f64::from(c)),
-        _ => step_prefill_ms(poly, t),
-    };
+/// Engine steps (fractional) and time (ms) of a prefill of `work` token-equivalents
+/// ([`prefill_work_tokens`]) over `steps` steps: each step pays the polynomial's constant, the
+/// work its per-token rate. A prompt within one step from scratch is the polynomial of its
+/// tokens. `None` without a per-token rate.
+fn work_ms(poly: &[f64], work: f64, steps: f64) -> Option<f64> {
+    let rate = token_rate_ms(poly)?;
+    let constant = poly.first().copied().unwrap_or(0.0);
+    Some(steps * constant + rate * work)
+}
+
+/// Steps of at most `chunk` tokens (one when `None`) that `tokens` take.
+fn steps_of(tokens: f64, chunk: Option<f64>) -> f64 {
+    match chunk {
+        Some(c) if c >= 1.0 => (tokens / c).ceil().max(1.0),
+        _ => 1.0,
+    }
+}
+
+/// Steps and time (ms) of `tokens` new tokens after `context` cached ones, computed alone in
+/// steps of at most `chunk` tokens (one step when `None`).
+fn prefill_alone_ms(poly: &[f64], tokens: f64, context: f64, chunk: Option<f64>) -> (f64, f64) {
+    if tokens.is_nan() || tokens <= 0.0 {
+        return (0.0, 0.0);
+    }
+    let steps = steps_of(tokens, chunk);
+    let work = prefill_work_tokens(poly, tokens, context);
+    let ms = work_ms(poly, work, steps).unwrap_or_else(|| match chunk {
+        Some(c) if c >= 1.0 => chunked_prefill_ms(poly, tokens, c),
+        _ => step_prefill_ms(poly, tokens),
+    });
+    (steps, ms)
+}
+
+/// How long the engine computes `tokens` uncached prompt tokens after `context` cached ones
+/// alone (ms), in steps of at most `chunk` tokens (the worker's `max_num_batched_tokens`, or
+/// `ttft.chunk_tokens`), as [`predicted_ttft`] prices them: each step's constant and the
+/// prompt's work ([`prefill_work_tokens`]; a 112k-token prompt from scratch ~7.3 s with the
+/// default polynomial, not the ~2.3 s of 14 steps priced from scratch each). This is the decay
+/// time of a booked prefill (`load.prefill_load_model: polynomial`). Finite and `>= 0`.
+pub fn prefill_duration_ms(poly: &[f64], tokens: f64, context: f64, chunk: Option<u32>) -> f64 {
+    let chunk = chunk.filter(|c| *c > 0).map(f64::from);
+    let (_, ms) = prefill_alone_ms(poly, tokens, context, chunk);
     if ms.is_finite() {
         ms.max(0.0)
     } else {
@@ -132,15 +170,18 @@ pub fn prefill_duration_ms(poly: &[f64], tokens: u32, chunk: Option<u32>) -> f64
     }
 }
 
-/// The request's own `uncached_tokens` alone, in steps of `chunk_tokens`, on an engine of
-/// `timing` (ms): the part of a prediction's `base_ms` that is its own compute, not the queue
-/// ahead. Computed for the chosen slot only, for the learning ([`crate::learn::Prediction`]).
-pub fn own_prefill_ms(timing: &EngineTiming, uncached_tokens: f64, chunk_tokens: u32) -> f64 {
-    chunked_prefill_ms(
-        timing.prefill_ms_poly,
-        uncached_tokens,
-        f64::from(chunk_tokens.max(1)),
-    )
+/// The request's own `uncached_tokens` after `context` cached ones, alone, in steps of
+/// `chunk_tokens`, on an engine of `timing` (ms): the part of a prediction's `base_ms` that is
+/// its own compute, not the queue ahead. Computed for the chosen slot only, for the learning
+/// ([`crate::learn::Prediction`]).
+pub fn own_prefill_ms(
+    timing: &EngineTiming,
+    uncached_tokens: f64,
+    context: f64,
+    chunk_tokens: u32,
+) -> f64 {
+    let chunk = Some(f64::from(chunk_tokens.max(1)));
+    prefill_alone_ms(timing.prefill_ms_poly, uncached_tokens, context, chunk).1
 }
 
 /// A polynomial (lowest degree first) at `x`.
@@ -189,10 +230,22 @@ pub fn predicted_ttft(
     let cached_blocks = weights.overlap_score_credit * f64::from(o.device_blocks)
         + weights.host_cache_hit_weight * f64::from(o.host_blocks)
         + weights.disk_cache_hit_weight * f64::from(o.disk_blocks);
-    let uncached_tokens = (f64::from(inputs.isl_tokens) - bs * cached_blocks).max(0.0);
-    let work_tokens = load.prefill_tokens.max(0.0) + uncached_tokens;
+    let isl = f64::from(inputs.isl_tokens);
+    let uncached_tokens = (isl - bs * cached_blocks).max(0.0);
+    let context = isl - uncached_tokens;
     let chunk = f64::from(inputs.chunk_tokens.max(1));
-    let prefill_ms = chunked_prefill_ms(prefill_poly, work_tokens, chunk);
+    // The booked prefills ahead are work already (booked as [`prefill_work_tokens`]); their
+    // steps are counted as if each were from scratch (their lengths are not kept).
+    let queued = load.prefill_tokens.max(0.0);
+    let work_tokens = queued + prefill_work_tokens(prefill_poly, uncached_tokens, context);
+    let queued_steps = queued / prefill_work_tokens(prefill_poly, chunk, 0.0).max(1.0);
+    let steps = (queued_steps + uncached_tokens / chunk).ceil().max(1.0);
+    let prefill_ms = if work_tokens > 0.0 {
+        work_ms(prefill_poly, work_tokens, steps)
+            .unwrap_or_else(|| chunked_prefill_ms(prefill_poly, queued + uncached_tokens, chunk))
+    } else {
+        0.0
+    };
     let decode_ms = if load.active_requests > 0 {
         // The booked blocks over the configured capacity, else the worker's own report.
         let fill = match (inputs.kv_capacity_blocks, inputs.kv_usage) {
@@ -200,8 +253,7 @@ pub fn predicted_ttft(
             (_, Some(u)) if u.is_finite() => u.clamp(0.0, 1.0),
             _ => 0.0,
         };
-        let steps = (work_tokens / chunk).ceil().max(1.0);
-        steps * horner(timing.decode_step_ms_poly, fill).max(0.0)
+        steps.max(1.0) * horner(timing.decode_step_ms_poly, fill).max(0.0)
     } else {
         0.0
     };
@@ -219,7 +271,13 @@ pub fn predicted_ttft(
     };
     let compute_ms = if weight > 0.0 {
         weight
-            * chunked_prefill_ms(timing.fleet_prefill_ms_poly, uncached_tokens, chunk)
+            * prefill_alone_ms(
+                timing.fleet_prefill_ms_poly,
+                uncached_tokens,
+                context,
+                Some(chunk),
+            )
+            .1
             * finite_positive(inputs.fleet_factor)
             * inputs.preferred_multiplier
     } else {
@@ -336,10 +394,13 @@ mod tests {
 
     #[test]
     fn idle_worker_pays_its_uncached_tokens_once() {
-        // 4,096 tokens, 16 of 64 blocks cached: 3,072 tokens to compute, nothing ahead.
+        // 4,096 tokens, 16 of 64 blocks cached: 3,072 tokens to compute after 1,024, nothing
+        // ahead. They attend to the cached 1,024 too: the prompt's cost beyond its prefix's.
         let p = ttft(&inputs(4096, 16, 0.0, 0));
         assert_eq!(p.uncached_tokens, 3072.0);
-        assert!(close(p.prefill_ms, mocker_prefill(3072.0)), "{p:?}");
+        let own = 16.5 + beyond(4096.0) - beyond(1024.0);
+        assert!(close(p.prefill_ms, own), "{p:?}");
+        assert!(p.prefill_ms > mocker_prefill(3072.0), "{p:?}");
         assert_eq!(p.decode_ms, 0.0);
         // Fully cached and idle: nothing to wait for.
         assert_eq!(ttft(&inputs(4096, 64, 0.0, 0)).ttft_ms, 0.0);
@@ -347,10 +408,12 @@ mod tests {
 
     #[test]
     fn queue_and_prompt_run_in_chunks_with_a_decode_step_each() {
-        // 10,000 queued + 10,000 own = 20,000 tokens: 2 full 8,192-token steps + 3,616 tokens.
+        // 10,000 tokens of work queued, then 10,000 own tokens from scratch (their work
+        // ~12,770): ~1 step of queue (a step from scratch is ~10,051 of work) and 2 own steps.
         let p = ttft(&inputs(10_000, 0, 10_000.0, 3));
-        assert_eq!(p.work_tokens, 20_000.0);
-        let expect = 2.0 * mocker_prefill(8192.0) + mocker_prefill(20_000.0 - 16_384.0);
+        let own_work = beyond(10_000.0) / 0.0152;
+        assert!(close(p.work_tokens, 10_000.0 + own_work), "{p:?}");
+        let expect = 3.0 * 16.5 + 0.0152 * 10_000.0 + beyond(10_000.0);
         assert!(close(p.prefill_ms, expect), "{p:?}");
         // 3 steps, each with a decode step at fill ~0: 5.74 ms.
         assert!((p.decode_ms - 3.0 * 5.74).abs() < 1e-6, "{p:?}");
@@ -362,28 +425,60 @@ mod tests {
         assert!((ttft(&i).decode_ms - 3.0 * step).abs() < 1e-9);
     }
 
+    /// The mocker polynomial beyond its constant.
+    fn beyond(t: f64) -> f64 {
+        mocker_prefill(t) - 16.5
+    }
+
     #[test]
-    fn a_long_prompt_decays_over_its_steps_not_the_whole_polynomial() {
-        // 112,941 tokens in 8,192-token steps: 13 full steps + 6,445 tokens, ~2.3 s.
-        let chunked = prefill_duration_ms(&POLY, 112_941, Some(8192));
-        let expect = 13.0 * mocker_prefill(8192.0) + mocker_prefill(112_941.0 - 13.0 * 8192.0);
-        assert!(close(chunked, expect), "{chunked}");
-        assert!(chunked < 2_400.0, "{chunked}");
-        // Without a step size: the polynomial of the whole prompt (~7.1 s), as before.
-        let whole = prefill_duration_ms(&POLY, 112_941, None);
+    fn a_long_prompt_costs_its_whole_attention_in_its_steps() {
+        // 112,941 tokens in 8,192-token steps: 14 steps, each attending to every token before
+        // it: 14 step constants and the polynomial of the whole prompt, ~7.3 s (14 steps priced
+        // from scratch each would be ~2.3 s).
+        let long = prefill_duration_ms(&POLY, 112_941.0, 0.0, Some(8192));
+        assert!(close(long, 14.0 * 16.5 + beyond(112_941.0)), "{long}");
+        assert!(long > 7_000.0, "{long}");
+        // One step (no step size): the same work, one constant.
+        let whole = prefill_duration_ms(&POLY, 112_941.0, 0.0, None);
         assert!(close(whole, mocker_prefill(112_941.0)), "{whole}");
-        assert!(whole > 7_000.0, "{whole}");
-        // A prompt within one step is priced the same either way; nothing to compute is 0.
+        // After a cached prefix the new tokens still attend to it: 1,000 tokens after 30,000
+        // cost what the 31,000-token prompt costs beyond the 30,000 (~42 ms), not the ~31 ms
+        // of a 1,000-token prompt.
+        let after = prefill_duration_ms(&POLY, 1_000.0, 30_000.0, Some(8192));
+        assert!(
+            close(after, 16.5 + beyond(31_000.0) - beyond(30_000.0)),
+            "{after}"
+        );
+        assert!(after > mocker_prefill(1_000.0) * 1.3, "{after}");
+        // A prompt within one step from scratch is the polynomial of its tokens; nothing to
+        // compute is 0.
         assert!(close(
-            prefill_duration_ms(&POLY, 4096, Some(8192)),
+            prefill_duration_ms(&POLY, 4096.0, 0.0, Some(8192)),
             mocker_prefill(4096.0)
         ));
-        assert_eq!(prefill_duration_ms(&POLY, 0, Some(8192)), 0.0);
-        assert_eq!(prefill_duration_ms(&POLY, 0, None), 0.0);
+        assert_eq!(prefill_duration_ms(&POLY, 0.0, 0.0, Some(8192)), 0.0);
+        assert_eq!(prefill_duration_ms(&POLY, 0.0, 0.0, None), 0.0);
         // A negative or broken polynomial never yields a negative or non-finite duration.
-        assert_eq!(prefill_duration_ms(&[-5.0], 10, Some(8)), 0.0);
-        assert_eq!(prefill_duration_ms(&[f64::NAN], 10, None), 0.0);
-        assert_eq!(prefill_duration_ms(&[], 10, Some(0)), 0.0);
+        assert_eq!(prefill_duration_ms(&[-5.0], 10.0, 0.0, Some(8)), 0.0);
+        assert_eq!(prefill_duration_ms(&[f64::NAN], 10.0, 0.0, None), 0.0);
+        assert_eq!(prefill_duration_ms(&[], 10.0, 0.0, Some(0)), 0.0);
+        assert_eq!(prefill_duration_ms(&POLY, f64::NAN, 0.0, Some(8192)), 0.0);
+    }
+
+    #[test]
+    fn queued_works_add_up_as_each_prompts_own() {
+        // Booked as work, a queue of one 100k-token prompt weighs what the prompt costs; ten
+        // 10k-token prompts weigh ten times one of them, far less than one prompt of their sum.
+        let work = |t: f64| prefill_work_tokens(&POLY, t, 0.0);
+        assert!(close(work(100_000.0) * 0.0152, beyond(100_000.0)));
+        assert!(work(100_000.0) > 10.0 * work(10_000.0) * 2.0);
+        let queued = |w: f64| ttft(&inputs(1_000, 0, w, 1)).prefill_ms;
+        let one_long = queued(work(100_000.0));
+        let ten_short = queued(10.0 * work(10_000.0));
+        assert!(one_long > 2.0 * ten_short, "{one_long} vs {ten_short}");
+        // A polynomial without a per-token rate prices plain tokens.
+        assert_eq!(prefill_work_tokens(&[5.0], 100.0, 50.0), 100.0);
+        assert_eq!(prefill_work_tokens(&POLY, 0.0, 50.0), 0.0);
     }
 
     #[test]
@@ -403,12 +498,12 @@ mod tests {
         let p = |i: &TtftInputs| {
             predicted_ttft(&weighted, &CostWeights::default(), &MOCKER, 64, i).unwrap()
         };
-        // 20,000 uncached tokens behind a 10,000-token queue: the TTFT is unchanged, the own
-        // compute is 2 full 8,192-token steps + 3,616 tokens, alone.
+        // 20,000 uncached tokens behind a queue: the TTFT is unchanged, the own compute is the
+        // prompt's alone, in its 3 steps of 8,192 tokens.
         let w = p(&inputs(20_000, 0, 10_000.0, 0));
         let plain = ttft(&inputs(20_000, 0, 10_000.0, 0));
         assert!(close(w.ttft_ms, plain.ttft_ms));
-        let own = 2.0 * mocker_prefill(8192.0) + mocker_prefill(20_000.0 - 16_384.0);
+        let own = 3.0 * 16.5 + beyond(20_000.0);
         assert!(close(w.compute_ms, 1.5 * own), "{w:?}");
         assert!(close(w.score_ms, w.ttft_ms + 1.5 * own));
         // At weight 0 the score is the TTFT.
@@ -662,14 +757,15 @@ mod tests {
 
     #[test]
     fn compute_weight_keeps_the_history_behind_a_longer_queue() {
-        // The holder (176 of 192 blocks) has one 12,288-token prefill queued: 13,312 tokens to
-        // wait for (~286 ms) against 12,288 (~255 ms) on an idle slot. The TTFT alone gives the
-        // history up; with weight 1 the idle slot also pays its 12,288-token recomputation again
-        // (~255 ms) against the holder's 1,024 (~33 ms), and the holder keeps it.
+        // The holder (176 of 192 blocks) has 16,384 tokens of prefill work queued: with its
+        // 1,024 new tokens (after 11,264 cached: ~1,691 of work) ~308 ms to wait, against ~284 ms
+        // for the 12,288 tokens on an idle slot. The TTFT alone gives the history up; with
+        // weight 1 the idle slot also pays its recomputation again (~284 ms) against the
+        // holder's 1,024 tokens (~42 ms), and the holder keeps it.
         let overlaps = [0, 176, 0];
         let loads = [
             load(2048.0, 0.0, 1),
-            load(12_288.0, 0.0, 2),
+            load(16_384.0, 0.0, 2),
             load(0.0, 0.0, 0),
         ];
         let plain = config(r#", "ttft": {}"#);
@@ -678,8 +774,8 @@ mod tests {
             assert_eq!(pick(&plain, &overlaps, &loads, seed), 2);
             assert_eq!(pick(&weighted, &overlaps, &loads, seed), 1);
         }
-        // A queue of three prompts (37,888 tokens to wait for, ~810 ms) outweighs even the doubled
-        // recomputation (~255 + ~255 ms on an idle slot): balance still wins.
+        // A queue of three prompts (~38,555 of work to wait for, ~652 ms) outweighs even the
+        // doubled recomputation (~284 + ~284 ms on an idle slot): balance still wins.
         let loads = [
             load(2048.0, 0.0, 1),
             load(36_864.0, 0.0, 4),

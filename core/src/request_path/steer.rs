@@ -8,8 +8,9 @@ use super::host::Host;
 use super::state::{worker_id, RoutingState, Sample};
 use super::REASON_HEADER;
 use crate::approx::Record;
-use crate::config::{Config, DestinationFormat, PrefillLoadModel};
+use crate::config::{Config, DestinationFormat, KvPolicy, PrefillLoadModel};
 use crate::load_store;
+use crate::prefill_work::prefill_work_tokens;
 use crate::priority::{request_priority, UNPRICED_PREFILL_MS};
 use crate::request::{LlmRequest, HEADER_DP_RANK};
 use crate::router::Decision;
@@ -63,14 +64,27 @@ impl RequestPath {
         }
 
         let key = vm.new_request_key();
-        // The request's prefill on the worker's engine, in the worker's steps, else the `ttft`
-        // policy's (the same steps its score prices).
-        // Computed once, only when the decay or the priority needs it.
+        // The request's prefill is booked as work (its attention over the cached prefix and
+        // its own length included), so that a long prompt weighs on the worker's queue, and
+        // decays, for as long as its engine computes it.
+        let poly = worker.prefill_poly(&config.load.prefill_time_ms_poly);
+        let new_tokens = f64::from(decision.prefill_tokens);
+        let cached_tokens = f64::from(decision.isl_tokens.saturating_sub(decision.prefill_tokens));
+        // (The seed's Dynamo cost prices tokens: under it, tokens are booked.)
+        let work = match config.policy {
+            KvPolicy::Dynamo => new_tokens,
+            _ => prefill_work_tokens(poly, new_tokens, cached_tokens),
+        };
+        let booked_work = work.round().min(f64::from(u32::MAX)) as u32;
+        // Its duration on the worker's engine, in the worker's steps, else the `ttft` policy's
+        // (the same steps its score prices). Computed once, only when the decay or the
+        // priority needs it.
         let decays = config.load.prefill_load_model == PrefillLoadModel::Polynomial;
         let prefill_ms = (decays || config.engine_priority.is_some()).then(|| {
             prefill_duration_ms(
-                worker.prefill_poly(&config.load.prefill_time_ms_poly),
-                decision.prefill_tokens,
+                poly,
+                new_tokens,
+                cached_tokens,
                 worker
                     .max_num_batched_tokens
                     .or(config.ttft.as_ref().map(|t| t.chunk_tokens)),
@@ -99,7 +113,7 @@ impl RequestPath {
                 table.admit(
                     key,
                     decision.slot,
-                    decision.prefill_tokens,
+                    booked_work,
                     decision.prompt_blocks,
                     expected_ms,
                     now,
