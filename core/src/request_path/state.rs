@@ -368,11 +368,9 @@ impl SlotReports {
     ) -> impl Iterator<Item = Option<(u32, &'a ReportedLoad)>> + 'a {
         let slots = config.slots.iter().zip(&self.reported).zip(&self.stale);
         slots.map(move |((slot, report), stale)| {
-            let dp_size = config
-                .workers
-                .get(usize::from(slot.worker))
-                .map_or(1, |w| w.dp_size);
-            report.as_ref().filter(|_| !*stale).map(|r| (dp_size, r))
+            let fresh = report.as_ref().filter(|_| !*stale)?;
+            let worker = config.workers.get(usize::from(slot.worker));
+            Some((worker.map_or(1, |w| w.dp_size), fresh))
         })
     }
 
