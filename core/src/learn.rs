@@ -27,12 +27,19 @@
 //! differ the means differ by more than noise and each worker is priced by its own. A new worker
 //! (`n` = 0) starts at the fleet's factor.
 //!
+//! The polynomials are no engine's own, so their error depends on the prompt's size (a tiny
+//! prompt is mostly the polynomial's per-step constant). `mean` is therefore each worker's mean
+//! read at the fleet's mean size: `mean_w - slope (size_w - size_fleet)`, size being the log of
+//! the own prefill and `slope` the fleet's within-worker regression of the log ratio on it, and
+//! `within²` the spread around each worker's line. A worker that happened to get the short
+//! prompts is not priced by the polynomial's error on them.
+//!
 //! Forgetting: each sample multiplies the sums by `1 - 1/SAMPLE_MEMORY` (a change is learned
 //! within tens of requests), and the sums halve every `HALF_LIFE_MS` of wall time, so a worker
 //! that stopped getting traffic because it looked slow drifts back to the fleet's factor and is
 //! tried again.
 //!
-//! A record is 56 bytes, one shared-data key per worker entry of the configuration
+//! A record is 72 bytes, one shared-data key per worker entry of the configuration
 //! (`ekr.timing.<index>`): bounded by the configuration, never per request.
 
 use crate::store::{SharedStore, StoreError};

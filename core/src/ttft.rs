@@ -322,6 +322,8 @@ fn admission_wait_ms(timing: &EngineTiming, bs: f64, uncached_tokens: f64, i: &T
     let usage = usage.clamp(0.0, 1.0);
     let used = usage * capacity;
     let free = capacity - used - capacity / 100.0;
+    // (The booked prefills ahead are work, at least their tokens: for long prompts this
+    // overstates the blocks they need, erring toward waiting.)
     let need = (uncached_tokens / bs).ceil() + i.load.prefill_tokens.max(0.0) / bs;
     let short = need - free;
     if short <= 0.0 {
