@@ -740,10 +740,11 @@ fn start_vllm_fleet(fleet: &Fleet, config: &EngineConfig) -> io::Result<Vec<Engi
     Ok(engines)
 }
 
-/// One unmeasured pass of the workload straight to the engines (round-robin): a vLLM CPU engine
-/// compiles its kernels for each new batch shape during its first minutes of traffic, which
-/// would otherwise all fall on the first arm (its first run took 94 s instead of 27 s). Every arm
-/// empties the engines' caches before it starts, so nothing of this pass is left cached.
+/// One unmeasured pass of the workload straight to the engines (round-robin), so that no arm
+/// meets an engine on its first traffic. (It does not explain the filter's slow first run on
+/// these engines, 94-114 s instead of 27 s: that stayed after this pass, which itself took
+/// 26 s at 20 ms.) Every arm empties the engines' caches before it starts, so nothing of this
+/// pass is left cached.
 fn warm_up(engines: &[Engine], workload: &Workload, opts: &RunOptions) {
     let targets: Vec<String> = engines.iter().map(Engine::addr).collect();
     let started = std::time::Instant::now();
