@@ -197,23 +197,16 @@ impl TimingRecord {
         let mean_size = r.log_own / w;
         let size_variance = (r.log_own_sq / w - mean_size * mean_size).max(0.0);
         let covariance = r.cross / w - mean_log * mean_size;
-        let summary = Summary {
+        // Their sum is finite only if each is (or an overflow refuses a record of huge sums).
+        let sum = mean_log + variance + effective_samples + mean_size + size_variance + covariance;
+        sum.is_finite().then_some(Summary {
             mean_log,
             variance,
             effective_samples,
             mean_size,
             size_variance,
             covariance,
-        };
-        let values = [
-            mean_log,
-            variance,
-            effective_samples,
-            mean_size,
-            size_variance,
-            covariance,
-        ];
-        values.iter().all(|v| v.is_finite()).then_some(summary)
+        })
     }
 
     /// Effective samples left at `now_ms` (0 when nothing was learned).

@@ -77,7 +77,7 @@ const BUCKETS_LEN: [u8; 1 << BUCKETS] = [0, 0, 0, 40, 0, 40, 40, 60, 0, 40, 40, 
 pub struct SlotLoad {
     /// Prefill work of requests still in prefill, in token-equivalents: their uncached tokens,
     /// and the attention of a long prompt or a long cached prefix on top
-    /// ([`crate::ttft::prefill_work_tokens`]); decayed when a model is configured.
+    /// ([`crate::prefill_work::prefill_work_tokens`]); decayed when a model is configured.
     pub prefill_tokens: f64,
     /// Prompt blocks (and weighted output blocks) of every active request.
     pub decode_blocks: f64,

@@ -22,7 +22,7 @@ pub fn token_rate_ms(poly: &[f64]) -> Option<f64> {
 }
 
 /// A polynomial (lowest degree first) at `x`.
-fn horner(poly: &[f64], x: f64) -> f64 {
+pub fn horner(poly: &[f64], x: f64) -> f64 {
     poly.iter().rev().fold(0.0, |acc, c| acc * x + c)
 }
 

@@ -62,8 +62,7 @@
 use crate::config::{CostWeights, TtftConfig};
 use crate::cost::NonFiniteCost;
 use crate::load::SlotLoad;
-pub use crate::prefill_work::prefill_work_tokens;
-use crate::prefill_work::token_rate_ms;
+use crate::prefill_work::{horner, prefill_work_tokens, token_rate_ms};
 use crate::types::Overlap;
 
 /// What the prediction for one slot depends on.
@@ -182,11 +181,6 @@ pub fn own_prefill_ms(
 ) -> f64 {
     let chunk = Some(f64::from(chunk_tokens.max(1)));
     prefill_alone_ms(timing.prefill_ms_poly, uncached_tokens, context, chunk).1
-}
-
-/// A polynomial (lowest degree first) at `x`.
-fn horner(poly: &[f64], x: f64) -> f64 {
-    poly.iter().rev().fold(0.0, |acc, c| acc * x + c)
 }
 
 /// Prefill time of `tokens` in one step; 0 for none (no work, no step).
