@@ -741,10 +741,8 @@ fn start_vllm_fleet(fleet: &Fleet, config: &EngineConfig) -> io::Result<Vec<Engi
 }
 
 /// One unmeasured pass of the workload straight to the engines (round-robin), so that no arm
-/// meets an engine on its first traffic. (It does not explain the filter's slow first run on
-/// these engines, 94-114 s instead of 27 s: that stayed after this pass, which itself took
-/// 26 s at 20 ms.) Every arm empties the engines' caches before it starts, so nothing of this
-/// pass is left cached.
+/// meets an engine on its first traffic. Every arm empties the engines' caches before it
+/// starts, so nothing of this pass is left cached.
 fn warm_up(engines: &[Engine], workload: &Workload, opts: &RunOptions) {
     let targets: Vec<String> = engines.iter().map(Engine::addr).collect();
     let started = std::time::Instant::now();
@@ -846,15 +844,16 @@ fn prepare_fleet(
 /// [`compare_modes`] repeated `runs` times for `loadgen race`: real engines (when the fleet has
 /// them) are started once for all runs; within run `r` (from 0) the arms go in `modes` order
 /// rotated by `r`, so no arm always runs first; every arm still gets a fresh fleet (or emptied
-/// engines) and a fresh Envoy or vllm-router. `on_arm(run, mode, result)` is called after each
-/// arm: a failed arm does not stop the others.
+/// engines) and a fresh Envoy or vllm-router. `on_arm(run, mode, result, took)` is called after
+/// each arm with the arm's own time (its fleet, router and workload; not the real engines'
+/// start and warm-up before the first arm): a failed arm does not stop the others.
 pub fn compare_modes_repeated(
     modes: &[&str],
     fleet: &Fleet,
     workload: &Workload,
     opts: &RunOptions,
     runs: usize,
-    mut on_arm: impl FnMut(usize, &str, io::Result<RunStats>),
+    mut on_arm: impl FnMut(usize, &str, io::Result<RunStats>, std::time::Duration),
 ) -> io::Result<()> {
     let (fleet, engines) = prepare_fleet(modes, fleet, workload, opts)?;
     let n = modes.len();
@@ -873,8 +872,9 @@ pub fn compare_modes_repeated(
                 },
                 workload.requests.len()
             );
+            let started = std::time::Instant::now();
             let result = run_arm(mode, &fleet, engines.as_deref(), workload, opts);
-            on_arm(run, mode, result);
+            on_arm(run, mode, result, started.elapsed());
         }
     }
     Ok(())

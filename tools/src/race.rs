@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
@@ -1198,7 +1198,6 @@ fn run_workload(
         .iter()
         .map(|a| (a.to_string(), RunStats::default()))
         .collect();
-    let mut last = Instant::now();
     let mut runs: Vec<ArmRun> = Vec::new();
     let outcome = compare_modes_repeated(
         &arms,
@@ -1206,7 +1205,7 @@ fn run_workload(
         &w.workload,
         &w.run_opts,
         opts.runs,
-        |run, arm, stats| {
+        |run, arm, stats, took| {
             let mut r = match &stats {
                 Ok(s) => ArmRun {
                     ceiling_hit: ceiling_hit(w, s),
@@ -1220,8 +1219,7 @@ fn run_workload(
                     ..ArmRun::default()
                 },
             };
-            r.elapsed_s = last.elapsed().as_secs_f64();
-            last = Instant::now();
+            r.elapsed_s = took.as_secs_f64();
             eprintln!(
                 "race: {} run {} {arm}: {} in {:.0} s: TTFT mean {} p99 {}, hit {}, balance {}, {} errors",
                 w.name,
