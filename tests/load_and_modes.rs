@@ -313,6 +313,70 @@ fn worker_reported_load_steers_away_from_a_worker_busy_with_other_traffic() {
     }
 }
 
+/// A worker's reported KV usage counts every block its running requests reference, the cached
+/// prefixes they share included: not load the cost's decode term prices (the blocks each request
+/// adds). With capacities known (configured here; described by the workers under
+/// `membership`), a holder of the prompt's prefix whose two running requests reference 60% of
+/// its cache keeps the prompt; the busy threshold still reads the usage and skips it.
+#[test]
+fn a_reported_kv_usage_keeps_prompts_on_their_prefix_and_still_marks_a_full_worker_busy() {
+    let workers = echo_workers(2, BLOCK);
+    let list = json!([{"id": 1, "address": workers[0].addr, "kv_capacity_blocks": 1000, "kv_mode": "events"},
+                      {"id": 2, "address": workers[1].addr, "kv_capacity_blocks": 1000, "kv_mode": "events"}]);
+    let prefix = tokens(1, 64 * BLOCK);
+    publish(
+        &workers[0],
+        vec![vllm_stored(&prefix, BLOCK, None, 1, "GPU")],
+    );
+    let prompt = |i: u32| {
+        let mut p = prefix.clone();
+        p.extend(tokens(100_000 + i * 1_000, 8 * BLOCK));
+        json!({"model": "m", "prompt": p, "max_tokens": 16})
+    };
+    let report = json!({"num_running": 2, "num_waiting": 0, "kv_usage": 0.6});
+    // Worker 1's reported requests, from `x-kv-router-loads` (`1/0=prefill:requests:overlap`).
+    let reported = |resp: &http::Response| -> u32 {
+        let loads = resp.header("x-kv-router-loads").unwrap_or_default();
+        let worker_1 = loads.split(',').find_map(|l| l.strip_prefix("1/0="));
+        worker_1
+            .and_then(|l| l.split(':').nth(1))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    for busy in [None, Some(0.5)] {
+        let mut extra = json!({"mode": "kv", "workers": list});
+        if let Some(fraction) = busy {
+            extra["busy"] = json!({"decode_blocks_fraction": fraction});
+        }
+        let envoy = envoy_with(&workers, extra);
+        assert!(
+            wait_for_overlap(&envoy, &prompt(0), 64, Duration::from_secs(5)),
+            "the prefix is indexed on worker 1"
+        );
+        workers[0]
+            .admin("/admin/load", &report)
+            .expect("report load");
+        let mut probe = 0;
+        let landed = envoy.wait_for(Duration::from_secs(5), |e| {
+            probe += 1;
+            let resp = e
+                .post_json("/v1/completions", &prompt(probe))
+                .expect("request");
+            resp.status == 200 && reported(&resp) >= 2
+        });
+        assert!(landed, "busy {busy:?}: the report reaches the filter");
+        let served = distribution(&envoy, 12, |i| prompt(1_000 + i));
+        match busy {
+            None => assert_eq!(
+                served.get(&1),
+                Some(&12),
+                "the holder keeps them: {served:?}"
+            ),
+            Some(_) => assert_eq!(served.get(&2), Some(&12), "60% > 50%: busy: {served:?}"),
+        }
+    }
+}
+
 /// `ttft.admission_wait`: a worker whose cache is nearly full of running requests (its own
 /// report) keeps the prompts whose new blocks fit in its free ones, and loses to a worker with
 /// room the prompts that would wait there for running requests to finish, although it holds

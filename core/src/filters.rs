@@ -30,7 +30,7 @@ pub fn eligible_slots(
     load: &[SlotLoad],
 ) -> Result<Vec<SlotIdx>, RouteError> {
     let mut slots = Vec::new();
-    eligible_slots_into(config, request, pin, load, &mut slots)?;
+    eligible_slots_into(config, request, pin, load, &[], &mut slots)?;
     Ok(slots)
 }
 
@@ -40,6 +40,7 @@ pub fn eligible_slots_into(
     request: &LlmRequest,
     pin: Pin,
     load: &[SlotLoad],
+    kv_usage: &[Option<f64>],
     slots: &mut Vec<SlotIdx>,
 ) -> Result<(), RouteError> {
     let num_slots = SlotIdx::try_from(config.slots.len()).unwrap_or(SlotIdx::MAX);
@@ -171,7 +172,7 @@ pub fn eligible_slots_into(
         || b.prefill_tokens.is_some()
         || b.prefill_tokens_fraction.is_some();
     if any_threshold {
-        slots.retain(|s| !is_busy(config, *s, load));
+        slots.retain(|s| !is_busy(config, *s, load, kv_usage));
     }
     if slots.is_empty() {
         return Err(match pin.worker_id {
@@ -183,7 +184,14 @@ pub fn eligible_slots_into(
 }
 
 /// Whether `slot` is over any configured busy threshold (strictly greater than).
-pub fn is_busy(config: &Config, slot: SlotIdx, load: &[SlotLoad]) -> bool {
+/// The KV fill is the larger of the slot's booked decode blocks over its capacity and its
+/// engine's reported KV usage (`kv_usage`, per slot; empty without reports).
+pub fn is_busy(
+    config: &Config,
+    slot: SlotIdx,
+    load: &[SlotLoad],
+    kv_usage: &[Option<f64>],
+) -> bool {
     let Some(l) = load.get(usize::from(slot)) else {
         return false;
     };
@@ -192,7 +200,10 @@ pub fn is_busy(config: &Config, slot: SlotIdx, load: &[SlotLoad]) -> bool {
     };
     let b = &config.busy;
     if let (Some(frac), Some(cap)) = (b.decode_blocks_fraction, w.kv_capacity_blocks) {
-        if l.decode_blocks / f64::from(cap) > frac {
+        let booked = l.decode_blocks / f64::from(cap);
+        let reported = kv_usage.get(usize::from(slot)).copied().flatten();
+        let reported = reported.filter(|u| u.is_finite()).unwrap_or(0.0);
+        if booked.max(reported) > frac {
             return true;
         }
     }

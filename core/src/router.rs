@@ -52,7 +52,8 @@ pub struct RouteInput<'a> {
     /// Per slot; may be empty.
     pub stale_slots: &'a [bool],
     /// Per slot, the KV usage its worker last reported (a fraction of its capacity); may be
-    /// empty. Read by the predicted policy (decode step time, `ttft.admission_wait`).
+    /// empty. Read by the busy threshold (`busy.decode_blocks_fraction`) and the predicted policy
+    /// (decode step time, `ttft.admission_wait`).
     pub kv_usage: &'a [Option<f64>],
     /// Per worker entry, the timing learned from its responses (`ttft.learn`); `None` = 1.
     pub learned: Option<&'a LearnedTimings>,
@@ -223,7 +224,14 @@ pub fn decide(
         return Err(RouteError::PinRequired);
     }
     let mut candidates = std::mem::take(&mut state.buffers.candidates);
-    filters::eligible_slots_into(config, request, pin, input.load, &mut candidates)?;
+    filters::eligible_slots_into(
+        config,
+        request,
+        pin,
+        input.load,
+        input.kv_usage,
+        &mut candidates,
+    )?;
     // The balance guard is the predicted policy's: the Dynamo cost's decode term balances alone.
     let predicted = config.policy == KvPolicy::Predicted;
     if let (RoutingMode::Kv, Some(t), None, true) =
@@ -1476,6 +1484,38 @@ mod tests {
         let d = route(&c, &req, &[dev(1), dev(0)], &load, 1).unwrap();
         assert_eq!(d.slot, 1);
         assert!(d.fallbacks.is_empty(), "the busy slot is no fallback");
+        // The engine's own report counts too: slot 0 booked nothing, but its worker says 85% of
+        // its cache is in use (other routers' requests, or prefixes its requests hold).
+        let idle = decode_load(&[0.0, 0.0]);
+        let usage = [Some(0.85), Some(0.1)];
+        let overlaps = [dev(1), dev(0)];
+        let input = RouteInput {
+            request: &req,
+            header_pin: Pin::default(),
+            prompt_blocks: prompt_blocks(&c, &req),
+            overlaps: &overlaps,
+            load: &idle,
+            stale_slots: &[],
+            kv_usage: &usage,
+            learned: None,
+            arrivals_per_ms: 0.0,
+        };
+        let d = decide(&c, &input, &mut SelectorState::new(1)).unwrap();
+        assert_eq!(d.slot, 1, "{:?}", d.scores);
+        assert_eq!(d.scores.len(), 1, "{:?}", d.scores);
+        let d = decide(
+            &c,
+            &RouteInput {
+                kv_usage: &[],
+                ..input
+            },
+            &mut SelectorState::new(1),
+        );
+        assert_eq!(
+            d.unwrap().slot,
+            0,
+            "without the report slot 0 holds the prefix"
+        );
 
         let both = decode_load(&[90.0, 95.0]);
         let e = route(&c, &req, &[], &both, 1).unwrap_err();

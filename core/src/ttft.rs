@@ -9,7 +9,7 @@
 //! steps    = max(ceil(active_prefill_work / W(chunk, 0) + uncached / chunk), 1)
 //! prefill  = steps * poly(0) + rate * work
 //! decode   = steps * decode_poly(fill)   if requests in flight, else 0
-//!            (fill = decode_blocks / kv_capacity_blocks, else the worker's reported KV usage)
+//!            (fill = the larger of decode_blocks / kv_capacity_blocks and the reported KV usage)
 //! admit    = short * lifetime / used    (ttft.admission_wait; 0 when short <= 0, see below)
 //! ttft_ms  = (prefill + decode + admit) * factor * preferred_taint_multiplier
 //! own      = the same prefill of W(uncached, context) alone, at fleet_poly
@@ -241,12 +241,18 @@ pub fn predicted_ttft(
         0.0
     };
     let decode_ms = if load.active_requests > 0 {
-        // The booked blocks over the configured capacity, else the worker's own report.
-        let fill = match (inputs.kv_capacity_blocks, inputs.kv_usage) {
-            (Some(cap), _) if cap > 0 => (load.decode_blocks / f64::from(cap)).clamp(0.0, 1.0),
-            (_, Some(u)) if u.is_finite() => u.clamp(0.0, 1.0),
+        // The larger of the booked blocks over the configured capacity and the worker's own
+        // report (every block its running requests read, other routers' and shared prefixes
+        // included: what a decode step reads).
+        let booked = match inputs.kv_capacity_blocks {
+            Some(cap) if cap > 0 => (load.decode_blocks / f64::from(cap)).clamp(0.0, 1.0),
             _ => 0.0,
         };
+        let reported = match inputs.kv_usage {
+            Some(u) if u.is_finite() => u.clamp(0.0, 1.0),
+            _ => 0.0,
+        };
+        let fill = booked.max(reported);
         steps.max(1.0) * horner(timing.decode_step_ms_poly, fill).max(0.0)
     } else {
         0.0

@@ -353,6 +353,12 @@ fn run_arm(
     let arm = mode;
     let (mode, wasm) = fleet.arm_build(arm)?;
     let (mode, replicas) = split_replicas(mode)?;
+    // A trailing `+cap` on any other kv arm: the workers' `kv_capacity_blocks` configured, as a
+    // worker that describes itself would give it.
+    let (mode, with_capacity) = match mode.strip_suffix("+cap") {
+        Some(m) if !m.starts_with("kv+ttft") => (m, true),
+        _ => (mode, false),
+    };
     let workers = fleet.spawn_workers(engines)?;
     let mut opts = opts.clone();
     // Text arms: the filter mode is `kv` with a text feature switched on.
@@ -515,8 +521,9 @@ fn run_arm(
         }
     }
     fleet.price_each_worker(mode, &mut config);
-    if mode.starts_with("kv+ttft")
-        && (mode.contains("+cap") || mode.contains("+busy:") || mode.contains("+admit"))
+    if with_capacity
+        || mode.starts_with("kv+ttft")
+            && (mode.contains("+cap") || mode.contains("+busy:") || mode.contains("+admit"))
     {
         let blocks = fleet.worker_kv_blocks();
         if let Some(list) = config["workers"].as_array_mut() {

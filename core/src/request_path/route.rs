@@ -11,7 +11,7 @@ use crate::lazy_hash::PromptHasher;
 use crate::load_store;
 use crate::prompt_text::prompt_text;
 use crate::request::{parse_request_with, LlmRequest, ParseOptions, RequestError};
-use crate::router::{decide, prompt_blocks, RouteError, RouteInput};
+use crate::router::{decide, isl_tokens, prompt_blocks, RouteError, RouteInput};
 use crate::text::{excerpt, MAX_EXCERPT_BYTES};
 use crate::types::SequenceHash;
 use std::rc::Rc;
@@ -238,9 +238,16 @@ impl RequestPath {
                 let scale = vm.traffic_share.scale();
                 host.histogram("load.traffic_scale_pct", (scale * 100.0) as u64);
             }
-            vm.slot_reports.merge_into(config, &mut load);
+            // With `per_worker` the unseen requests are priced above already.
+            let request_tokens = if per_worker {
+                0.0
+            } else {
+                f64::from(isl_tokens(&request))
+            };
+            vm.slot_reports
+                .merge_into(config, &mut load, request_tokens);
         }
-        let kv_usage: &[Option<f64>] = if config.load.reported_load && config.ttft.is_some() {
+        let kv_usage: &[Option<f64>] = if config.load.reported_load {
             &vm.slot_reports.kv_usage
         } else {
             &[]

@@ -395,11 +395,13 @@ impl SlotReports {
     }
 
     /// Folds each slot's reported counters into the local load view.
-    pub fn merge_into(&self, config: &Config, load: &mut [SlotLoad]) {
+    /// Folds the reports into `load` ([`merge_reported`]); `request_tokens` prices a reported
+    /// waiting request this Envoy did not send.
+    pub fn merge_into(&self, config: &Config, load: &mut [SlotLoad], request_tokens: f64) {
         for ((slot, reported), view) in config.slots.iter().zip(&self.reported).zip(load) {
             let worker = config.workers.get(usize::from(slot.worker));
             if let (Some(reported), Some(worker)) = (reported, worker) {
-                merge_reported(view, reported, worker.kv_capacity_blocks, worker.dp_size);
+                merge_reported(view, reported, worker.dp_size, request_tokens);
             }
         }
     }
@@ -449,8 +451,11 @@ mod tests {
         assert_eq!(reports.stale, [true, false]);
         assert_eq!(reports.kv_usage, [None, Some(0.5)]);
         let mut load = vec![SlotLoad::default(); 2];
-        reports.merge_into(&config, &mut load);
-        assert_eq!(load[1].decode_blocks, 500.0);
+        reports.merge_into(&config, &mut load, 0.0);
+        assert_eq!(
+            load[1].decode_blocks, 0.0,
+            "the usage is not decode blocks of the cost"
+        );
         assert_eq!(load[1].active_requests, 3);
         assert_eq!(load[0], SlotLoad::default());
 
