@@ -313,13 +313,10 @@ fn worker_reported_load_steers_away_from_a_worker_busy_with_other_traffic() {
     }
 }
 
-/// A worker's reported KV usage counts every block its running requests reference, the cached
-/// prefixes they share included: not load the cost's decode term prices (the blocks each request
-/// adds). With capacities known (configured here; described by the workers under
-/// `membership`), a holder of the prompt's prefix whose two running requests reference 60% of
-/// its cache keeps the prompt; the busy threshold still reads the usage and skips it.
-#[test]
-fn a_reported_kv_usage_keeps_prompts_on_their_prefix_and_still_marks_a_full_worker_busy() {
+/// Two echo workers of 1,000 KV blocks each, indexed from their events alone (the probes'
+/// predicted blocks would put the prefix on worker 2 too), worker 1 holding a 64-block prefix:
+/// the workers, their `workers` list and the prefix.
+fn a_holder_of_64_blocks() -> (Vec<Worker>, Value, Vec<u32>) {
     let workers = echo_workers(2, BLOCK);
     let list = json!([{"id": 1, "address": workers[0].addr, "kv_capacity_blocks": 1000, "kv_mode": "events"},
                       {"id": 2, "address": workers[1].addr, "kv_capacity_blocks": 1000, "kv_mode": "events"}]);
@@ -328,6 +325,17 @@ fn a_reported_kv_usage_keeps_prompts_on_their_prefix_and_still_marks_a_full_work
         &workers[0],
         vec![vllm_stored(&prefix, BLOCK, None, 1, "GPU")],
     );
+    (workers, list, prefix)
+}
+
+/// A worker's reported KV usage counts every block its running requests reference, the cached
+/// prefixes they share included: not load the cost's decode term prices (the blocks each request
+/// adds). With capacities known (configured here; described by the workers under
+/// `membership`), a holder of the prompt's prefix whose two running requests reference 60% of
+/// its cache keeps the prompt; the busy threshold still reads the usage and skips it.
+#[test]
+fn a_reported_kv_usage_keeps_prompts_on_their_prefix_and_still_marks_a_full_worker_busy() {
+    let (workers, list, prefix) = a_holder_of_64_blocks();
     let prompt = |i: u32| {
         let mut p = prefix.clone();
         p.extend(tokens(100_000 + i * 1_000, 8 * BLOCK));
@@ -383,16 +391,7 @@ fn a_reported_kv_usage_keeps_prompts_on_their_prefix_and_still_marks_a_full_work
 /// their prefix. Without the option the same prompt goes to the holder.
 #[test]
 fn a_prompt_that_would_wait_for_kv_room_goes_where_it_fits() {
-    let workers = echo_workers(2, BLOCK);
-    // Events only: worker 1 alone holds the prefix (the probes' predicted blocks would put it on
-    // worker 2 too).
-    let list = json!([{"id": 1, "address": workers[0].addr, "kv_capacity_blocks": 1000, "kv_mode": "events"},
-                      {"id": 2, "address": workers[1].addr, "kv_capacity_blocks": 1000, "kv_mode": "events"}]);
-    let prefix = tokens(1, 64 * BLOCK);
-    publish(
-        &workers[0],
-        vec![vllm_stored(&prefix, BLOCK, None, 1, "GPU")],
-    );
+    let (workers, list, prefix) = a_holder_of_64_blocks();
     let with_new = |blocks: u32, i: u32| {
         let mut prompt = prefix.clone();
         prompt.extend(tokens(100_000 + i * 10_000, blocks * BLOCK));
