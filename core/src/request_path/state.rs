@@ -397,11 +397,14 @@ impl SlotReports {
     /// Folds each slot's reported counters into the local load view.
     /// Folds the reports into `load` ([`merge_reported`]); `request_tokens` prices a reported
     /// waiting request this Envoy did not send.
+    /// A stale report's waiting requests are not priced: they may be long gone.
     pub fn merge_into(&self, config: &Config, load: &mut [SlotLoad], request_tokens: f64) {
-        for ((slot, reported), view) in config.slots.iter().zip(&self.reported).zip(load) {
+        let slots = config.slots.iter().zip(&self.reported).zip(&self.stale);
+        for (((slot, reported), stale), view) in slots.zip(load) {
             let worker = config.workers.get(usize::from(slot.worker));
             if let (Some(reported), Some(worker)) = (reported, worker) {
-                merge_reported(view, reported, worker.dp_size, request_tokens);
+                let tokens = if *stale { 0.0 } else { request_tokens };
+                merge_reported(view, reported, worker.dp_size, tokens);
             }
         }
     }
@@ -440,6 +443,28 @@ mod tests {
             ],
             ..LogHead::default()
         }
+    }
+
+    #[test]
+    fn only_a_fresh_reports_waiting_requests_join_the_queue() {
+        let config = config();
+        let waiting = ReportedLoad {
+            num_waiting: 2,
+            num_running: 1,
+            kv_usage: 0.5,
+        };
+        let mut head = head(1, 0.5);
+        for w in &mut head.workers {
+            w.reported = Some(waiting);
+        }
+        let mut reports = SlotReports::new(config.slots.len());
+        reports.refresh(&head, &config);
+        let mut load = vec![SlotLoad::default(); 2];
+        reports.merge_into(&config, &mut load, 100.0);
+        // Both report 3 requests, none of them this Envoy's; worker 1's events are overdue.
+        assert_eq!(load[0].active_requests, 3);
+        assert_eq!(load[0].prefill_tokens, 0.0, "stale: its queue may be gone");
+        assert_eq!(load[1].prefill_tokens, 200.0);
     }
 
     #[test]
