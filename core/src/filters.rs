@@ -17,7 +17,7 @@
 //! Stages 1-5 that empty the candidate set return `NoCompatibleWorker` with the stage as reason.
 
 use crate::config::Config;
-use crate::load::SlotLoad;
+use crate::load::{kv_fill, SlotLoad};
 use crate::request::{LlmRequest, Pin};
 use crate::route_error::{Incompatibility, RouteError};
 use crate::types::SlotIdx;
@@ -200,10 +200,8 @@ pub fn is_busy(
     };
     let b = &config.busy;
     if let (Some(frac), Some(cap)) = (b.decode_blocks_fraction, w.kv_capacity_blocks) {
-        let booked = l.decode_blocks / f64::from(cap);
         let reported = kv_usage.get(usize::from(slot)).copied().flatten();
-        let reported = reported.filter(|u| u.is_finite()).unwrap_or(0.0);
-        if booked.max(reported) > frac {
+        if kv_fill(l.decode_blocks, Some(cap), reported) > frac {
             return true;
         }
     }

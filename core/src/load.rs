@@ -1380,6 +1380,23 @@ mod tests {
     }
 }
 
+/// A slot's KV fill for the busy threshold and the decode step: the larger of its booked decode
+/// blocks over its capacity and its engine's reported KV usage. The engine's figure also counts
+/// other routers' requests and the shared prefixes they read, so it is a fill, never decode
+/// blocks for the cost. 0 for what is unknown or not finite; not clamped (bookings can overrun).
+pub fn kv_fill(
+    decode_blocks: f64,
+    capacity_blocks: Option<u32>,
+    reported_usage: Option<f64>,
+) -> f64 {
+    let booked = match capacity_blocks {
+        Some(cap) if cap > 0 => decode_blocks / f64::from(cap),
+        _ => 0.0,
+    };
+    let finite = |v: f64| if v.is_finite() { v.max(0.0) } else { 0.0 };
+    finite(booked).max(reported_usage.map_or(0.0, finite))
+}
+
 /// A worker's reported requests (running and waiting) per data-parallel rank: the engine counts
 /// all its ranks, the load table has a slot per rank.
 pub fn reported_requests(reported: &crate::events::ReportedLoad, dp_size: u32) -> f64 {
@@ -1458,6 +1475,24 @@ mod merge_reported_tests {
         assert_eq!(busy.active_requests, 20, "local view larger: kept");
         assert_eq!(busy.prefill_tokens, 0.0, "nothing unseen");
         assert_eq!(busy.decode_blocks, 800.0);
+    }
+
+    #[test]
+    fn the_kv_fill_is_the_larger_of_booked_and_reported() {
+        assert_eq!(kv_fill(50.0, Some(100), Some(0.2)), 0.5, "booked larger");
+        assert_eq!(kv_fill(10.0, Some(100), Some(0.7)), 0.7, "reported larger");
+        assert_eq!(
+            kv_fill(150.0, Some(100), None),
+            1.5,
+            "an overrun is not clamped"
+        );
+        assert_eq!(
+            kv_fill(50.0, None, Some(0.3)),
+            0.3,
+            "no capacity: the report alone"
+        );
+        assert_eq!(kv_fill(50.0, Some(0), Some(f64::NAN)), 0.0, "nothing known");
+        assert_eq!(kv_fill(f64::INFINITY, Some(10), Some(-1.0)), 0.0);
     }
 
     #[test]

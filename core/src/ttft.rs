@@ -61,7 +61,7 @@
 
 use crate::config::{CostWeights, TtftConfig};
 use crate::cost::NonFiniteCost;
-use crate::load::SlotLoad;
+use crate::load::{kv_fill, SlotLoad};
 use crate::prefill_work::{horner, prefill_work_tokens, token_rate_ms};
 use crate::types::Overlap;
 
@@ -241,18 +241,14 @@ pub fn predicted_ttft(
         0.0
     };
     let decode_ms = if load.active_requests > 0 {
-        // The larger of the booked blocks over the configured capacity and the worker's own
-        // report (every block its running requests read, other routers' and shared prefixes
-        // included: what a decode step reads).
-        let booked = match inputs.kv_capacity_blocks {
-            Some(cap) if cap > 0 => (load.decode_blocks / f64::from(cap)).clamp(0.0, 1.0),
-            _ => 0.0,
-        };
-        let reported = match inputs.kv_usage {
-            Some(u) if u.is_finite() => u.clamp(0.0, 1.0),
-            _ => 0.0,
-        };
-        let fill = booked.max(reported);
+        // The engine's usage counts every block its running requests read, other routers' and
+        // shared prefixes included: what a decode step reads.
+        let fill = kv_fill(
+            load.decode_blocks,
+            inputs.kv_capacity_blocks,
+            inputs.kv_usage,
+        );
+        let fill = fill.min(1.0);
         steps.max(1.0) * horner(timing.decode_step_ms_poly, fill).max(0.0)
     } else {
         0.0

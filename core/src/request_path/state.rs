@@ -394,7 +394,6 @@ impl SlotReports {
         }
     }
 
-    /// Folds each slot's reported counters into the local load view.
     /// Folds the reports into `load` ([`merge_reported`]); `request_tokens` prices a reported
     /// waiting request this Envoy did not send.
     /// A stale report's waiting requests are not priced: they may be long gone.
