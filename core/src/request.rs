@@ -102,28 +102,25 @@ pub fn parse_header_pin(
     worker_id: Option<&str>,
     dp_rank: Option<&str>,
 ) -> Result<Pin, RequestError> {
-    let worker_id = match worker_id {
-        None => None,
-        Some(s) => Some(
-            s.trim()
-                .parse::<WorkerId>()
-                .map_err(|e| RequestError::BadField {
-                    field: HEADER_WORKER_ID,
-                    detail: format!("\"{s}\" is not an unsigned 64-bit worker id: {e}"),
-                })?,
-        ),
-    };
-    let dp_rank = match dp_rank {
-        None => None,
-        Some(s) => Some(
-            s.trim()
-                .parse::<DpRank>()
-                .map_err(|e| RequestError::BadField {
-                    field: HEADER_DP_RANK,
-                    detail: format!("\"{s}\" is not an unsigned 32-bit DP rank: {e}"),
-                })?,
-        ),
-    };
+    fn parse<T: std::str::FromStr>(
+        value: Option<&str>,
+        field: &'static str,
+        what: &str,
+    ) -> Result<Option<T>, RequestError>
+    where
+        T::Err: std::fmt::Display,
+    {
+        value
+            .map(|s| {
+                s.trim().parse::<T>().map_err(|e| RequestError::BadField {
+                    field,
+                    detail: format!("\"{s}\" is not {what}: {e}"),
+                })
+            })
+            .transpose()
+    }
+    let worker_id = parse(worker_id, HEADER_WORKER_ID, "an unsigned 64-bit worker id")?;
+    let dp_rank = parse(dp_rank, HEADER_DP_RANK, "an unsigned 32-bit DP rank")?;
     Ok(Pin { worker_id, dp_rank })
 }
 
