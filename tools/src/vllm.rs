@@ -217,6 +217,9 @@ pub struct Engine {
     pub pub_port: u16,
     pub replay_port: u16,
     pub config: EngineConfig,
+    /// The cores its OpenMP threads are bound to (`VLLM_CPU_OMP_THREADS_BIND`); `None`: vLLM's
+    /// `auto`, which binds every engine of a small machine to the same first core.
+    pub cpu_bind: Option<String>,
     run_dir: PathBuf,
     pub log: PathBuf,
     group: Option<ProcessGroup>,
@@ -232,6 +235,7 @@ impl Engine {
             pub_port: ports[1],
             replay_port: ports[2],
             config,
+            cpu_bind: None,
             run_dir: dir.join(format!("{name}-run")),
             log: dir.join(format!("{name}.log")),
             group: None,
@@ -282,6 +286,9 @@ impl Engine {
                 c.num_blocks.map_or_else(String::new, |n| n.to_string()),
             )
             .env("RUN_DIR", &self.run_dir);
+        if let Some(cores) = &self.cpu_bind {
+            cmd.env("VLLM_CPU_OMP_THREADS_BIND", cores);
+        }
         self.group = Some(ProcessGroup::spawn(&mut cmd, &self.log)?);
         Ok(())
     }
@@ -413,6 +420,16 @@ pub fn start_engines(
             )
         })
         .collect();
+    // Each engine its own core, as each GPU engine has its own device: with vLLM's `auto` every
+    // engine of a 2-core machine binds core 0 and leaves core 1 to the API servers, so two
+    // engines share one core and a router that keeps one of them idle looks fast. Not when the
+    // user chose a binding, nor with fewer cores than engines.
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    if std::env::var_os("VLLM_CPU_OMP_THREADS_BIND").is_none() && cores >= count {
+        for (i, e) in engines.iter_mut().enumerate() {
+            e.cpu_bind = Some(i.to_string());
+        }
+    }
     for e in &mut engines {
         e.start()?;
     }
