@@ -400,6 +400,17 @@ impl Drop for Engine {
 
 /// Starts `count` engines named `engine-1..` in parallel under `dir` and waits until all are
 /// healthy (at most `limit`).
+/// Each engine's core (`VLLM_CPU_OMP_THREADS_BIND`), as each GPU engine has its own device: with
+/// vLLM's `auto` every engine of a 2-core machine binds core 0 and leaves core 1 to the API
+/// servers, so two engines share one core and a router that keeps one of them idle looks fast.
+/// `None` (vLLM's choice) when the user set a binding or there are fewer cores than engines.
+fn core_bindings(engines: usize, cores: usize, user_bound: bool) -> Vec<Option<String>> {
+    let own_cores = !user_bound && cores >= engines;
+    (0..engines)
+        .map(|i| own_cores.then(|| i.to_string()))
+        .collect()
+}
+
 pub fn start_engines(
     count: usize,
     config: &EngineConfig,
@@ -420,15 +431,13 @@ pub fn start_engines(
             )
         })
         .collect();
-    // Each engine its own core, as each GPU engine has its own device: with vLLM's `auto` every
-    // engine of a 2-core machine binds core 0 and leaves core 1 to the API servers, so two
-    // engines share one core and a router that keeps one of them idle looks fast. Not when the
-    // user chose a binding, nor with fewer cores than engines.
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    if std::env::var_os("VLLM_CPU_OMP_THREADS_BIND").is_none() && cores >= count {
-        for (i, e) in engines.iter_mut().enumerate() {
-            e.cpu_bind = Some(i.to_string());
-        }
+    let user_bound = std::env::var_os("VLLM_CPU_OMP_THREADS_BIND").is_some();
+    for (e, bind) in engines
+        .iter_mut()
+        .zip(core_bindings(count, cores, user_bound))
+    {
+        e.cpu_bind = bind;
     }
     for e in &mut engines {
         e.start()?;
@@ -437,4 +446,26 @@ pub fn start_engines(
         e.wait_healthy(limit).map_err(io::Error::other)?;
     }
     Ok(engines)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::core_bindings;
+
+    #[test]
+    fn each_engine_gets_a_core_of_its_own_when_there_are_enough() {
+        let own = |engines| core_bindings(engines, 2, false);
+        assert_eq!(own(2), [Some("0".to_string()), Some("1".to_string())]);
+        assert_eq!(own(1), [Some("0".to_string())]);
+        assert_eq!(
+            core_bindings(3, 2, false),
+            [None, None, None],
+            "too few cores"
+        );
+        assert_eq!(
+            core_bindings(2, 8, true),
+            [None, None],
+            "the user's binding wins"
+        );
+    }
 }
