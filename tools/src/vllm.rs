@@ -398,8 +398,6 @@ impl Drop for Engine {
     }
 }
 
-/// Starts `count` engines named `engine-1..` in parallel under `dir` and waits until all are
-/// healthy (at most `limit`).
 /// Each engine's core (`VLLM_CPU_OMP_THREADS_BIND`), as each GPU engine has its own device: with
 /// vLLM's `auto` every engine of a 2-core machine binds core 0 and leaves core 1 to the API
 /// servers, so two engines share one core and a router that keeps one of them idle looks fast.
@@ -411,6 +409,8 @@ fn core_bindings(engines: usize, cores: usize, user_bound: bool) -> Vec<Option<S
         .collect()
 }
 
+/// Starts `count` engines named `engine-1..` in parallel under `dir` and waits until all are
+/// healthy (at most `limit`).
 pub fn start_engines(
     count: usize,
     config: &EngineConfig,
