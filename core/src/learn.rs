@@ -328,6 +328,8 @@ pub struct LearnedTimings {
     pub factors: Vec<f64>,
     /// The fleet's factor (the prior of a worker with few samples).
     pub fleet: f64,
+    /// The worker entry [`LearnedTimings::read_next`] reads first.
+    cursor: usize,
 }
 
 impl Default for LearnedTimings {
@@ -337,6 +339,7 @@ impl Default for LearnedTimings {
             records: Vec::new(),
             factors: Vec::new(),
             fleet: 1.0,
+            cursor: 0,
         }
     }
 }
@@ -346,6 +349,21 @@ impl LearnedTimings {
     pub fn resize(&mut self, workers: usize) {
         self.records.resize(workers, TimingRecord::default());
         self.factors.resize(workers, 1.0);
+    }
+
+    /// The tick's part: reads the shared records of up to `max` of `workers` entries, each
+    /// tick the next ones (at 8 workers all of them, at 1,000 each one every few ticks), then
+    /// recomputes every factor.
+    pub fn read_next(&mut self, store: &impl SharedStore, workers: usize, max: usize, now_ms: u64) {
+        self.resize(workers);
+        for _ in 0..workers.min(max) {
+            let i = self.cursor % workers.max(1);
+            self.cursor = i + 1;
+            if let Some(r) = self.records.get_mut(i) {
+                *r = read_record(store, i);
+            }
+        }
+        self.refresh(now_ms);
     }
 
     /// Recomputes the factors at `now_ms`: the fleet's mean log ratio (weighted by the workers'

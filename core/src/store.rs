@@ -24,8 +24,9 @@ pub trait SharedStore {
 }
 
 /// An in-memory store with Envoy's semantics, and hooks that let a test run another VM's
-/// operations between any two of this one's (to reproduce races deterministically).
-#[cfg(test)]
+/// operations between any two of this one's (to reproduce races deterministically). Also the
+/// shared data of the virtual-time simulator (`loadgen sim`, feature `testing`).
+#[cfg(any(test, feature = "testing"))]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 pub mod fake {
     use super::{SharedStore, StoreError};

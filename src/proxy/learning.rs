@@ -4,7 +4,6 @@
 //! bounded batch per tick) and recomputes the factors routing multiplies by.
 
 use crate::config::Config;
-use crate::learn;
 
 use super::host::HostStore;
 use super::vm::VmState;
@@ -13,21 +12,14 @@ use super::vm::VmState;
 const RECORDS_PER_TICK: usize = 64;
 
 impl VmState {
-    /// The tick: reads the next batch of shared records and recomputes every factor; records
-    /// the learned factors as gauges (`worker.<id>.timing_factor_milli`) when they change.
+    /// The tick: reads the next batch of shared records and recomputes every factor.
     pub fn refresh_learned(&mut self, config: &Config, now: u64) {
         if !config.ttft.as_ref().is_some_and(|t| t.learn) {
             return;
         }
         let workers = config.workers.len();
-        self.path.learned.resize(workers);
-        for _ in 0..workers.min(RECORDS_PER_TICK) {
-            let i = self.learned_cursor % workers.max(1);
-            self.learned_cursor = i + 1;
-            if let Some(r) = self.path.learned.records.get_mut(i) {
-                *r = learn::read_record(&HostStore, i);
-            }
-        }
-        self.path.learned.refresh(now);
+        self.path
+            .learned
+            .read_next(&HostStore, workers, RECORDS_PER_TICK, now);
     }
 }

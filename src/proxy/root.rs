@@ -200,7 +200,6 @@ impl RootContext for RouterRoot {
             members_call: None,
             next_members_poll_ms: 0,
             linear_memory_reported: 0,
-            learned_cursor: 0,
             timing_published: Vec::new(),
             histogram_ids: Vec::new(),
         };

@@ -23,8 +23,6 @@ pub struct VmState {
     pub(super) block_size_warned: Vec<bool>,
     /// This VM's linear memory as last added to the `vm.linear_memory_bytes` gauge.
     pub(super) linear_memory_reported: u64,
-    /// The next worker record the tick reads.
-    pub(super) learned_cursor: usize,
     /// Per worker entry, the (id, factor, samples) last recorded as gauges.
     pub(super) timing_published: Vec<Option<(u64, u64, u64)>>,
     /// Per worker entry, its histograms' ids.

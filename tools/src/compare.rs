@@ -160,7 +160,7 @@ impl Fleet {
 
     /// Mock worker `id`'s arguments: engine mode, the block size, `worker_args`, and its own
     /// `--speedup` in a mixed fleet.
-    fn mock_args(&self, id: u64) -> Vec<String> {
+    pub fn mock_args(&self, id: u64) -> Vec<String> {
         let mut args: Vec<String> = ["--mode", "engine", "--block-size"]
             .iter()
             .map(|s| s.to_string())
@@ -285,7 +285,11 @@ impl Fleet {
 
     /// The filter configuration for `mode` over `workers`.
     pub fn filter_config(&self, mode: &str, workers: &[Worker]) -> Value {
-        let list: Vec<Value> = workers.iter().map(Worker::filter_entry).collect();
+        self.filter_config_for(mode, workers.iter().map(Worker::filter_entry).collect())
+    }
+
+    /// The filter configuration for `mode` over the worker entries `list`.
+    pub fn filter_config_for(&self, mode: &str, list: Vec<Value>) -> Value {
         // Bridges answer `/kv/events?wait_ms=` as soon as an event arrives, so a long poll puts
         // events in the index without the poll interval's delay (2 s + the 1 s call timeout
         // stays under the 5 s staleness bound).
@@ -295,7 +299,7 @@ impl Fleet {
         };
         // The index sized to hold every block the fleet caches, as an operator would (the
         // default, 262,144 entries, fits 32 of these workers at 8,192 blocks).
-        let fleet_blocks = self.worker_kv_blocks() * workers.len() as u64;
+        let fleet_blocks = self.worker_kv_blocks() * list.len() as u64;
         let mut config = json!({
             "mode": mode,
             "block_size": self.block_size,
@@ -312,6 +316,31 @@ impl Fleet {
         }
         config
     }
+}
+
+/// The fields an arm `kv+set:<a.b>=<value>[+set:...]` sets, as a configuration fragment (each
+/// value read as JSON, else as a string).
+pub fn set_fields(arm: &str) -> io::Result<Value> {
+    let mut extra = json!({});
+    for assignment in arm.trim_start_matches("kv+").split('+') {
+        let bad = || {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{arm}: expected kv+set:<a.b>=<value>[+set:...]"),
+            )
+        };
+        let (path, value) = assignment
+            .strip_prefix("set:")
+            .and_then(|a| a.split_once('='))
+            .ok_or_else(bad)?;
+        let value: Value = serde_json::from_str(value).unwrap_or_else(|_| json!(value.to_string()));
+        let mut at = &mut extra;
+        for key in path.split('.') {
+            at = &mut at[key];
+        }
+        *at = value;
+    }
+    Ok(extra)
 }
 
 /// Runs `workload` once in `mode` on a fresh fleet and Envoy (or, for a `vllm-router:<policy>`
@@ -480,29 +509,7 @@ fn run_arm(
         }
         // The defaults with fields set: `kv+set:ttft.learn=false+set:ttft.share_weight=3`
         // (each value read as JSON, else as a string), for experiments without a new arm.
-        m if m.starts_with("kv+set:") => {
-            let mut extra = json!({});
-            for assignment in m.trim_start_matches("kv+").split('+') {
-                let bad = || {
-                    io::Error::new(
-                        io::ErrorKind::InvalidInput,
-                        format!("{m}: expected kv+set:<a.b>=<value>[+set:...]"),
-                    )
-                };
-                let (path, value) = assignment
-                    .strip_prefix("set:")
-                    .and_then(|a| a.split_once('='))
-                    .ok_or_else(bad)?;
-                let value: Value =
-                    serde_json::from_str(value).unwrap_or_else(|_| json!(value.to_string()));
-                let mut at = &mut extra;
-                for key in path.split('.') {
-                    at = &mut at[key];
-                }
-                *at = value;
-            }
-            ("kv", extra, None)
-        }
+        m if m.starts_with("kv+set:") => ("kv", set_fields(m)?, None),
         "kv+ids" => {
             opts.chat_as_ids = true;
             opts.path = "/v1/completions".to_string();

@@ -4,6 +4,7 @@
 //! * [`mock`]: the mock LLM worker (echo mode for tests, a vLLM-like engine for benchmarks).
 //! * [`loadgen`], [`compare`], [`race`]: the async load generator, the mode-by-mode comparison
 //!   and the repeated all-workloads, all-arms race on top of it.
+//! * [`sim`]: the filter's request path in front of the mock's engine model in virtual time.
 //! * [`calibrate`]: measures an engine's timing and fits the filter's TTFT polynomials.
 //! * [`peer`]: peer routers (`vllm-router`) as arms of the comparison.
 //! * [`harness`], [`client`], [`sse`], [`prom`], [`sys`], [`util`]: the test kit
@@ -18,6 +19,7 @@ pub mod peer;
 pub mod quality;
 pub mod race;
 pub mod server;
+pub mod sim;
 pub mod vllm;
 
 pub use kv_router_testkit::{client, harness, prom, sse, sys, util};

@@ -193,6 +193,50 @@ enum Command {
     /// Every workload x arm, each arm on a fresh fleet, --runs times: medians against the
     /// targets in OUT/results.json, OUT/summary.md and `OUT/ttft-<workload>.svg` (docs/RACE.md).
     Race(RaceArgs),
+    /// The race's workloads (or --trace) in virtual time: the filter's request path in front of
+    /// the mock's engine model, no processes, deterministic (docs/RACE.md, "The simulator").
+    Sim(SimArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct SimArgs {
+    /// Race workloads to run (default: every mock workload the simulator can run).
+    #[arg(long, value_delimiter = ',')]
+    workloads: Vec<String>,
+    /// A Mooncake-format trace instead, on --fleet workers with --worker-args / --worker-speedups.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    #[arg(long, default_value_t = 8)]
+    fleet: u64,
+    #[arg(
+        long,
+        default_value = "--kv-blocks 8192 --speedup 2",
+        allow_hyphen_values = true
+    )]
+    worker_args: String,
+    #[arg(long, value_delimiter = ',')]
+    worker_speedups: Vec<f64>,
+    #[arg(long, default_value_t = 64)]
+    block_size: u32,
+    /// Arms: round-robin, kv, kv+set:<a.b>=<value>[+set:...], each with an optional *N (Envoys).
+    #[arg(long, value_delimiter = ',', default_value = "kv,round-robin")]
+    arms: Vec<String>,
+    /// Fraction of every race workload's sessions (or requests).
+    #[arg(long, default_value_t = 1.0)]
+    scale: f64,
+    /// Where generated race workloads are written.
+    #[arg(long, default_value = "target/sim")]
+    out: PathBuf,
+    #[arg(long, default_value = "bench-data/mooncake_synthetic_trace.jsonl")]
+    synthetic_trace: PathBuf,
+    /// From an engine's KV event to every Envoy's index (ms).
+    #[arg(long, default_value_t = 3.0)]
+    event_delay_ms: f64,
+    /// How often the bridge scrapes each engine's load (ms).
+    #[arg(long, default_value_t = 1000.0)]
+    scrape_interval_ms: f64,
 }
 
 #[derive(Debug, clap::Args)]
@@ -268,6 +312,81 @@ fn gen_workload(a: &GenWorkloadArgs) {
     );
     let load = TraceLoad::of(&trace, a.workers, a.speedup, a.time_scale);
     eprint!("{}", load.report(a.workers, a.speedup));
+}
+
+fn run_sim(a: &SimArgs) {
+    use envoy_kv_router_tools::sim;
+    let opts = sim::SimOptions {
+        event_delay_ms: a.event_delay_ms,
+        scrape_interval_ms: a.scrape_interval_ms,
+    };
+    let routers: Vec<(String, sim::Router)> = a
+        .arms
+        .iter()
+        .filter(|m| !m.is_empty())
+        .map(|m| (m.clone(), sim::arm_router(m).unwrap_or_else(|e| fail(&e))))
+        .collect();
+    let mut jobs: Vec<(String, Workload, Fleet)> = Vec::new();
+    if let Some(path) = &a.trace {
+        let workload =
+            load_mooncake(path, a.time_scale, None).unwrap_or_else(|e| fail(&e.to_string()));
+        let mut fleet = Fleet::new(
+            a.fleet,
+            a.block_size,
+            &a.worker_args.split_whitespace().collect::<Vec<_>>(),
+        );
+        fleet.speedups = a.worker_speedups.clone();
+        jobs.push((path.display().to_string(), workload, fleet));
+    } else {
+        let names: Vec<String> = if a.workloads.is_empty() {
+            [
+                "synthetic",
+                "conversation",
+                "chat-text",
+                "agent",
+                "agent-mixed",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+        } else {
+            a.workloads.clone()
+        };
+        let race_opts = RaceOptions {
+            scale: a.scale,
+            out: a.out.clone(),
+            synthetic_trace: a.synthetic_trace.clone(),
+            quiet: true,
+            ..RaceOptions::default()
+        };
+        for name in names.iter().filter(|n| !n.is_empty()) {
+            match envoy_kv_router_tools::race::prepare(name, &race_opts) {
+                Ok(Ok(w)) if w.fleet.vllm.is_none() => jobs.push((w.name, w.workload, w.fleet)),
+                Ok(Ok(_)) => eprintln!("sim: {name}: real engines are not simulated; skipped"),
+                Ok(Err(why)) => eprintln!("sim: {name}: skipped: {why}"),
+                Err(e) => fail(&format!("sim: {name}: {e}")),
+            }
+        }
+    }
+    for (name, workload, fleet) in &jobs {
+        println!(
+            "## {name}: {} requests, {} workers",
+            workload.requests.len(),
+            fleet.workers
+        );
+        let mut rows = Vec::new();
+        for (arm, router) in &routers {
+            let started = std::time::Instant::now();
+            let run = sim::simulate(workload, fleet, router, &opts)
+                .unwrap_or_else(|e| fail(&format!("sim: {name} {arm}: {e}")));
+            eprintln!(
+                "sim: {name} {arm}: {:.1} s",
+                started.elapsed().as_secs_f64()
+            );
+            rows.push((arm.clone(), run));
+        }
+        println!("{}", sim::table(&rows));
+    }
 }
 
 fn run_race(a: &RaceArgs) {
@@ -400,6 +519,7 @@ fn main() {
     let args = Args::parse();
     match &args.command {
         Some(Command::GenWorkload(a)) => return gen_workload(a),
+        Some(Command::Sim(a)) => return run_sim(a),
         Some(Command::Race(a)) => {
             if let Err(e) = raise_fd_limit() {
                 eprintln!("loadgen: cannot raise the open-file limit: {e}");

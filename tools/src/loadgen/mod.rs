@@ -18,7 +18,7 @@ pub use replay::{affinity_replay, block_hashes, pooled_replay, Affinity, Why};
 pub use report::{
     comparison_table, format_stats, print_comparison_table, svg_chart, write_svg_chart,
 };
-pub use runner::{run_workload, run_workload_on, RunOptions};
+pub use runner::{body_for, run_workload, run_workload_on, RunOptions};
 pub use stats::{
     scrape_hit_rate, scrape_workers, CacheCounters, ClientUsage, RequestResult, RunStats, Summary,
     WorkerCounters,

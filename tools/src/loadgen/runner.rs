@@ -131,7 +131,8 @@ impl Run {
     }
 }
 
-fn body_for(spec: &RequestSpec, opts: &RunOptions) -> Vec<u8> {
+/// The JSON body the load generator sends for `spec`.
+pub fn body_for(spec: &RequestSpec, opts: &RunOptions) -> Vec<u8> {
     let mut body = json!({
         "model": opts.model,
         "max_tokens": spec.max_tokens,

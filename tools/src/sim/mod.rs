@@ -1,0 +1,513 @@
+//! A race in virtual time: the filter's own request path (kv-router-core, driven as the adapter
+//! drives it, one VM per Envoy) in front of the mock's engine model ([`EngineCore`], the roofline
+//! of `mock::timing` with its per-worker speed and jitter), with no Envoy, no sockets and no
+//! clock. A run is deterministic: the same workload, fleet and arm give the same figures, so
+//! two policies a few percent apart can be told apart, which three noisy runs of the real race
+//! (`make race`) cannot. The race stays the judge; this is the tool for choosing what to race.
+//!
+//! What it models, and how it differs from the real race:
+//! * the engines exactly as the mock worker runs them (a step's KV events leave when it is
+//!   planned, its outputs when it ends; an idle engine with waiting work polls every 2 ms);
+//! * the bridge: each worker's events reach every Envoy `event_delay_ms` after they were
+//!   published, in one page, with the engine's load as last scraped (every
+//!   `scrape_interval_ms`, phase-shifted per worker);
+//! * Envoy: requests spread round-robin over `envoys` independent Envoys (one VM each), the
+//!   filter's tick every `tick_ms`; no network, HTTP or Envoy time (the real race adds a few
+//!   ms per request);
+//! * no peers: `vllm-router`'s policies are not in it (compare with them in the race).
+
+pub mod envoy;
+pub mod host;
+
+use crate::compare::Fleet;
+use crate::loadgen::{body_for, RunOptions, Workload};
+use crate::mock::engine::{EngineCore, Output, ReqId, StepOutcome};
+use crate::mock::Options;
+use clap::Parser;
+use envoy::SimEnvoy;
+use kv_router_core::request_path::RequestPath;
+use kv_router_protocol::page::{page_json, Load};
+use serde_json::{json, Value};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
+
+/// How an arm routes.
+#[derive(Clone, Debug)]
+pub enum Router {
+    /// The filter with this configuration (JSON), in front of `envoys` Envoys.
+    Filter { config: Value, envoys: usize },
+    /// Round-robin, as Envoy's own load balancer.
+    RoundRobin,
+}
+
+/// The bridge's timing.
+#[derive(Clone, Copy, Debug)]
+pub struct SimOptions {
+    /// From an engine publishing events to every Envoy's index having them.
+    pub event_delay_ms: f64,
+    /// How often the bridge scrapes an engine's load (`--engine-metrics-interval-ms`).
+    pub scrape_interval_ms: f64,
+}
+
+impl Default for SimOptions {
+    fn default() -> Self {
+        SimOptions {
+            event_delay_ms: 3.0,
+            scrape_interval_ms: 1000.0,
+        }
+    }
+}
+
+/// What one simulated run measured.
+#[derive(Clone, Debug, Default)]
+pub struct SimRun {
+    /// Per completed request, arrival to first token (ms).
+    pub ttft_ms: Vec<f64>,
+    /// Requests completed per worker (fleet order).
+    pub per_worker: Vec<usize>,
+    /// Each worker's `--speedup`.
+    pub speedups: Vec<f64>,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    /// Requests an engine refused or failed.
+    pub errors: usize,
+    /// The filter's counters, summed over the Envoys.
+    pub counters: BTreeMap<String, u64>,
+}
+
+impl SimRun {
+    pub fn ttft_mean(&self) -> f64 {
+        if self.ttft_ms.is_empty() {
+            return 0.0;
+        }
+        self.ttft_ms.iter().sum::<f64>() / self.ttft_ms.len() as f64
+    }
+
+    /// The `q` quantile (0..=1) of TTFT, nearest rank.
+    pub fn ttft_quantile(&self, q: f64) -> f64 {
+        let mut v = self.ttft_ms.clone();
+        v.sort_by(f64::total_cmp);
+        let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len().max(1));
+        v.get(rank - 1).copied().unwrap_or(0.0)
+    }
+
+    pub fn hit_rate(&self) -> f64 {
+        if self.prompt_tokens == 0 {
+            return 0.0;
+        }
+        self.cached_tokens as f64 / self.prompt_tokens as f64
+    }
+
+    /// The largest share of requests over the worker's share of the fleet's speed (max/mean
+    /// requests per worker on a uniform fleet).
+    pub fn balance(&self) -> f64 {
+        let total: usize = self.per_worker.iter().sum();
+        let speed: f64 = self.speedups.iter().sum();
+        if total == 0 || speed <= 0.0 {
+            return 0.0;
+        }
+        self.per_worker
+            .iter()
+            .zip(&self.speedups)
+            .map(|(&n, &s)| (n as f64 / total as f64) / (s / speed))
+            .fold(0.0, f64::max)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    Arrive(usize),
+    StepStart(usize),
+    StepEnd(usize),
+    Deliver(usize),
+    Scrape(usize),
+    Tick(usize),
+}
+
+/// Events by virtual time (microseconds), then by the order they were scheduled.
+#[derive(Default)]
+struct Agenda {
+    heap: BinaryHeap<Reverse<(u64, u64, Event)>>,
+    seq: u64,
+}
+
+impl Agenda {
+    fn at(&mut self, ms: f64, event: Event) {
+        let us = (ms.max(0.0) * 1000.0).round() as u64;
+        self.seq += 1;
+        self.heap.push(Reverse((us, self.seq, event)));
+    }
+
+    fn next(&mut self) -> Option<(f64, Event)> {
+        self.heap
+            .pop()
+            .map(|Reverse((us, _, e))| (us as f64 / 1000.0, e))
+    }
+}
+
+struct SimWorker {
+    core: EngineCore,
+    address: String,
+    /// The step under way (its outputs are delivered when it ends).
+    stepping: Option<StepOutcome>,
+    /// A step is planned (`StepStart` is on the agenda).
+    step_planned: bool,
+    /// Events published and not yet delivered, as page texts with their ids.
+    unsent: Vec<String>,
+    first_unsent: u64,
+    last_event_id: u64,
+    delivery_planned: bool,
+    scraped: Load,
+    requests: HashMap<ReqId, usize>,
+}
+
+struct SimRequest {
+    path: RequestPath,
+    envoy: usize,
+    arrived_ms: f64,
+    first_token: bool,
+}
+
+/// One SSE token event, as the mock streams it.
+const TOKEN_CHUNK: &[u8] = b"data: {\"choices\":[{\"index\":0,\"text\":\"x\"}]}\n\n";
+
+/// The engine configuration mock worker `id` of `fleet` runs (its real command line, parsed).
+fn engine_of(fleet: &Fleet, id: u64) -> Result<crate::mock::engine::EngineConfig, String> {
+    let mut args = vec![
+        "mock-worker".to_string(),
+        "--id".to_string(),
+        id.to_string(),
+    ];
+    args.extend(fleet.mock_args(id));
+    let options = Options::try_parse_from(&args).map_err(|e| e.to_string())?;
+    Ok(options.engine_config())
+}
+
+/// Runs `workload` on a fresh simulated `fleet` routed by `router`.
+pub fn simulate(
+    workload: &Workload,
+    fleet: &Fleet,
+    router: &Router,
+    opts: &SimOptions,
+) -> Result<SimRun, String> {
+    let n = usize::try_from(fleet.workers).map_err(|e| e.to_string())?;
+    let mut workers = Vec::with_capacity(n);
+    for id in 1..=fleet.workers {
+        let cfg = engine_of(fleet, id)?;
+        workers.push(SimWorker {
+            core: EngineCore::new(cfg),
+            address: format!("10.0.{}.{}:8000", id / 256, id % 256),
+            stepping: None,
+            step_planned: false,
+            unsent: Vec::new(),
+            first_unsent: 1,
+            last_event_id: 0,
+            delivery_planned: false,
+            scraped: Load::default(),
+            requests: HashMap::new(),
+        });
+    }
+    let by_address: HashMap<String, usize> = workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (w.address.clone(), i))
+        .collect();
+    let mut envoys = Vec::new();
+    if let Router::Filter {
+        config,
+        envoys: count,
+    } = router
+    {
+        let entries: Vec<Value> = workers
+            .iter()
+            .zip(1..)
+            .map(|(w, id): (&SimWorker, u64)| json!({"id": id, "address": w.address}))
+            .collect();
+        let mut config_json = fleet.filter_config_for("kv", entries);
+        if let (Some(target), Some(extra)) = (config_json.as_object_mut(), config.as_object()) {
+            for (k, v) in extra {
+                target.insert(k.clone(), v.clone());
+            }
+        }
+        let text = config_json.to_string();
+        for e in 0..(*count).max(1) {
+            envoys.push(SimEnvoy::new(&text, 0x9E37_79B9 + e as u64, 0)?);
+        }
+    }
+    let block_size = fleet.block_size;
+    let mut agenda = Agenda::default();
+    for (i, r) in workload.requests.iter().enumerate() {
+        agenda.at(r.at_ms, Event::Arrive(i));
+    }
+    for w in 0..n {
+        // Scrapes spread over the interval, as independent bridges would be.
+        let phase = opts.scrape_interval_ms * (w as f64 + 0.5) / n as f64;
+        agenda.at(phase, Event::Scrape(w));
+    }
+    for (e, envoy) in envoys.iter().enumerate() {
+        agenda.at(envoy.tick_ms() as f64, Event::Tick(e));
+    }
+    let mut run = SimRun {
+        per_worker: vec![0; n],
+        speedups: workers
+            .iter()
+            .map(|w| w.core.config().speedup / w.core.config().slowdown)
+            .collect(),
+        ..SimRun::default()
+    };
+    let mut requests: Vec<Option<SimRequest>> = Vec::new();
+    requests.resize_with(workload.requests.len(), || None);
+    let run_opts = RunOptions::default();
+    let mut outstanding = workload.requests.len();
+    while outstanding > 0 {
+        let Some((now, event)) = agenda.next() else {
+            break;
+        };
+        let now_ms = now as u64;
+        match event {
+            Event::Arrive(i) => {
+                let Some(spec) = workload.requests.get(i) else {
+                    continue;
+                };
+                let mut path = RequestPath::new();
+                let envoy = if envoys.is_empty() {
+                    0
+                } else {
+                    i % envoys.len()
+                };
+                let chosen = match envoys.get_mut(envoy) {
+                    Some(e) => {
+                        let url = if spec.messages.is_some() {
+                            "/v1/chat/completions"
+                        } else {
+                            "/v1/completions"
+                        };
+                        let body = body_for(spec, &run_opts);
+                        e.route(&mut path, url, &body, now_ms)
+                            .and_then(|a| by_address.get(&a).copied())
+                    }
+                    None => None,
+                };
+                let w = chosen.unwrap_or(i % n);
+                let Some(worker) = workers.get_mut(w) else {
+                    continue;
+                };
+                match worker.core.submit(spec.tokens.clone(), spec.max_tokens, 0) {
+                    Ok(id) => {
+                        worker.requests.insert(id, i);
+                        if let Some(slot) = requests.get_mut(i) {
+                            *slot = Some(SimRequest {
+                                path,
+                                envoy,
+                                arrived_ms: now,
+                                first_token: false,
+                            });
+                        }
+                        if worker.stepping.is_none() && !worker.step_planned {
+                            worker.step_planned = true;
+                            agenda.at(now, Event::StepStart(w));
+                        }
+                    }
+                    Err(_) => {
+                        run.errors += 1;
+                        outstanding -= 1;
+                        if let Some(e) = envoys.get_mut(envoy) {
+                            e.response(&mut path, true, &[], true, now_ms);
+                        }
+                    }
+                }
+            }
+            Event::StepStart(w) => {
+                let Some(worker) = workers.get_mut(w) else {
+                    continue;
+                };
+                worker.step_planned = false;
+                let Some(outcome) = worker.core.step() else {
+                    continue;
+                };
+                for ev in worker.core.take_events() {
+                    worker.last_event_id += 1;
+                    let mut v = crate::mock::engine::event_json(
+                        &ev,
+                        block_size as usize,
+                        worker.core.config().dp_rank,
+                    );
+                    v["event_id"] = json!(worker.last_event_id);
+                    worker.unsent.push(v.to_string());
+                }
+                if !worker.unsent.is_empty() && !worker.delivery_planned {
+                    worker.delivery_planned = true;
+                    agenda.at(now + opts.event_delay_ms, Event::Deliver(w));
+                }
+                if outcome.is_idle() {
+                    worker.step_planned = true;
+                    agenda.at(now + 2.0, Event::StepStart(w));
+                } else {
+                    agenda.at(now + outcome.duration_ms.max(0.0), Event::StepEnd(w));
+                    worker.stepping = Some(outcome);
+                }
+            }
+            Event::StepEnd(w) => {
+                let Some(worker) = workers.get_mut(w) else {
+                    continue;
+                };
+                let outputs = worker
+                    .stepping
+                    .take()
+                    .map(|o| o.outputs)
+                    .unwrap_or_default();
+                for output in outputs {
+                    let Some(&i) = worker.requests.get(&output.id()) else {
+                        continue;
+                    };
+                    let Some(Some(req)) = requests.get_mut(i) else {
+                        continue;
+                    };
+                    let envoy = envoys.get_mut(req.envoy);
+                    match output {
+                        Output::Token { .. } => {
+                            let first = !req.first_token;
+                            if first {
+                                req.first_token = true;
+                                run.ttft_ms.push(now - req.arrived_ms);
+                            }
+                            if let Some(e) = envoy {
+                                e.response(&mut req.path, first, TOKEN_CHUNK, false, now_ms);
+                            }
+                        }
+                        Output::Finished { id, usage } => {
+                            run.prompt_tokens += usage.prompt_tokens as u64;
+                            run.cached_tokens += usage.cached_tokens as u64;
+                            if let Some(c) = run.per_worker.get_mut(w) {
+                                *c += 1;
+                            }
+                            if let Some(e) = envoy {
+                                e.response(&mut req.path, false, &[], true, now_ms);
+                            }
+                            worker.requests.remove(&id);
+                            outstanding -= 1;
+                        }
+                        Output::Failed { id, .. } => {
+                            run.errors += 1;
+                            if let Some(e) = envoy {
+                                e.response(&mut req.path, false, &[], true, now_ms);
+                            }
+                            worker.requests.remove(&id);
+                            outstanding -= 1;
+                        }
+                    }
+                }
+                if !worker.step_planned {
+                    worker.step_planned = true;
+                    agenda.at(now, Event::StepStart(w));
+                }
+            }
+            Event::Deliver(w) => {
+                let Some(worker) = workers.get_mut(w) else {
+                    continue;
+                };
+                worker.delivery_planned = false;
+                let texts = std::mem::take(&mut worker.unsent);
+                let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+                let first = worker.first_unsent.min(worker.last_event_id.max(1));
+                let body = page_json(
+                    block_size,
+                    first,
+                    worker.last_event_id,
+                    &refs,
+                    Some(worker.scraped),
+                );
+                worker.first_unsent = worker.last_event_id + 1;
+                for e in &mut envoys {
+                    e.apply_page(w, body.as_bytes(), now_ms)?;
+                }
+            }
+            Event::Scrape(w) => {
+                let Some(worker) = workers.get_mut(w) else {
+                    continue;
+                };
+                let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+                worker.scraped = Load {
+                    num_waiting: count(worker.core.num_waiting()),
+                    num_running: count(worker.core.num_running()),
+                    kv_usage: worker.core.kv_usage(),
+                };
+                agenda.at(now + opts.scrape_interval_ms, Event::Scrape(w));
+                if !envoys.is_empty() && !worker.delivery_planned {
+                    worker.delivery_planned = true;
+                    agenda.at(now + opts.event_delay_ms, Event::Deliver(w));
+                }
+            }
+            Event::Tick(e) => {
+                if let Some(envoy) = envoys.get_mut(e) {
+                    envoy.tick(now_ms);
+                    agenda.at(now + envoy.tick_ms() as f64, Event::Tick(e));
+                }
+            }
+        }
+    }
+    for envoy in &envoys {
+        for (k, v) in &envoy.counters {
+            *run.counters.entry((*k).to_string()).or_default() += v;
+        }
+    }
+    Ok(run)
+}
+
+/// The router of arm `arm`: `round-robin`, `kv`, `kv+set:<a.b>=<v>[+set:...]` (the race's
+/// arms), each optionally on `*N` Envoys (`kv*3`).
+pub fn arm_router(arm: &str) -> Result<Router, String> {
+    let (base, envoys) = match arm.rsplit_once('*') {
+        Some((base, n)) => (
+            base,
+            n.parse::<usize>()
+                .ok()
+                .filter(|n| (1..=16).contains(n))
+                .ok_or_else(|| format!("{arm}: expected <arm>*<envoys>, 1 to 16"))?,
+        ),
+        None => (arm, 1),
+    };
+    match base {
+        "round-robin" => Ok(Router::RoundRobin),
+        "kv" => Ok(Router::Filter {
+            config: json!({}),
+            envoys,
+        }),
+        b if b.starts_with("kv+set:") => Ok(Router::Filter {
+            config: crate::compare::set_fields(b).map_err(|e| e.to_string())?,
+            envoys,
+        }),
+        other => Err(format!(
+            "{other}: the simulator runs round-robin, kv and kv+set:... arms (peers run in the race)"
+        )),
+    }
+}
+
+/// One line per arm: TTFT mean / p50 / p99 (ms), hit rate, balance (max share over speed
+/// share), errors, and the TTFT mean against the first arm's.
+pub fn table(rows: &[(String, SimRun)]) -> String {
+    let mut out = format!(
+        "{:<48} {:>9} {:>9} {:>9} {:>7} {:>8} {:>6} {:>8}\n",
+        "arm", "TTFT mean", "TTFT p50", "TTFT p99", "hit", "balance", "err", "vs first"
+    );
+    let first = rows.first().map(|(_, r)| r.ttft_mean()).unwrap_or(0.0);
+    for (arm, r) in rows {
+        let ratio = if r.ttft_mean() > 0.0 {
+            first / r.ttft_mean()
+        } else {
+            0.0
+        };
+        out.push_str(&format!(
+            "{:<48} {:>9.1} {:>9.1} {:>9.1} {:>6.1}% {:>8.2} {:>6} {:>7.3}x\n",
+            arm,
+            r.ttft_mean(),
+            r.ttft_quantile(0.5),
+            r.ttft_quantile(0.99),
+            100.0 * r.hit_rate(),
+            r.balance(),
+            r.errors,
+            ratio
+        ));
+    }
+    out
+}
