@@ -7,10 +7,11 @@ use envoy_kv_router_tools::loadgen::generate::{self, AgentSpec};
 use envoy_kv_router_tools::loadgen::{load_mooncake, Workload};
 use envoy_kv_router_tools::sim::{arm_router, simulate, SimOptions, SimRun};
 
-fn agent_workload() -> Workload {
-    let spec = AgentSpec::parse(&["seed=5,sessions=24".to_string()]).unwrap();
+fn agent_workload(params: &str) -> Workload {
+    let spec = AgentSpec::parse(&[params.to_string()]).unwrap();
     let trace = generate::agent(&spec);
-    let dir = std::env::temp_dir().join(format!("sim-test-{}", std::process::id()));
+    let dir =
+        std::env::temp_dir().join(format!("sim-test-{}-{}", std::process::id(), params.len()));
     let path = dir.join("agent.jsonl");
     generate::write_trace(&path, &trace).unwrap();
     let w = load_mooncake(&path, 1.0, None).unwrap();
@@ -30,7 +31,7 @@ fn run(arm: &str, workload: &Workload, fleet: &Fleet) -> SimRun {
 
 #[test]
 fn the_filter_beats_round_robin_and_runs_repeat_exactly() {
-    let workload = agent_workload();
+    let workload = agent_workload("seed=5,sessions=24");
     let fleet = Fleet::new(4, 64, &["--kv-blocks", "8192", "--speedup", "2"]);
     let kv = run("kv", &workload, &fleet);
     let again = run("kv", &workload, &fleet);
@@ -60,6 +61,31 @@ fn the_filter_beats_round_robin_and_runs_repeat_exactly() {
         kv.ttft_mean(),
         rr.ttft_mean()
     );
+}
+
+#[test]
+fn replicas_split_the_traffic_and_shared_data_makes_them_one_envoy() {
+    // A busy fleet (prefill load ~85%), where replicas that see only their own bookings queue
+    // requests behind each other's.
+    let workload = agent_workload("seed=5,sessions=50,session_rate=4");
+    let fleet = Fleet::new(4, 64, &["--kv-blocks", "8192", "--speedup", "2"]);
+    let n = workload.requests.len() as u64;
+    let one = run("kv", &workload, &fleet);
+    let three = run("kv*3", &workload, &fleet);
+    assert_eq!(three.errors, 0);
+    // Every request routed by one of the three filters, each by its own index copy.
+    assert_eq!(three.counters.get("routed.kv").copied(), Some(n));
+    assert!(three.counters.get("events.applied").copied().unwrap_or(0) > 3 * 100);
+    // Three VMs on one shared data route as one Envoy does (its load table is theirs).
+    let opts = SimOptions {
+        replicas_share_data: true,
+        ..SimOptions::default()
+    };
+    let shared = simulate(&workload, &fleet, &arm_router("kv*3").unwrap(), &opts).unwrap();
+    assert_eq!(shared.counters.get("routed.kv").copied(), Some(n));
+    let ratio = shared.ttft_mean() / one.ttft_mean();
+    assert!((0.9..1.1).contains(&ratio), "shared {ratio}");
+    assert!((shared.hit_rate() - one.hit_rate()).abs() < 0.02);
 }
 
 #[test]

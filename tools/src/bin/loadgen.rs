@@ -237,6 +237,12 @@ struct SimArgs {
     /// How often the bridge scrapes each engine's load (ms).
     #[arg(long, default_value_t = 1000.0)]
     scrape_interval_ms: f64,
+    /// Runs of every arm, each with other engine jitter (the table gives their means).
+    #[arg(long, default_value_t = 3)]
+    runs: u64,
+    /// The Envoys of `*N` arms share one shared data (an upper bound for replicas).
+    #[arg(long)]
+    replicas_share_data: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -319,6 +325,8 @@ fn run_sim(a: &SimArgs) {
     let opts = sim::SimOptions {
         event_delay_ms: a.event_delay_ms,
         scrape_interval_ms: a.scrape_interval_ms,
+        seed: 0,
+        replicas_share_data: a.replicas_share_data,
     };
     let routers: Vec<(String, sim::Router)> = a
         .arms
@@ -377,13 +385,18 @@ fn run_sim(a: &SimArgs) {
         let mut rows = Vec::new();
         for (arm, router) in &routers {
             let started = std::time::Instant::now();
-            let run = sim::simulate(workload, fleet, router, &opts)
-                .unwrap_or_else(|e| fail(&format!("sim: {name} {arm}: {e}")));
+            let runs: Vec<sim::SimRun> = (0..a.runs.max(1))
+                .map(|seed| {
+                    let opts = sim::SimOptions { seed, ..opts };
+                    sim::simulate(workload, fleet, router, &opts)
+                        .unwrap_or_else(|e| fail(&format!("sim: {name} {arm}: {e}")))
+                })
+                .collect();
             eprintln!(
                 "sim: {name} {arm}: {:.1} s",
                 started.elapsed().as_secs_f64()
             );
-            rows.push((arm.clone(), run));
+            rows.push((arm.clone(), sim::Summary::of(&runs)));
         }
         println!("{}", sim::table(&rows));
     }

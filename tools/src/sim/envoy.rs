@@ -18,7 +18,7 @@ use std::rc::Rc;
 const RECORDS_PER_TICK: usize = 64;
 
 pub struct SimEnvoy {
-    store: MemStore,
+    store: Rc<MemStore>,
     pub vm: RoutingState,
     coalescer: Coalescer,
     fingerprint: u64,
@@ -29,17 +29,23 @@ pub struct SimEnvoy {
 
 impl SimEnvoy {
     /// An Envoy configured with `config` (JSON), as `on_configure` sets it up, that has taken
-    /// every worker's (empty) dump.
-    pub fn new(config: &str, nonce: u64, now_ms: u64) -> Result<SimEnvoy, String> {
+    /// every worker's (empty) dump. `shared`: the shared data of an Envoy already simulated
+    /// (this one is then another VM of that Envoy), else its own.
+    pub fn new(
+        config: &str,
+        nonce: u64,
+        now_ms: u64,
+        shared: Option<Rc<MemStore>>,
+    ) -> Result<SimEnvoy, String> {
         let parsed = Config::from_json(config.as_bytes()).map_err(|e| e.to_string())?;
         let config = Rc::new(parsed);
-        let store = MemStore::new();
-        load_store::init(&store, config.slots.len(), config.load.request_timeout_ms);
-        replication::init(&store);
+        let store = shared.unwrap_or_else(|| Rc::new(MemStore::new()));
+        load_store::init(&*store, config.slots.len(), config.load.request_timeout_ms);
+        replication::init(&*store);
         if config.approximate.is_some() {
-            approx::init(&store);
+            approx::init(&*store);
         }
-        let fingerprint = 0x5151_0000 ^ nonce;
+        let fingerprint = 0x5151_0000;
         let workers = config.workers.len();
         let mut vm = RoutingState::new(Rc::clone(&config), fingerprint, nonce);
         vm.replica.full_head = true;
@@ -67,6 +73,11 @@ impl SimEnvoy {
         Ok(envoy)
     }
 
+    /// This Envoy's shared data.
+    pub fn store(&self) -> Rc<MemStore> {
+        Rc::clone(&self.store)
+    }
+
     pub fn tick_ms(&self) -> u64 {
         self.vm.config.tick_ms.max(1)
     }
@@ -81,7 +92,7 @@ impl SimEnvoy {
         let workers = self.vm.config.workers.len();
         let flushed = self
             .coalescer
-            .flush(&self.store, self.fingerprint, workers, now_ms);
+            .flush(&*self.store, self.fingerprint, workers, now_ms);
         *self.counters.entry("sim.replies_dropped").or_default() += flushed.dropped as u64;
         let (mut host, vm) = self.host(now_ms);
         vm.sync_replica(&mut host);
@@ -126,7 +137,7 @@ impl SimEnvoy {
     pub fn tick(&mut self, now_ms: u64) {
         let slots = self.vm.config.slots.len();
         if !self.vm.releases.is_empty() {
-            self.vm.releases.flush(&self.store, slots);
+            self.vm.releases.flush(&*self.store, slots);
         }
         self.flush(now_ms);
         self.coalescer.new_tick();
@@ -136,7 +147,7 @@ impl SimEnvoy {
         if config.ttft.as_ref().is_some_and(|t| t.learn) {
             self.vm
                 .learned
-                .read_next(&self.store, config.workers.len(), RECORDS_PER_TICK, now_ms);
+                .read_next(&*self.store, config.workers.len(), RECORDS_PER_TICK, now_ms);
         }
     }
 

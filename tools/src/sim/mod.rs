@@ -47,6 +47,12 @@ pub struct SimOptions {
     pub event_delay_ms: f64,
     /// How often the bridge scrapes an engine's load (`--engine-metrics-interval-ms`).
     pub scrape_interval_ms: f64,
+    /// Varies every engine's jitter (0: the mock workers' own seeds): runs of one arm under
+    /// several seeds give its spread, as repeated runs of the race do.
+    pub seed: u64,
+    /// The Envoys of a `*N` arm share one shared data (as one Envoy's VMs do): what replicas
+    /// would route like if they shared their load tables (an upper bound for replicas).
+    pub replicas_share_data: bool,
 }
 
 impl Default for SimOptions {
@@ -54,6 +60,8 @@ impl Default for SimOptions {
         SimOptions {
             event_delay_ms: 3.0,
             scrape_interval_ms: 1000.0,
+            seed: 0,
+            replicas_share_data: false,
         }
     }
 }
@@ -193,7 +201,10 @@ pub fn simulate(
     let n = usize::try_from(fleet.workers).map_err(|e| e.to_string())?;
     let mut workers = Vec::with_capacity(n);
     for id in 1..=fleet.workers {
-        let cfg = engine_of(fleet, id)?;
+        let mut cfg = engine_of(fleet, id)?;
+        if opts.seed != 0 {
+            cfg.seed = crate::util::splitmix64(cfg.seed ^ opts.seed);
+        }
         workers.push(SimWorker {
             core: EngineCore::new(cfg),
             address: format!("10.0.{}.{}:8000", id / 256, id % 256),
@@ -231,7 +242,11 @@ pub fn simulate(
         }
         let text = config_json.to_string();
         for e in 0..(*count).max(1) {
-            envoys.push(SimEnvoy::new(&text, 0x9E37_79B9 + e as u64, 0)?);
+            let shared = envoys
+                .first()
+                .filter(|_| opts.replicas_share_data)
+                .map(SimEnvoy::store);
+            envoys.push(SimEnvoy::new(&text, 0x9E37_79B9 + e as u64, 0, shared)?);
         }
     }
     let block_size = fleet.block_size;
@@ -483,28 +498,64 @@ pub fn arm_router(arm: &str) -> Result<Router, String> {
     }
 }
 
+/// The mean of several runs' figures (each run's mean TTFT, p50, p99, hit rate, balance), as
+/// one [`SimRun`]-like line of [`table`].
+#[derive(Clone, Debug, Default)]
+pub struct Summary {
+    pub ttft_mean: f64,
+    pub ttft_p50: f64,
+    pub ttft_p99: f64,
+    pub hit_rate: f64,
+    pub balance: f64,
+    pub errors: usize,
+    /// The smallest and largest run's TTFT mean.
+    pub ttft_mean_range: (f64, f64),
+}
+
+impl Summary {
+    pub fn of(runs: &[SimRun]) -> Summary {
+        let n = runs.len().max(1) as f64;
+        let mean = |f: &dyn Fn(&SimRun) -> f64| runs.iter().map(f).sum::<f64>() / n;
+        let means: Vec<f64> = runs.iter().map(SimRun::ttft_mean).collect();
+        Summary {
+            ttft_mean: mean(&SimRun::ttft_mean),
+            ttft_p50: mean(&|r| r.ttft_quantile(0.5)),
+            ttft_p99: mean(&|r| r.ttft_quantile(0.99)),
+            hit_rate: mean(&SimRun::hit_rate),
+            balance: mean(&SimRun::balance),
+            errors: runs.iter().map(|r| r.errors).sum(),
+            ttft_mean_range: (
+                means.iter().copied().fold(f64::INFINITY, f64::min),
+                means.iter().copied().fold(0.0, f64::max),
+            ),
+        }
+    }
+}
+
 /// One line per arm: TTFT mean / p50 / p99 (ms), hit rate, balance (max share over speed
 /// share), errors, and the TTFT mean against the first arm's.
-pub fn table(rows: &[(String, SimRun)]) -> String {
+pub fn table(rows: &[(String, Summary)]) -> String {
     let mut out = format!(
-        "{:<48} {:>9} {:>9} {:>9} {:>7} {:>8} {:>6} {:>8}\n",
-        "arm", "TTFT mean", "TTFT p50", "TTFT p99", "hit", "balance", "err", "vs first"
+        "{:<48} {:>9} {:>13} {:>9} {:>9} {:>7} {:>8} {:>6} {:>8}\n",
+        "arm", "TTFT mean", "(runs)", "TTFT p50", "TTFT p99", "hit", "balance", "err", "vs first"
     );
-    let first = rows.first().map(|(_, r)| r.ttft_mean()).unwrap_or(0.0);
+    let first = rows.first().map(|(_, r)| r.ttft_mean).unwrap_or(0.0);
     for (arm, r) in rows {
-        let ratio = if r.ttft_mean() > 0.0 {
-            first / r.ttft_mean()
+        let ratio = if r.ttft_mean > 0.0 {
+            first / r.ttft_mean
         } else {
             0.0
         };
+        let range = format!("{:.1}-{:.1}", r.ttft_mean_range.0, r.ttft_mean_range.1);
         out.push_str(&format!(
-            "{:<48} {:>9.1} {:>9.1} {:>9.1} {:>6.1}% {:>8.2} {:>6} {:>7.3}x\n",
+            "{:<48} {:>9.1} {:>13} {:>9.1} {:>9.1} {:>6.1}% {:>8.2} {:>6} {:>7.3}x\n",
             arm,
-            r.ttft_mean(),
-            r.ttft_quantile(0.5),
-            r.ttft_quantile(0.99),
-            100.0 * r.hit_rate(),
-            r.balance(),
+            r.ttft_mean,
+            range,
+            r.ttft_p50,
+            r.ttft_p99,
+            100.0 * r.hit_rate,
+            r.balance,
             r.errors,
             ratio
         ));
