@@ -118,6 +118,7 @@ fn reply(worker: u16, after: Option<u64>, tick: u64) -> Reply {
             num_waiting: 0,
             num_running: (tick % 13) as u32,
             kv_usage: (tick % 100) as f64 / 100.0,
+            other_routers: None,
         },
     }
 }

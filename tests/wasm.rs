@@ -418,7 +418,7 @@ fn event_page_parses_dynamo_and_vllm_shapes_with_64_bit_values() {
     assert_eq!(page.last_event_id, MAX_EVENT_ID);
     assert_eq!(
         page.load,
-        Some(ReportedLoad { num_waiting: 2, num_running: u32::MAX, kv_usage: 0.5 })
+        Some(ReportedLoad { num_waiting: 2, num_running: u32::MAX, kv_usage: 0.5, other_routers: None })
     );
     let ids: Vec<u64> = page.events.iter().map(|e| e.event_id).collect();
     assert_eq!(ids, vec![(1 << 32) + 1, (1 << 32) + 2, (1 << 32) + 3, (1 << 32) + 4, MAX_EVENT_ID]);

@@ -1,7 +1,7 @@
 //! The HTTP side: `/kv/events` (with long poll), `/kv/dump`, `/health`, `/metrics`.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::{Query, State};
 use axum::http::{header, StatusCode};
@@ -12,6 +12,7 @@ use serde::Deserialize;
 
 use crate::metrics::Gauges;
 use crate::state::Shared;
+use kv_router_protocol::page::Booked;
 use kv_router_protocol::ring::PageLimits;
 
 /// Limits of the HTTP side.
@@ -45,6 +46,10 @@ struct EventsQuery {
     /// `max_response_bytes`): a page is the smaller of these and the bridge's own caps.
     limit: Option<usize>,
     max_bytes: Option<usize>,
+    /// The polling router's id (hex) and what it has booked on this worker
+    /// (`<requests>,<prefill tokens>,<decode blocks>`), relayed to the other routers.
+    router: Option<String>,
+    booked: Option<String>,
 }
 
 impl HttpLimits {
@@ -64,6 +69,13 @@ async fn events(State(app): State<AppState>, query: Query<EventsQuery>) -> Respo
         .metrics
         .inc("kv_bridge_page_requests_total", &[("path", "/kv/events")]);
     let after = query.after.unwrap_or(0);
+    let router = query
+        .router
+        .as_deref()
+        .and_then(|r| u64::from_str_radix(r, 16).ok());
+    if let (Some(id), Some(booked)) = (router, query.booked.as_deref().and_then(Booked::parse)) {
+        shared.routers.declare(id, booked, Instant::now());
+    }
     if let Some(wait_ms) = query.wait_ms.filter(|&w| w > 0) {
         let wait = Duration::from_millis(wait_ms).min(app.limits.max_wait);
         let mut last_id = shared.last_id_watch();
@@ -80,7 +92,12 @@ async fn events(State(app): State<AppState>, query: Query<EventsQuery>) -> Respo
             }
         }
     }
-    let load = shared.load();
+    // The other routers' bookings go with a fresh engine load only: without one the page
+    // reports no load at all, rather than zeros beside them.
+    let load = shared.load().map(|mut load| {
+        load.other_routers = shared.routers.others(router, Instant::now());
+        load
+    });
     let limits = app.limits.page_for(query.limit, query.max_bytes);
     let body = shared.with_core(|core| core.page(after, limits, load));
     let body = kv_router_protocol::worker::splice(body, shared.worker_json().as_deref());

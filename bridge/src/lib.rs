@@ -5,7 +5,8 @@
 //! `kv_router_protocol::vllm` (frames, msgpack -> events) -> `core` (validation, `mirror` with
 //! reference counts, `kv_router_protocol::ring` of page events with the bridge's ids, written by
 //! `kv_router_protocol::page`) -> `http` (`/kv/events`, `/kv/dump`, `/health`, `/metrics`).
-//! `load` scrapes the engine's Prometheus metrics for the page's `load`.
+//! `load` scrapes the engine's Prometheus metrics for the page's `load`; `routers` relays what
+//! each router polling the page has booked on the worker to the others.
 
 // Production code avoids unwrap/expect (lints in Cargo.toml); tests may use them.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
@@ -19,6 +20,7 @@ pub mod load;
 pub mod metrics;
 pub mod mirror;
 pub mod replay;
+pub mod routers;
 pub mod state;
 
 use std::net::SocketAddr;

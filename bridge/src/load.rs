@@ -68,6 +68,7 @@ impl LoadSums {
             } else {
                 0.0
             },
+            other_routers: None,
         })
     }
 }
@@ -220,7 +221,8 @@ vllm:prompt_tokens_total{engine="0"} 100.0
             Load {
                 num_waiting: 2,
                 num_running: 4,
-                kv_usage: 0.375
+                kv_usage: 0.375,
+                other_routers: None,
             }
         );
     }
@@ -233,7 +235,8 @@ vllm:prompt_tokens_total{engine="0"} 100.0
             Some(Load {
                 num_waiting: 0,
                 num_running: 1,
-                kv_usage: 0.1
+                kv_usage: 0.1,
+                other_routers: None,
             })
         );
         let sglang = "sglang:num_running_reqs{tp_rank=\"0\"} 5\nsglang:num_queue_reqs{tp_rank=\"0\"} 7\nsglang:token_usage{tp_rank=\"0\"} 0.9\n";
@@ -242,7 +245,8 @@ vllm:prompt_tokens_total{engine="0"} 100.0
             Some(Load {
                 num_waiting: 7,
                 num_running: 5,
-                kv_usage: 0.9
+                kv_usage: 0.9,
+                other_routers: None,
             })
         );
         assert_eq!(
@@ -256,7 +260,8 @@ vllm:prompt_tokens_total{engine="0"} 100.0
             Some(Load {
                 num_waiting: 0,
                 num_running: 2,
-                kv_usage: 0.5
+                kv_usage: 0.5,
+                other_routers: None,
             })
         );
     }

@@ -47,6 +47,8 @@ pub struct Shared {
     worker_learned: Mutex<WorkerDescription>,
     /// A scraped load older than this is not reported.
     pub load_max_age: Duration,
+    /// What the routers polling the page have booked on the worker.
+    pub routers: crate::routers::RouterBookings,
     shutdown: watch::Sender<bool>,
 }
 
@@ -65,6 +67,7 @@ impl Shared {
             engines: engines.into_iter().map(Mutex::new).collect(),
             load: Mutex::new(None),
             load_max_age,
+            routers: crate::routers::RouterBookings::default(),
             worker_flags: Mutex::default(),
             worker_learned: Mutex::default(),
             shutdown: watch::Sender::new(false),

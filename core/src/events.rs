@@ -52,6 +52,7 @@ pub struct NumberedEvent {
     pub event: IndexEvent,
 }
 
+pub use kv_router_protocol::page::Booked;
 /// Load counters a worker may report with its events: the page's `load` object.
 pub use kv_router_protocol::page::Load as ReportedLoad;
 
@@ -241,7 +242,8 @@ mod tests {
             Some(ReportedLoad {
                 num_waiting: 2,
                 num_running: 0,
-                kv_usage: 0.5
+                kv_usage: 0.5,
+                other_routers: None,
             })
         );
         let bare = parse_event_page(br#"{"block_size": 4, "last_event_id": 0}"#, 4, MAX).unwrap();

@@ -1403,6 +1403,27 @@ pub fn reported_requests(reported: &crate::events::ReportedLoad, dp_size: u32) -
     f64::from(reported.num_running.saturating_add(reported.num_waiting)) / f64::from(dp_size.max(1))
 }
 
+/// Adds to this router's view of one of the worker's slots what the other routers in front of
+/// it have booked there, as the bridge relays their declarations (`other_routers`, split
+/// evenly over `dp_size` ranks): replicas then see each other's queued prefills and decodes
+/// one poll late instead of one metrics scrape late, or never.
+pub fn add_other_routers(
+    load: &mut SlotLoad,
+    reported: &crate::events::ReportedLoad,
+    dp_size: u32,
+) {
+    let Some(others) = reported.other_routers else {
+        return;
+    };
+    let ranks = f64::from(dp_size.max(1));
+    let finite = |v: f64| if v.is_finite() { v.max(0.0) } else { 0.0 };
+    load.prefill_tokens += finite(others.prefill_tokens) / ranks;
+    load.decode_blocks += finite(others.decode_blocks) / ranks;
+    load.active_requests = load
+        .active_requests
+        .saturating_add(others.requests / dp_size.max(1));
+}
+
 /// Folds a worker's own request counts (reported with its KV events) into this router's view of
 /// one of its slots. Each Envoy replica books only its own traffic; the worker sees everyone's,
 /// so taking the larger of the two keeps replicas in front of the same workers from all
@@ -1452,6 +1473,7 @@ mod merge_reported_tests {
             num_waiting: 2,
             num_running: 6,
             kv_usage: 0.5,
+            other_routers: None,
         };
         let mut idle = SlotLoad {
             prefill_tokens: 0.0,
@@ -1478,6 +1500,36 @@ mod merge_reported_tests {
     }
 
     #[test]
+    fn other_routers_bookings_join_the_own_view_per_rank() {
+        let reported = ReportedLoad {
+            num_waiting: 0,
+            num_running: 9,
+            kv_usage: 0.5,
+            other_routers: Some(crate::events::Booked {
+                requests: 6,
+                prefill_tokens: 8000.0,
+                decode_blocks: 40.0,
+            }),
+        };
+        let mut view = SlotLoad {
+            prefill_tokens: 1000.0,
+            decode_blocks: 10.0,
+            active_requests: 3,
+        };
+        add_other_routers(&mut view, &reported, 2);
+        assert_eq!(view.prefill_tokens, 5000.0);
+        assert_eq!(view.decode_blocks, 30.0);
+        assert_eq!(view.active_requests, 6);
+        // Then the engine's count adds nothing unseen: 9 / 2 ranks = 4 < 6 known.
+        merge_reported(&mut view, &reported, 2, 300.0);
+        assert_eq!((view.active_requests, view.prefill_tokens), (6, 5000.0));
+        // A report without them changes nothing.
+        let mut same = view;
+        add_other_routers(&mut same, &ReportedLoad::default(), 1);
+        assert_eq!(same, view);
+    }
+
+    #[test]
     fn the_kv_fill_is_the_larger_of_booked_and_reported() {
         assert_eq!(kv_fill(50.0, Some(100), Some(0.2)), 0.5, "booked larger");
         assert_eq!(kv_fill(10.0, Some(100), Some(0.7)), 0.7, "reported larger");
@@ -1501,6 +1553,7 @@ mod merge_reported_tests {
             num_waiting: 3,
             num_running: 4,
             kv_usage: 7.0,
+            other_routers: None,
         };
         let mut load = SlotLoad {
             prefill_tokens: 0.0,

@@ -149,6 +149,41 @@ pub fn view(store: &dyn SharedStore, num_slots: usize, now_ms: u64) -> Vec<SlotL
     out
 }
 
+/// This Envoy's id with the other routers in front of the fleet (8 bytes, little-endian).
+const ROUTER_ID_KEY: &str = "ekr.router_id";
+
+/// This Envoy's id with the other routers in front of the same workers (`router=` on its event
+/// polls, [`crate::polling::call_path`]): the first VM to ask sets it from its random `nonce`,
+/// and every VM of the Envoy reads it back, so they all declare their bookings under one id.
+pub fn router_id(store: &dyn SharedStore, nonce: u64) -> u64 {
+    let read = |store: &dyn SharedStore| {
+        store
+            .get(ROUTER_ID_KEY)
+            .0
+            .and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok())
+            .map(u64::from_le_bytes)
+    };
+    if let Some(id) = read(store) {
+        return id;
+    }
+    let _ = store.set(ROUTER_ID_KEY, &nonce.to_le_bytes(), None);
+    read(store).unwrap_or(nonce)
+}
+
+/// What `view` (every slot's load) holds on `slots` (one worker's ranks), summed: what this
+/// Envoy declares to the other routers.
+pub fn booked_on(view: &[SlotLoad], slots: std::ops::Range<SlotIdx>) -> crate::events::Booked {
+    let mut booked = crate::events::Booked::default();
+    for slot in slots {
+        if let Some(l) = view.get(usize::from(slot)) {
+            booked.requests = booked.requests.saturating_add(l.active_requests);
+            booked.prefill_tokens += l.prefill_tokens;
+            booked.decode_blocks += l.decode_blocks;
+        }
+    }
+    booked
+}
+
 /// One shard's bytes as read, with the version they were read at.
 struct ShardBytes {
     bytes: Vec<u8>,

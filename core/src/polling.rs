@@ -20,6 +20,7 @@
 //!   forever.
 
 use crate::config::EventsConfig;
+use crate::events::Booked;
 use crate::events::EventPage;
 
 /// Longest pause between two polls of a worker whose replies keep being rejected.
@@ -35,23 +36,29 @@ pub enum CallKind {
     Dump,
 }
 
-/// The request path of a call.
-pub fn call_path(events: &EventsConfig, kind: CallKind) -> String {
+/// The request path of a call. `declare`: this Envoy's router id and what it has booked on
+/// the worker, sent with every events call (`&router=<hex id>&booked=<requests>,<tokens>,<blocks>`)
+/// so that a bridge relays it to the other routers polling the worker
+/// ([`crate::load_store::router_id`]).
+pub fn call_path(events: &EventsConfig, kind: CallKind, declare: Option<(u64, Booked)>) -> String {
     match kind {
         CallKind::Events { after } => {
             let sep = if events.path.contains('?') { '&' } else { '?' };
             let (limit, max_bytes) = (events.page_events, page_max_bytes(events));
+            let mut path = format!(
+                "{}{sep}after={after}&limit={limit}&max_bytes={max_bytes}",
+                events.path
+            );
             if events.long_poll_ms > 0 {
-                format!(
-                    "{}{sep}after={after}&limit={limit}&max_bytes={max_bytes}&wait_ms={}",
-                    events.path, events.long_poll_ms
-                )
-            } else {
-                format!(
-                    "{}{sep}after={after}&limit={limit}&max_bytes={max_bytes}",
-                    events.path
-                )
+                path.push_str(&format!("&wait_ms={}", events.long_poll_ms));
             }
+            if let Some((router, booked)) = declare {
+                path.push_str(&format!(
+                    "&router={router:016x}&booked={}",
+                    booked.query_value()
+                ));
+            }
+            path
         }
         CallKind::Dump => events.dump_path.clone(),
     }
@@ -384,13 +391,13 @@ mod tests {
     fn long_poll_paths_and_timeouts() {
         let plain = events(0);
         assert_eq!(
-            call_path(&plain, EV),
+            call_path(&plain, EV, None),
             "/kv/events?after=5&limit=10000&max_bytes=131072"
         );
         assert_eq!(call_timeout_ms(&plain, EV), 1000);
         let long = events(3000);
         assert_eq!(
-            call_path(&long, EV),
+            call_path(&long, EV, None),
             "/kv/events?after=5&limit=10000&max_bytes=131072&wait_ms=3000"
         );
         assert_eq!(
@@ -398,7 +405,17 @@ mod tests {
             4000,
             "the wait plus the usual timeout"
         );
-        assert_eq!(call_path(&long, DUMP), "/kv/dump");
+        assert_eq!(call_path(&long, DUMP, None), "/kv/dump");
+        let booked = Booked {
+            requests: 2,
+            prefill_tokens: 4096.0,
+            decode_blocks: 12.25,
+        };
+        assert_eq!(
+            call_path(&plain, EV, Some((0xabc, booked))),
+            "/kv/events?after=5&limit=10000&max_bytes=131072&router=0000000000000abc&booked=2,4096,12.2"
+        );
+        assert_eq!(call_path(&long, DUMP, Some((1, booked))), "/kv/dump");
         assert_eq!(
             call_timeout_ms(&long, DUMP),
             10_000,

@@ -345,6 +345,65 @@ pub struct Load {
     /// Fraction of the worker's KV cache in use, 0.0..=1.0 as reported (not clamped).
     #[serde(deserialize_with = "null_as_default")]
     pub kv_usage: f64,
+    /// What the *other* routers in front of the worker have in flight on it, as each declared
+    /// when it last polled (`/kv/events?router=...&booked=...`): the bridge relays it, so that
+    /// Envoy replicas see each other's bookings without any other channel. Absent from engines
+    /// and when no other router polls.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub other_routers: Option<Booked>,
+}
+
+/// One router's bookings on one worker: requests in flight, their queued prefill tokens and
+/// their decode blocks, as its load table holds them (`booked=<requests>,<tokens>,<blocks>`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Booked {
+    pub requests: u32,
+    pub prefill_tokens: f64,
+    pub decode_blocks: f64,
+}
+
+impl Booked {
+    /// The `booked=` query value.
+    pub fn query_value(&self) -> String {
+        format!(
+            "{},{:.0},{:.1}",
+            self.requests, self.prefill_tokens, self.decode_blocks
+        )
+    }
+
+    /// Parses a `booked=` query value; `None` unless three finite non-negative numbers.
+    pub fn parse(value: &str) -> Option<Booked> {
+        let mut parts = value.split(',');
+        let requests = parts.next()?.trim().parse::<u32>().ok()?;
+        let mut number = || {
+            parts
+                .next()?
+                .trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|v| v.is_finite() && *v >= 0.0)
+        };
+        let prefill_tokens = number()?;
+        let decode_blocks = number()?;
+        if parts.next().is_some() {
+            return None;
+        }
+        Some(Booked {
+            requests,
+            prefill_tokens,
+            decode_blocks,
+        })
+    }
+
+    /// The sum of two routers' bookings.
+    pub fn plus(self, other: Booked) -> Booked {
+        Booked {
+            requests: self.requests.saturating_add(other.requests),
+            prefill_tokens: self.prefill_tokens + other.prefill_tokens,
+            decode_blocks: self.decode_blocks + other.decode_blocks,
+        }
+    }
 }
 
 fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
@@ -416,6 +475,28 @@ mod tests {
     }
 
     #[test]
+    fn a_booking_reads_back_from_its_query_value() {
+        let b = Booked {
+            requests: 3,
+            prefill_tokens: 12_288.0,
+            decode_blocks: 40.5,
+        };
+        assert_eq!(b.query_value(), "3,12288,40.5");
+        assert_eq!(Booked::parse(&b.query_value()), Some(b));
+        for bad in [
+            "", "3", "3,1", "3,1,2,4", "-1,1,2", "3,NaN,2", "3,1,-2", "x,1,2",
+        ] {
+            assert_eq!(Booked::parse(bad), None, "{bad:?}");
+        }
+        // The load object without it (engines, one router) reads and writes as before.
+        let load: Load = serde_json::from_str(r#"{"num_waiting": 1}"#).unwrap();
+        assert_eq!(load.other_routers, None);
+        assert!(!serde_json::to_string(&load)
+            .unwrap()
+            .contains("other_routers"));
+    }
+
+    #[test]
     fn what_the_writers_write_reads_back_as_the_same_page() {
         let events = [
             event_json(5, &stored(), 2),
@@ -435,6 +516,7 @@ mod tests {
             num_waiting: 1,
             num_running: 2,
             kv_usage: 0.25,
+            other_routers: None,
         };
         let page: PageJson<EventJson> =
             serde_json::from_str(&page_json(2, 5, 7, &texts, Some(load))).unwrap();
@@ -496,13 +578,15 @@ mod tests {
             Load {
                 num_waiting: 3,
                 num_running: 0,
-                kv_usage: 0.0
+                kv_usage: 0.0,
+                other_routers: None,
             }
         );
         let written = Load {
             num_waiting: 1,
             num_running: 2,
             kv_usage: 0.5,
+            other_routers: None,
         };
         let back: Load = serde_json::from_str(&serde_json::to_string(&written).unwrap()).unwrap();
         assert_eq!(back, written);

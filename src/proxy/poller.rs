@@ -1,8 +1,11 @@
 //! Sends event calls through the event cluster and matches replies to them by token. When to call
 //! whom is [`crate::polling::PollSchedule`]'s decision; only the VM holding the poller lease polls.
 
-use super::host;
+use super::host::{self, HostStore};
 use crate::config::Config;
+use crate::events::Booked;
+use crate::load::SlotLoad;
+use crate::load_store;
 use crate::polling::{call_path, call_timeout_ms, CallKind, Next, PollSchedule, ReplyOutcome};
 use crate::replication::coalesce::Coalescer;
 use crate::replication::log::LogHead;
@@ -28,16 +31,35 @@ pub struct Poller {
     generations: Vec<u64>,
     /// Applied replies waiting for this tick's batch.
     pub queued: Coalescer,
+    /// This VM's random nonce: the Envoy's router id if no VM has set one yet.
+    nonce: u64,
+    /// The load table as last viewed (at that ms), for the bookings each events call declares:
+    /// one view serves every call of a tick.
+    booked_view: (u64, Vec<SlotLoad>),
 }
 
 impl Poller {
-    pub fn new(workers: usize) -> Poller {
+    pub fn new(workers: usize, nonce: u64) -> Poller {
         Poller {
             pending: HashMap::new(),
             schedule: PollSchedule::new(workers),
             generations: vec![0; workers],
             queued: Coalescer::default(),
+            nonce,
+            booked_view: (u64::MAX, Vec::new()),
         }
+    }
+
+    /// This Envoy's id and what it has booked on `worker`, for an events call.
+    fn declaration(&mut self, config: &Config, worker: u16, now_ms: u64) -> (u64, Booked) {
+        if self.booked_view.0 != now_ms {
+            self.booked_view = (
+                now_ms,
+                load_store::view(&HostStore, config.slots.len(), now_ms),
+            );
+        }
+        let booked = load_store::booked_on(&self.booked_view.1, config.worker_slots(worker));
+        (load_store::router_id(&HostStore, self.nonce), booked)
     }
 
     /// Sends the calls that are due. Returns how many the host refused.
@@ -109,7 +131,11 @@ impl Poller {
             // A membership pool entry without a host: nothing to poll (not a failure).
             return true;
         }
-        let path = call_path(&config.events, kind);
+        let declare = match kind {
+            CallKind::Events { .. } => Some(self.declaration(config, worker, now_ms)),
+            CallKind::Dump => None,
+        };
+        let path = call_path(&config.events, kind, declare);
         let address = spec.events_address_text.as_str();
         let headers = vec![
             (":method", "GET"),

@@ -193,7 +193,7 @@ impl RootContext for RouterRoot {
         let state = VmState {
             path: RoutingState::new(Rc::clone(&config), fingerprint, nonce),
             metrics: Metrics::default(),
-            poller: Poller::new(workers),
+            poller: Poller::new(workers, nonce),
             slot_gauges: Vec::new(),
             block_size_warned: vec![false; workers],
             fingerprint,

@@ -76,6 +76,18 @@ fn replicas_split_the_traffic_and_shared_data_makes_them_one_envoy() {
     // Every request routed by one of the three filters, each by its own index copy.
     assert_eq!(three.counters.get("routed.kv").copied(), Some(n));
     assert!(three.counters.get("events.applied").copied().unwrap_or(0) > 3 * 100);
+    // Bridges that do not relay the Envoys' bookings leave each one blind to the others'.
+    let blind = SimOptions {
+        relay_bookings: false,
+        ..SimOptions::default()
+    };
+    let blind = simulate(&workload, &fleet, &arm_router("kv*3").unwrap(), &blind).unwrap();
+    assert!(
+        three.ttft_mean() < 0.95 * blind.ttft_mean(),
+        "relayed {} blind {}",
+        three.ttft_mean(),
+        blind.ttft_mean()
+    );
     // Three VMs on one shared data route as one Envoy does (its load table is theirs).
     let opts = SimOptions {
         replicas_share_data: true,

@@ -238,6 +238,7 @@ mod tests {
             num_waiting: 0,
             num_running: running,
             kv_usage: 0.5,
+            other_routers: None,
         })
     }
 

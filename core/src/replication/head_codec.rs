@@ -11,17 +11,18 @@
 //!                 (flags bit 0: the cursor is set)
 //! routing  per worker (what the request path uses; `version` moves only when it changes)
 //!                 flags u8 (bit 0 stale, 1 reported load, 2 member, 3 member healthy,
-//!                 4 member described)
-//!                 [reported: num_waiting u32 | num_running u32 | kv_usage f64 bits]
+//!                 4 member described, 5 other routers' bookings)
+//!                 [reported: num_waiting u32 | num_running u32 | kv_usage f64 bits
+//!                  | [other routers: requests u32 | prefill tokens f64 | decode blocks f64]]
 //!                 [member: generation u64 | address u16 len + bytes | events address ditto
 //!                  | [description: u32 len + JSON bytes]]
 //! ```
 //!
 //! Only the membership table (addresses, descriptions) is variable-sized; a head without
-//! membership is 64 + 57 B per worker at most.
+//! membership is 64 + 77 B per worker at most.
 
 use super::head::{LogHead, Member, WorkerPollState};
-use crate::events::ReportedLoad;
+use crate::events::{Booked, ReportedLoad};
 
 const MAGIC: u32 = u32::from_le_bytes(*b"EKRH");
 const FORMAT: u16 = 1;
@@ -33,8 +34,9 @@ const ROUTE_REPORTED: u8 = 1 << 1;
 const ROUTE_MEMBER: u8 = 1 << 2;
 const ROUTE_HEALTHY: u8 = 1 << 3;
 const ROUTE_DESCRIBED: u8 = 1 << 4;
+const ROUTE_OTHERS: u8 = 1 << 5;
 const ROUTE_KNOWN: u8 =
-    ROUTE_STALE | ROUTE_REPORTED | ROUTE_MEMBER | ROUTE_HEALTHY | ROUTE_DESCRIBED;
+    ROUTE_STALE | ROUTE_REPORTED | ROUTE_MEMBER | ROUTE_HEALTHY | ROUTE_DESCRIBED | ROUTE_OTHERS;
 
 /// The fixed header alone: what a replica needs when the routing part did not change.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -167,12 +169,24 @@ fn decode_routing(c: &mut Cursor<'_>, w: &mut WorkerPollState) -> Option<()> {
         return None;
     }
     w.stale = flags & ROUTE_STALE != 0;
+    if flags & ROUTE_OTHERS != 0 && flags & ROUTE_REPORTED == 0 {
+        return None;
+    }
     if flags & ROUTE_REPORTED != 0 {
-        w.reported = Some(ReportedLoad {
+        let mut reported = ReportedLoad {
             num_waiting: c.u32()?,
             num_running: c.u32()?,
             kv_usage: f64::from_bits(c.u64()?),
-        });
+            other_routers: None,
+        };
+        if flags & ROUTE_OTHERS != 0 {
+            reported.other_routers = Some(Booked {
+                requests: c.u32()?,
+                prefill_tokens: f64::from_bits(c.u64()?),
+                decode_blocks: f64::from_bits(c.u64()?),
+            });
+        }
+        w.reported = Some(reported);
     }
     if flags & ROUTE_MEMBER != 0 {
         let generation = c.u64()?;
@@ -245,8 +259,11 @@ pub fn encode_routing(head: &LogHead) -> Vec<u8> {
         if w.stale {
             flags |= ROUTE_STALE;
         }
-        if w.reported.is_some() {
+        if let Some(r) = &w.reported {
             flags |= ROUTE_REPORTED;
+            if r.other_routers.is_some() {
+                flags |= ROUTE_OTHERS;
+            }
         }
         if let Some(m) = &w.member {
             flags |= ROUTE_MEMBER;
@@ -262,6 +279,11 @@ pub fn encode_routing(head: &LogHead) -> Vec<u8> {
             out.extend_from_slice(&r.num_waiting.to_le_bytes());
             out.extend_from_slice(&r.num_running.to_le_bytes());
             out.extend_from_slice(&r.kv_usage.to_bits().to_le_bytes());
+            if let Some(o) = &r.other_routers {
+                out.extend_from_slice(&o.requests.to_le_bytes());
+                out.extend_from_slice(&o.prefill_tokens.to_bits().to_le_bytes());
+                out.extend_from_slice(&o.decode_blocks.to_bits().to_le_bytes());
+            }
         }
         if let Some(m) = &w.member {
             out.extend_from_slice(&m.generation.to_le_bytes());
@@ -306,9 +328,19 @@ fn same_load(a: &WorkerPollState, b: &WorkerPollState) -> bool {
     match (a.reported, b.reported) {
         (None, None) => true,
         (Some(x), Some(y)) => {
+            let bits = |b: Option<Booked>| {
+                b.map(|b| {
+                    (
+                        b.requests,
+                        b.prefill_tokens.to_bits(),
+                        b.decode_blocks.to_bits(),
+                    )
+                })
+            };
             x.num_waiting == y.num_waiting
                 && x.num_running == y.num_running
                 && x.kv_usage.to_bits() == y.kv_usage.to_bits()
+                && bits(x.other_routers) == bits(y.other_routers)
         }
         _ => false,
     }
@@ -339,6 +371,11 @@ mod tests {
                 num_waiting: 3,
                 num_running: 4,
                 kv_usage: 0.123_456_789_012_345_6,
+                other_routers: Some(Booked {
+                    requests: 5,
+                    prefill_tokens: 12_345.5,
+                    decode_blocks: 0.1,
+                }),
             }),
             rejections: 2,
             retry_after_ms: 777,
@@ -403,6 +440,15 @@ mod tests {
             encode_head(&head).len(),
             HEADER_BYTES + 1000 * (POLL_BYTES + 17)
         );
+        for w in &mut head.workers {
+            if let Some(r) = w.reported.as_mut() {
+                r.other_routers = Some(Booked::default());
+            }
+        }
+        assert_eq!(
+            encode_head(&head).len(),
+            HEADER_BYTES + 1000 * (POLL_BYTES + 37)
+        );
     }
 
     #[test]
@@ -435,6 +481,10 @@ mod tests {
         let mut load = before.clone();
         load.workers[0].reported.as_mut().unwrap().num_running = 5;
         assert!(routing_changed(&before, &load));
+        let mut others = before.clone();
+        let booked = others.workers[0].reported.as_mut().unwrap();
+        booked.other_routers.as_mut().unwrap().prefill_tokens += 1.0;
+        assert!(routing_changed(&before, &others));
         let mut stale = before.clone();
         stale.workers[1].stale = true;
         assert!(routing_changed(&before, &stale));

@@ -8,7 +8,7 @@ use crate::config::Config;
 use crate::events::ReportedLoad;
 use crate::learn;
 use crate::load::share::{self, TrafficShare};
-use crate::load::{merge_reported, reported_requests, SlotLoad};
+use crate::load::{add_other_routers, merge_reported, reported_requests, SlotLoad};
 use crate::load_store::{PendingReleases, ViewCache};
 use crate::membership::effective_config;
 use crate::render::RenderCache;
@@ -403,6 +403,9 @@ impl SlotReports {
             let worker = config.workers.get(usize::from(slot.worker));
             if let (Some(reported), Some(worker)) = (reported, worker) {
                 let tokens = if *stale { 0.0 } else { request_tokens };
+                if !*stale {
+                    add_other_routers(view, reported, worker.dp_size);
+                }
                 merge_reported(view, reported, worker.dp_size, tokens);
             }
         }
@@ -427,6 +430,7 @@ mod tests {
             num_waiting: 0,
             num_running: 3,
             kv_usage: second_worker_usage,
+            other_routers: None,
         };
         LogHead {
             version,
@@ -451,6 +455,7 @@ mod tests {
             num_waiting: 2,
             num_running: 1,
             kv_usage: 0.5,
+            other_routers: None,
         };
         let mut head = head(1, 0.5);
         for w in &mut head.workers {

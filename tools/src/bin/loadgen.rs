@@ -243,6 +243,9 @@ struct SimArgs {
     /// The Envoys of `*N` arms share one shared data (an upper bound for replicas).
     #[arg(long)]
     replicas_share_data: bool,
+    /// Bridges that do not relay the Envoys' bookings to each other (before they did).
+    #[arg(long)]
+    no_relay: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -327,6 +330,7 @@ fn run_sim(a: &SimArgs) {
         scrape_interval_ms: a.scrape_interval_ms,
         seed: 0,
         replicas_share_data: a.replicas_share_data,
+        relay_bookings: !a.no_relay,
     };
     let routers: Vec<(String, sim::Router)> = a
         .arms

@@ -723,6 +723,7 @@ fn load_json(num_waiting: usize, num_running: usize, kv_usage: f64) -> Value {
         num_waiting: count(num_waiting),
         num_running: count(num_running),
         kv_usage,
+        other_routers: None,
     })
     .unwrap_or_default()
 }

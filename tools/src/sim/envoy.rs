@@ -5,7 +5,7 @@
 use super::host::SimHost;
 use kv_router_core::approx;
 use kv_router_core::config::Config;
-use kv_router_core::events::{parse_event_page, LogRecord};
+use kv_router_core::events::{parse_event_page, Booked, LogRecord};
 use kv_router_core::load_store;
 use kv_router_core::replication::coalesce::{Coalescer, QueuedReply, ReplyKind};
 use kv_router_core::replication::log as replication;
@@ -71,6 +71,14 @@ impl SimEnvoy {
         }
         envoy.flush(now_ms);
         Ok(envoy)
+    }
+
+    /// What this Envoy has booked on worker entry `worker` (what its next events call declares).
+    pub fn booked_on(&self, worker: usize, now_ms: u64) -> Booked {
+        let config = &self.vm.config;
+        let view = load_store::view(&*self.store, config.slots.len(), now_ms);
+        let worker = u16::try_from(worker).unwrap_or(u16::MAX);
+        load_store::booked_on(&view, config.worker_slots(worker))
     }
 
     /// This Envoy's shared data.

@@ -53,6 +53,9 @@ pub struct SimOptions {
     /// The Envoys of a `*N` arm share one shared data (as one Envoy's VMs do): what replicas
     /// would route like if they shared their load tables (an upper bound for replicas).
     pub replicas_share_data: bool,
+    /// The bridge relays each Envoy's declared bookings to the others (`load.other_routers`),
+    /// as `kv-event-bridge` does.
+    pub relay_bookings: bool,
 }
 
 impl Default for SimOptions {
@@ -62,6 +65,7 @@ impl Default for SimOptions {
             scrape_interval_ms: 1000.0,
             seed: 0,
             replicas_share_data: false,
+            relay_bookings: true,
         }
     }
 }
@@ -167,6 +171,8 @@ struct SimWorker {
     delivery_planned: bool,
     scraped: Load,
     requests: HashMap<ReqId, usize>,
+    /// What each Envoy declared on its last poll (the bridge's relay).
+    declared: Vec<Option<kv_router_core::events::Booked>>,
 }
 
 struct SimRequest {
@@ -216,6 +222,7 @@ pub fn simulate(
             delivery_planned: false,
             scraped: Load::default(),
             requests: HashMap::new(),
+            declared: Vec::new(),
         });
     }
     let by_address: HashMap<String, usize> = workers
@@ -425,16 +432,28 @@ pub fn simulate(
                 let texts = std::mem::take(&mut worker.unsent);
                 let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
                 let first = worker.first_unsent.min(worker.last_event_id.max(1));
-                let body = page_json(
-                    block_size,
-                    first,
-                    worker.last_event_id,
-                    &refs,
-                    Some(worker.scraped),
-                );
                 worker.first_unsent = worker.last_event_id + 1;
-                for e in &mut envoys {
-                    e.apply_page(w, body.as_bytes(), now_ms)?;
+                worker.declared.resize(envoys.len(), None);
+                let relay = opts.relay_bookings && !opts.replicas_share_data;
+                for (e, envoy) in envoys.iter_mut().enumerate() {
+                    // The bridge's page for this Envoy: the other Envoys' last declarations.
+                    let mut load = worker.scraped;
+                    if relay {
+                        load.other_routers = worker
+                            .declared
+                            .iter()
+                            .enumerate()
+                            .filter(|(i, _)| *i != e)
+                            .filter_map(|(_, b)| *b)
+                            .reduce(kv_router_core::events::Booked::plus);
+                    }
+                    let body =
+                        page_json(block_size, first, worker.last_event_id, &refs, Some(load));
+                    envoy.apply_page(w, body.as_bytes(), now_ms)?;
+                    // Its next call, sent at once, declares what it has booked there now.
+                    if let Some(d) = worker.declared.get_mut(e) {
+                        *d = Some(envoy.booked_on(w, now_ms));
+                    }
                 }
             }
             Event::Scrape(w) => {
@@ -446,6 +465,7 @@ pub fn simulate(
                     num_waiting: count(worker.core.num_waiting()),
                     num_running: count(worker.core.num_running()),
                     kv_usage: worker.core.kv_usage(),
+                    other_routers: None,
                 };
                 agenda.at(now + opts.scrape_interval_ms, Event::Scrape(w));
                 if !envoys.is_empty() && !worker.delivery_planned {

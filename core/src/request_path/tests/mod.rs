@@ -491,6 +491,7 @@ fn a_replica_weighs_load_at_the_fleets_scale_from_the_workers_reports() {
                 num_waiting: 0,
                 num_running: n,
                 kv_usage: 0.0,
+                other_routers: None,
             })
         };
         assert!(crate::replication::log::update_head(
