@@ -219,3 +219,68 @@ fn the_bridge_mirrors_the_engine_cache_through_eviction_offload_and_reset() {
         .unwrap();
     assert_eq!(dump_blocks(&dump).len(), 4);
 }
+
+/// Each event poll declares what this Envoy has booked on the worker (`router=`, `booked=`), and
+/// the bridge relays it to the other routers polling it (`load.other_routers`), which replicas
+/// add to their own view with `load.unseen_traffic: relayed`.
+#[test]
+fn the_filter_declares_its_bookings_to_the_bridge_for_the_other_replicas() {
+    // A slow engine (~0.2 s a decode step): a 16-token answer stays in flight for seconds.
+    let block = BLOCK.to_string();
+    let args = [
+        "--mode",
+        "engine",
+        "--block-size",
+        &block,
+        "--speedup",
+        "0.05",
+    ];
+    let workers = Worker::spawn_many_bridged(1, BLOCK, &args).unwrap_or_else(|e| panic!("{e}"));
+    let envoy = start_envoy(
+        &workers,
+        filter_config(&workers, json!({"block_size": BLOCK})),
+    );
+    let bridge = workers[0].bridge.as_ref().unwrap().addr.clone();
+    // Another router's poll, as a second Envoy's would be.
+    let others = || {
+        let page: Value = http::get(&bridge, "/kv/events?after=0&router=ff&booked=0,0,0")
+            .unwrap()
+            .json()
+            .unwrap();
+        page["load"]["other_routers"].clone()
+    };
+    let body = json!({"model": "m", "prompt": tokens(7, 4 * BLOCK), "stream": true,
+                      "max_tokens": 16});
+    let listener = envoy.listener.clone();
+    let long = std::thread::spawn(move || {
+        let mut s = stream_completion(&listener, &body).expect("stream");
+        while let Ok(Some(_)) = s.next_event() {}
+    });
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let declared = loop {
+        let o = others();
+        if o["requests"] == 1 {
+            break o;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no declaration reached the bridge: {o}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        declared["decode_blocks"].as_f64().unwrap() > 0.0,
+        "{declared}"
+    );
+    long.join().unwrap();
+    // Once the answer is over, the Envoy's next poll declares nothing in flight.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while others()["requests"] != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the release was never declared: {}",
+            others()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

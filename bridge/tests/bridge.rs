@@ -1050,3 +1050,44 @@ async fn the_page_describes_the_worker_from_flags_and_engine_metrics() {
     let parsed = parse_dump(dump.as_bytes(), block_size, 1 << 20).unwrap();
     assert_eq!(parsed.worker.unwrap().dp_size, Some(1));
 }
+
+#[tokio::test]
+async fn each_router_sees_what_the_others_declared_on_their_polls() {
+    let metrics = serve_metrics("vllm:num_requests_running 5\nvllm:num_requests_waiting 1\n").await;
+    let mut engine = FakeEngine::start(0).await;
+    let mut config = config(&[(&engine, true)], Duration::from_secs(60));
+    config.engine_metrics_urls = vec![metrics];
+    config.engine_metrics_interval = Duration::from_millis(50);
+    let block_size = config.core.block_size;
+    let bridge = Bridge::start(config).await.unwrap();
+    engine.wait_subscribed().await;
+    // Router a declares 2 requests, router b 3; neither sees its own.
+    let page_for =
+        |router: &str, booked: &str| format!("/kv/events?after=0&router={router}&booked={booked}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let page = get_json(&bridge, &page_for("a", "2,4096,10")).await;
+        if page["load"]["num_running"] == 5 {
+            assert!(page["load"].get("other_routers").is_none(), "{page}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "no engine load: {page}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (_, body) = get(&bridge, &page_for("b", "3,1000,5.5")).await;
+    let parsed = parse_event_page(body.as_bytes(), block_size, 1 << 20).unwrap();
+    let others = parsed.load.unwrap().other_routers.unwrap();
+    assert_eq!(
+        (others.requests, others.prefill_tokens, others.decode_blocks),
+        (2, 4096.0, 10.0)
+    );
+    let page = get_json(&bridge, &page_for("a", "1,0,3")).await;
+    assert_eq!(
+        page["load"]["other_routers"],
+        serde_json::json!({"requests": 3, "prefill_tokens": 1000.0, "decode_blocks": 5.5})
+    );
+    // A poll that does not say who it is sees everyone; a malformed declaration is ignored.
+    let page = get_json(&bridge, "/kv/events?after=0&router=c&booked=x").await;
+    assert_eq!(page["load"]["other_routers"]["requests"], 4, "{page}");
+    bridge.shutdown(Duration::from_secs(5)).await;
+}

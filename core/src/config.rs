@@ -204,6 +204,12 @@ pub enum UnseenTraffic {
     /// requests (queued prefill tokens and blocks per request in flight): better balance
     /// across replicas, a lower hit rate.
     PerWorker,
+    /// What the other routers have booked on each worker, as they declare it when polling its
+    /// bridge and the bridge relays it (`load.other_routers` on the page, kv-event-bridge only):
+    /// the other replicas' queued prefill tokens and decode blocks, one page late. Measured
+    /// with three replicas: TTFT 1.43x one Envoy's -> 1.16x on a mixed-speed fleet, but 1.10x ->
+    /// 1.22x on a fleet of one speed and 1.04x -> 1.14x on bursts (docs/OPERATIONS.md).
+    Relayed,
 }
 
 #[derive(Clone, Debug, PartialEq, Deserialize)]

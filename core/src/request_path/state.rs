@@ -4,7 +4,7 @@
 
 use super::host::{Host, WorkerHistogram};
 use crate::approx::PredictedStore;
-use crate::config::Config;
+use crate::config::{Config, UnseenTraffic};
 use crate::events::ReportedLoad;
 use crate::learn;
 use crate::load::share::{self, TrafficShare};
@@ -403,7 +403,7 @@ impl SlotReports {
             let worker = config.workers.get(usize::from(slot.worker));
             if let (Some(reported), Some(worker)) = (reported, worker) {
                 let tokens = if *stale { 0.0 } else { request_tokens };
-                if !*stale {
+                if !*stale && config.load.unseen_traffic == UnseenTraffic::Relayed {
                     add_other_routers(view, reported, worker.dp_size);
                 }
                 merge_reported(view, reported, worker.dp_size, tokens);
@@ -469,6 +469,40 @@ mod tests {
         assert_eq!(load[0].active_requests, 3);
         assert_eq!(load[0].prefill_tokens, 0.0, "stale: its queue may be gone");
         assert_eq!(load[1].prefill_tokens, 200.0);
+    }
+
+    #[test]
+    fn other_routers_bookings_count_only_when_relayed_is_chosen_and_the_report_is_fresh() {
+        let others = crate::events::Booked {
+            requests: 4,
+            prefill_tokens: 6000.0,
+            decode_blocks: 20.0,
+        };
+        let mut head = head(1, 0.5);
+        for w in &mut head.workers {
+            w.reported = Some(ReportedLoad {
+                num_waiting: 0,
+                num_running: 4,
+                kv_usage: 0.5,
+                other_routers: Some(others),
+            });
+        }
+        for (unseen, expected) in [("off", 0.0), ("relayed", 6000.0)] {
+            let json = format!(
+                r#"{{"load": {{"unseen_traffic": "{unseen}"}}, "workers": [
+                {{"id": 1, "address": "10.0.0.1:8000"}}, {{"id": 2, "address": "10.0.0.2:8000"}}]}}"#
+            );
+            let config = Rc::new(Config::from_json(json.as_bytes()).unwrap());
+            let mut reports = SlotReports::new(config.slots.len());
+            reports.refresh(&head, &config);
+            let mut load = vec![SlotLoad::default(); 2];
+            reports.merge_into(&config, &mut load, 100.0);
+            assert_eq!(load[1].prefill_tokens, expected, "{unseen}");
+            assert_eq!(load[1].decode_blocks, expected / 300.0, "{unseen}");
+            assert_eq!(load[1].active_requests, 4, "{unseen}");
+            // Worker 1's events are overdue: what the others booked there may be gone too.
+            assert_eq!(load[0].prefill_tokens, 0.0, "{unseen}");
+        }
     }
 
     #[test]

@@ -10,7 +10,9 @@
 //!   planned, its outputs when it ends; an idle engine with waiting work polls every 2 ms);
 //! * the bridge: each worker's events reach every Envoy `event_delay_ms` after they were
 //!   published, in one page, with the engine's load as last scraped (every
-//!   `scrape_interval_ms`, phase-shifted per worker);
+//!   `scrape_interval_ms`, phase-shifted per worker) and the other Envoys' bookings as they
+//!   declared them when their calls were sent (after their last page); a worker without events
+//!   answers after `long_poll_ms` with an empty page;
 //! * Envoy: requests spread round-robin over `envoys` independent Envoys (one VM each), the
 //!   filter's tick every `tick_ms`; no network, HTTP or Envoy time (the real race adds a few
 //!   ms per request);
@@ -47,6 +49,9 @@ pub struct SimOptions {
     pub event_delay_ms: f64,
     /// How often the bridge scrapes an engine's load (`--engine-metrics-interval-ms`).
     pub scrape_interval_ms: f64,
+    /// A long poll's wait (the filter's `events.long_poll_ms`): a worker without events
+    /// answers with an empty page (its load) after this long.
+    pub long_poll_ms: f64,
     /// Varies every engine's jitter (0: the mock workers' own seeds): runs of one arm under
     /// several seeds give its spread, as repeated runs of the race do.
     pub seed: u64,
@@ -63,6 +68,7 @@ impl Default for SimOptions {
         SimOptions {
             event_delay_ms: 3.0,
             scrape_interval_ms: 1000.0,
+            long_poll_ms: 2000.0,
             seed: 0,
             replicas_share_data: false,
             relay_bookings: true,
@@ -132,6 +138,9 @@ enum Event {
     StepStart(usize),
     StepEnd(usize),
     Deliver(usize),
+    /// A long poll's wait ran out (the page is empty but for the load), if no page came since
+    /// the one at the given virtual microsecond.
+    PollTimeout(usize, u64),
     Scrape(usize),
     Tick(usize),
 }
@@ -169,6 +178,8 @@ struct SimWorker {
     first_unsent: u64,
     last_event_id: u64,
     delivery_planned: bool,
+    /// When the Envoys last got a page from this worker (virtual microseconds).
+    last_page_us: u64,
     scraped: Load,
     requests: HashMap<ReqId, usize>,
     /// What each Envoy declared on its last poll (the bridge's relay).
@@ -220,6 +231,7 @@ pub fn simulate(
             first_unsent: 1,
             last_event_id: 0,
             delivery_planned: false,
+            last_page_us: 0,
             scraped: Load::default(),
             requests: HashMap::new(),
             declared: Vec::new(),
@@ -268,6 +280,11 @@ pub fn simulate(
     }
     for (e, envoy) in envoys.iter().enumerate() {
         agenda.at(envoy.tick_ms() as f64, Event::Tick(e));
+    }
+    if !envoys.is_empty() {
+        for w in 0..n {
+            agenda.at(opts.long_poll_ms, Event::PollTimeout(w, 0));
+        }
     }
     let mut run = SimRun {
         per_worker: vec![0; n],
@@ -429,6 +446,11 @@ pub fn simulate(
                     continue;
                 };
                 worker.delivery_planned = false;
+                worker.last_page_us = (now * 1000.0).round() as u64;
+                agenda.at(
+                    now + opts.long_poll_ms,
+                    Event::PollTimeout(w, worker.last_page_us),
+                );
                 let texts = std::mem::take(&mut worker.unsent);
                 let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
                 let first = worker.first_unsent.min(worker.last_event_id.max(1));
@@ -468,9 +490,14 @@ pub fn simulate(
                     other_routers: None,
                 };
                 agenda.at(now + opts.scrape_interval_ms, Event::Scrape(w));
-                if !envoys.is_empty() && !worker.delivery_planned {
+            }
+            Event::PollTimeout(w, since_us) => {
+                let Some(worker) = workers.get_mut(w) else {
+                    continue;
+                };
+                if worker.last_page_us == since_us && !worker.delivery_planned {
                     worker.delivery_planned = true;
-                    agenda.at(now + opts.event_delay_ms, Event::Deliver(w));
+                    agenda.at(now, Event::Deliver(w));
                 }
             }
             Event::Tick(e) => {
