@@ -25,7 +25,8 @@
 //! that noise alone would give. On a fleet of one speed the workers' means differ by noise,
 //! `between²` is ~0 and every worker is priced at the fleet's factor; on a fleet whose speeds
 //! differ the means differ by more than noise and each worker is priced by its own. A new worker
-//! (`n` = 0) starts at the fleet's factor.
+//! (`n` = 0), and one with less than [`MIN_WORKER_SAMPLES`] (a single sample may be all queue),
+//! is priced at the fleet's factor.
 //!
 //! The polynomials are no engine's own, so their error depends on the prompt's size (a tiny
 //! prompt is mostly the polynomial's per-step constant). `mean` is therefore each worker's mean
@@ -61,6 +62,14 @@ pub const MIN_PREDICTED_MS: f64 = 1.0;
 /// The least spread of single log-ratio samples assumed (a fleet without jitter would
 /// otherwise trust one sample fully).
 const MIN_SAMPLE_VARIANCE: f64 = 0.01;
+
+/// A worker with fewer effective samples than this (one sample, or a few long aged: the count
+/// halves with every half-life) is priced at the fleet's factor and left out of the spread
+/// between workers: one sample can be all queue (a short prompt that waited behind
+/// another replica's long prefill, 13x its prediction), and priced by it the worker got no
+/// request from that Envoy again (`loadgen sim`, three Envoys: factors of 12-18x on one worker
+/// of a fleet of one speed).
+pub const MIN_WORKER_SAMPLES: f64 = 1.5;
 
 /// The pooled slope of the log ratio on the log own prefill is kept within `±MAX_SLOPE`.
 const MAX_SLOPE: f64 = 2.0;
@@ -403,11 +412,13 @@ impl LearnedTimings {
         let residual =
             |s: &Summary| s.variance - 2.0 * slope * s.covariance + slope * slope * s.size_variance;
         let within = fleet_mean(&residual).max(MIN_SAMPLE_VARIANCE);
-        // The workers' means' spread beyond what their noise gives (method of moments).
-        let workers = learned().count();
+        // The workers' means' spread beyond what their noise gives (method of moments), over
+        // the workers with enough samples to say anything of their own.
+        let trusted = || learned().filter(|s| s.effective_samples >= MIN_WORKER_SAMPLES);
+        let workers = trusted().count();
         let between = if workers >= 2 {
             let (mut spread, mut noise) = (0.0, 0.0);
-            for s in learned() {
+            for s in trusted() {
                 spread += (adjusted(s) - fleet_log).powi(2);
                 noise += within / s.effective_samples;
             }
@@ -418,6 +429,7 @@ impl LearnedTimings {
         self.factors.clear();
         self.factors.extend(summaries.iter().map(|s| match s {
             None => self.fleet,
+            Some(s) if s.effective_samples < MIN_WORKER_SAMPLES => self.fleet,
             Some(s) => {
                 let own = match between {
                     Some(b) if b > 0.0 => b / (b + within / s.effective_samples),
@@ -662,22 +674,43 @@ mod tests {
         // Worker 1 is 4x slower and stops getting traffic; worker 0 keeps getting it.
         let mut t = fleet(&[1.0, 4.0], 100, 0.3, 5);
         assert!(near(t.factor(1) / t.factor(0), 4.0, 0.1));
+        let learned = t.records[1].weight_at(100);
         let mut rng = Rng::new(6);
+        let mut now = 100;
         let mut at = |t: &mut LearnedTimings, half_lives: u64| {
-            let until = 100 + half_lives * HALF_LIFE_MS as u64;
-            let mut now = 100;
+            let until = now + half_lives * HALF_LIFE_MS as u64;
             while now < until {
                 now += 1_000;
                 let noise = ((rng.next_f64() * 2.0 - 1.0) * 0.3).exp();
                 t.records[0].observe(100.0 * noise, all(100.0), now);
             }
             t.refresh(now);
-            t.factor(1) / t.factor(0)
+            (t.factor(1) / t.factor(0), t.records[1].weight_at(now))
         };
-        let later = at(&mut t, 10);
-        assert!(later > 1.2 && later < 3.5, "{later}");
-        let much_later = at(&mut t, 20);
-        assert!(much_later < 1.2, "{much_later}");
+        // What it learned weighs half as much per half-life: still priced as slow after one ...
+        let (later, weight) = at(&mut t, 1);
+        assert!(near(later, 4.0, 0.15), "{later}");
+        assert!(near(weight, learned / 2.0, 0.01), "{weight} of {learned}");
+        // ... tried again once under MIN_WORKER_SAMPLES are left: the fleet's factor.
+        let (much_later, weight) = at(&mut t, 5);
+        assert!(weight < MIN_WORKER_SAMPLES, "{weight}");
+        assert_eq!(t.factor(1), t.fleet);
+        assert!(much_later < 1.1, "{much_later}");
+    }
+
+    #[test]
+    fn one_sample_that_was_all_queue_does_not_price_a_worker() {
+        // Eight workers of one speed; a ninth's only sample waited 13x its prediction (a
+        // short prompt behind another replica's long prefill).
+        let mut t = fleet(&[1.0; 8], 20, 0.3, 11);
+        t.resize(9);
+        t.records[8].observe(13.0 * 20.0, all(20.0), 21);
+        t.refresh(21);
+        assert_eq!(t.factor(8), t.fleet, "{:?}", t.factors);
+        // A second sample like it makes it a worker of its own.
+        t.records[8].observe(13.0 * 20.0, all(20.0), 22);
+        t.refresh(22);
+        assert!(t.factor(8) > 4.0 * t.fleet, "{:?}", t.factors);
     }
 
     #[test]

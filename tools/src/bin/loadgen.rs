@@ -401,6 +401,16 @@ fn run_sim(a: &SimArgs) {
                 "sim: {name} {arm}: {:.1} s",
                 started.elapsed().as_secs_f64()
             );
+            for (seed, run) in runs.iter().enumerate() {
+                for (e, f) in run.factors.iter().enumerate() {
+                    let text: Vec<String> =
+                        f.iter().map(|x| format!("{:.0}", x * 1000.0)).collect();
+                    eprintln!(
+                        "sim: {name} {arm} run {seed} envoy {e} factors x1000: {}",
+                        text.join(" ")
+                    );
+                }
+            }
             rows.push((arm.clone(), sim::Summary::of(&runs)));
         }
         println!("{}", sim::table(&rows));

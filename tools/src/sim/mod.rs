@@ -91,6 +91,8 @@ pub struct SimRun {
     pub errors: usize,
     /// The filter's counters, summed over the Envoys.
     pub counters: BTreeMap<String, u64>,
+    /// Per Envoy, each worker's learned timing factor at the end.
+    pub factors: Vec<Vec<f64>>,
 }
 
 impl SimRun {
@@ -512,6 +514,7 @@ pub fn simulate(
         for (k, v) in &envoy.counters {
             *run.counters.entry((*k).to_string()).or_default() += v;
         }
+        run.factors.push(envoy.vm.learned.factors.clone());
     }
     Ok(run)
 }
