@@ -322,7 +322,10 @@ fn soak() {
             .or(samples.last())
             .map_or(0, |s| s.1)
     };
-    let warmup_s = (duration.as_secs() / 6).min(300);
+    // A third of a short run (60 s of 3 minutes), 5 minutes of a long one: the VMs' linear
+    // memory grows in steps while the index fills, and in a 3-minute run its last step came at
+    // 25-40 s (30.8 MB in every run, 2026-12-06), which a sixth (30 s) split at random.
+    let warmup_s = (duration.as_secs() / 3).min(300);
     let rss_start = samples.first().map_or(0, |s| s.1);
     let rss_warm = rss_at(warmup_s);
     let rss_end = samples.last().map_or(0, |s| s.1);

@@ -53,10 +53,10 @@ impl Poller {
     /// This Envoy's id and what it has booked on `worker`, for an events call.
     fn declaration(&mut self, config: &Config, worker: u16, now_ms: u64) -> (u64, Booked) {
         if self.booked_view.0 != now_ms {
-            self.booked_view = (
-                now_ms,
-                load_store::view(&HostStore, config.slots.len(), now_ms),
-            );
+            // Into the same vector every time: the VM's linear memory never shrinks.
+            self.booked_view.0 = now_ms;
+            load_store::read_snapshot(&HostStore, config.slots.len())
+                .view_into(now_ms, &mut self.booked_view.1);
         }
         let booked = load_store::booked_on(&self.booked_view.1, config.worker_slots(worker));
         (load_store::router_id(&HostStore, self.nonce), booked)
