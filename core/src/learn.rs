@@ -74,6 +74,10 @@ pub const MIN_WORKER_SAMPLES: f64 = 1.5;
 /// The pooled slope of the log ratio on the log own prefill is kept within `±MAX_SLOPE`.
 const MAX_SLOPE: f64 = 2.0;
 
+/// Records a tick reads ([`LearnedTimings::read_next`]): at 8 workers all of them, at 1,000
+/// each one every ~16 ticks.
+pub const RECORDS_PER_TICK: usize = 64;
+
 /// Bytes of an encoded record.
 pub const RECORD_LEN: usize = 72;
 const MAGIC: u32 = 0x4b52_5433; // "KRT3"

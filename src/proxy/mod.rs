@@ -4,7 +4,6 @@
 //! * `vm`: the per-VM state the root context owns and request contexts share.
 //! * `http`: one context per request, forwarding its callbacks to the host-independent request
 //!   path ([`crate::request_path`]) with `envoy_host::EnvoyHost`, the real request-path `Host`.
-//! * `learning`: the closed loop's tick: the workers' shared timing records read back.
 //! * `members`: follows the routed cluster's hosts and health (admin `/clusters`).
 //! * `poller`: sends worker event calls through the event cluster (one poller per process);
 //!   `event_replies` applies their replies to the shared log, marks silent workers stale.
@@ -19,7 +18,6 @@ pub mod event_replies;
 pub mod gauges;
 pub mod host;
 pub mod http;
-pub mod learning;
 pub mod members;
 pub mod metrics;
 pub mod poller;

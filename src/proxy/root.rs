@@ -149,7 +149,7 @@ impl VmState {
         self.poller.queued.new_tick();
         self.sync_replica();
         self.sync_predictions(now);
-        self.refresh_learned(&config, now);
+        self.path.refresh_learned(&HostStore, now);
         // Every VM adds its own share; the other gauges are the leader's alone.
         self.publish_linear_memory();
         if !leader {

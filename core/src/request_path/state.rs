@@ -199,6 +199,18 @@ impl RoutingState {
         host.count("approx.skipped", report.skipped);
     }
 
+    /// The tick's side of the closed loop (with `ttft.learn`): reads the next batch of the
+    /// workers' shared timing records ([`learn::RECORDS_PER_TICK`]) and recomputes the factors
+    /// routing multiplies by.
+    pub fn refresh_learned(&mut self, store: &impl crate::store::SharedStore, now_ms: u64) {
+        if !self.config.ttft.as_ref().is_some_and(|t| t.learn) {
+            return;
+        }
+        let workers = self.config.workers.len();
+        self.learned
+            .read_next(store, workers, learn::RECORDS_PER_TICK, now_ms);
+    }
+
     /// The first token arrived `now` for a request routed as `sample` says: the observed TTFT
     /// (histograms) and, with a prediction, a sample in the worker's shared timing record.
     pub fn learn_first_token(&mut self, host: &mut impl Host, sample: &Sample, now: u64) {

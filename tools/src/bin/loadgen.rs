@@ -328,7 +328,6 @@ fn run_sim(a: &SimArgs) {
     let opts = sim::SimOptions {
         event_delay_ms: a.event_delay_ms,
         scrape_interval_ms: a.scrape_interval_ms,
-        long_poll_ms: 2000.0,
         seed: 0,
         replicas_share_data: a.replicas_share_data,
         relay_bookings: !a.no_relay,

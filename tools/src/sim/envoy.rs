@@ -14,9 +14,6 @@ use kv_router_core::store::fake::MemStore;
 use std::collections::HashMap;
 use std::rc::Rc;
 
-/// Worker records the tick reads, as the adapter's tick.
-const RECORDS_PER_TICK: usize = 64;
-
 pub struct SimEnvoy {
     store: Rc<MemStore>,
     pub vm: RoutingState,
@@ -151,12 +148,7 @@ impl SimEnvoy {
         self.coalescer.new_tick();
         let mut host = SimHost::idle(&self.store, &mut self.counters, now_ms);
         self.vm.sync_predictions(&mut host, now_ms);
-        let config = Rc::clone(&self.vm.config);
-        if config.ttft.as_ref().is_some_and(|t| t.learn) {
-            self.vm
-                .learned
-                .read_next(&*self.store, config.workers.len(), RECORDS_PER_TICK, now_ms);
-        }
+        self.vm.refresh_learned(&*self.store, now_ms);
     }
 
     /// Routes a request (headers, then the whole body): the chosen worker's address, or `None`

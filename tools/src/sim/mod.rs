@@ -12,7 +12,8 @@
 //!   published, in one page, with the engine's load as last scraped (every
 //!   `scrape_interval_ms`, phase-shifted per worker) and the other Envoys' bookings as they
 //!   declared them when their calls were sent (after their last page); a worker without events
-//!   answers after `long_poll_ms` with an empty page;
+//!   answers after the filter's `events.long_poll_ms` (else `poll_interval_ms`) with an
+//!   empty page;
 //! * Envoy: requests spread round-robin over `envoys` independent Envoys (one VM each), the
 //!   filter's tick every `tick_ms`; no network, HTTP or Envoy time (the real race adds a few
 //!   ms per request);
@@ -49,9 +50,6 @@ pub struct SimOptions {
     pub event_delay_ms: f64,
     /// How often the bridge scrapes an engine's load (`--engine-metrics-interval-ms`).
     pub scrape_interval_ms: f64,
-    /// A long poll's wait (the filter's `events.long_poll_ms`): a worker without events
-    /// answers with an empty page (its load) after this long.
-    pub long_poll_ms: f64,
     /// Varies every engine's jitter (0: the mock workers' own seeds): runs of one arm under
     /// several seeds give its spread, as repeated runs of the race do.
     pub seed: u64,
@@ -68,7 +66,6 @@ impl Default for SimOptions {
         SimOptions {
             event_delay_ms: 3.0,
             scrape_interval_ms: 1000.0,
-            long_poll_ms: 2000.0,
             seed: 0,
             replicas_share_data: false,
             relay_bookings: true,
@@ -283,9 +280,19 @@ pub fn simulate(
     for (e, envoy) in envoys.iter().enumerate() {
         agenda.at(envoy.tick_ms() as f64, Event::Tick(e));
     }
+    // A worker without events answers each call after the filter's long-poll wait.
+    let idle_page_ms = envoys.first().map_or(1.0, |e| {
+        let events = &e.vm.config.events;
+        let ms = if events.long_poll_ms > 0 {
+            events.long_poll_ms
+        } else {
+            events.poll_interval_ms
+        };
+        ms.max(1) as f64
+    });
     if !envoys.is_empty() {
         for w in 0..n {
-            agenda.at(opts.long_poll_ms, Event::PollTimeout(w, 0));
+            agenda.at(idle_page_ms, Event::PollTimeout(w, 0));
         }
     }
     let mut run = SimRun {
@@ -448,9 +455,14 @@ pub fn simulate(
                     continue;
                 };
                 worker.delivery_planned = false;
+                if envoys.is_empty() {
+                    // Round-robin: nobody polls; the events go nowhere.
+                    worker.unsent.clear();
+                    continue;
+                }
                 worker.last_page_us = (now * 1000.0).round() as u64;
                 agenda.at(
-                    now + opts.long_poll_ms,
+                    now + idle_page_ms,
                     Event::PollTimeout(w, worker.last_page_us),
                 );
                 let texts = std::mem::take(&mut worker.unsent);
