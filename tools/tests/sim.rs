@@ -5,7 +5,7 @@
 use envoy_kv_router_tools::compare::Fleet;
 use envoy_kv_router_tools::loadgen::generate::{self, AgentSpec};
 use envoy_kv_router_tools::loadgen::{load_mooncake, Workload};
-use envoy_kv_router_tools::sim::{arm_router, simulate, SimOptions, SimRun};
+use envoy_kv_router_tools::sim::{arm_router, simulate, Router, SimOptions, SimRun};
 
 fn agent_workload(params: &str) -> Workload {
     let spec = AgentSpec::parse(&[params.to_string()]).unwrap();
@@ -104,4 +104,56 @@ fn arms_are_parsed_as_the_race_names_them() {
     let err = arm_router("vllm-router:kv_aware").unwrap_err();
     assert!(err.contains("peers run in the race"), "{err}");
     assert!(arm_router("kv*0").is_err());
+    assert!(matches!(
+        arm_router("oracle+share:2"),
+        Ok(Router::Oracle { share_weight }) if share_weight == 2.0
+    ));
+    assert!(arm_router("oracle+share:-1").is_err());
+}
+
+#[test]
+fn the_oracle_forecasts_exactly_what_an_engine_left_alone_does() {
+    // Requests 5 s apart on a mixed fleet: each finds the engines as the previous one left them
+    // and nothing arrives while it waits, so the forecast (a copy of each engine run forward)
+    // must be exactly what the engine it picked then does.
+    let mut workload = agent_workload("seed=9,sessions=6");
+    for (i, r) in workload.requests.iter_mut().enumerate() {
+        r.at_ms = i as f64 * 5_000.0;
+    }
+    let mut fleet = Fleet::new(4, 64, &["--kv-blocks", "8192"]);
+    fleet.speedups = vec![1.0, 1.0, 4.0, 4.0];
+    let oracle = run("oracle", &workload, &fleet);
+    let n = workload.requests.len();
+    assert_eq!(oracle.errors, 0);
+    assert_eq!(oracle.ttft_ms.len(), n);
+    assert_eq!(oracle.oracle_best_ms.len(), n);
+    for (seen, forecast) in oracle.ttft_ms.iter().zip(&oracle.oracle_best_ms) {
+        assert!(
+            (seen - forecast).abs() < 1e-3,
+            "{seen} vs forecast {forecast}"
+        );
+    }
+    assert!(oracle.regret_ms.iter().all(|r| *r == 0.0));
+    // Alone on a fleet, a request is served soonest by a fast worker, so the slow ones get none.
+    assert_eq!(
+        oracle.per_worker[0] + oracle.per_worker[1],
+        0,
+        "{:?}",
+        oracle.per_worker
+    );
+    // The filter, probed the same way, is charged what its choices cost against the forecast:
+    // it cannot know a worker's speed before its first responses, so it pays for some.
+    let opts = SimOptions {
+        probe_regret: true,
+        ..SimOptions::default()
+    };
+    let kv = simulate(&workload, &fleet, &arm_router("kv").unwrap(), &opts).unwrap();
+    assert_eq!(kv.regret_ms.len(), n);
+    assert!(kv.regret_ms.iter().all(|r| *r >= 0.0));
+    assert!(kv.ttft_mean() >= oracle.ttft_mean() - 1e-9);
+    let late = kv.regret_ms.iter().filter(|r| **r > 1.0).count();
+    assert!(
+        late > 0,
+        "the filter's first choices cannot all be the fast workers"
+    );
 }

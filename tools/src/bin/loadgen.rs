@@ -246,6 +246,10 @@ struct SimArgs {
     /// Bridges that do not relay the Envoys' bookings to each other (before they did).
     #[arg(long)]
     no_relay: bool,
+    /// Also run every engine forward at each arrival and print how much later, on average, the
+    /// filter's choice gives the first token than the best worker would (slow).
+    #[arg(long)]
+    probe_regret: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -331,6 +335,7 @@ fn run_sim(a: &SimArgs) {
         seed: 0,
         replicas_share_data: a.replicas_share_data,
         relay_bookings: !a.no_relay,
+        probe_regret: a.probe_regret,
     };
     let routers: Vec<(String, sim::Router)> = a
         .arms
@@ -401,6 +406,15 @@ fn run_sim(a: &SimArgs) {
                 started.elapsed().as_secs_f64()
             );
             for (seed, run) in runs.iter().enumerate() {
+                if !run.regret_ms.is_empty() {
+                    let n = run.regret_ms.len() as f64;
+                    let regret = run.regret_ms.iter().sum::<f64>() / n;
+                    let best = run.oracle_best_ms.iter().sum::<f64>() / n;
+                    let missed = run.regret_ms.iter().filter(|r| **r > 1.0).count();
+                    eprintln!(
+                        "sim: {name} {arm} run {seed}: regret {regret:.1} ms a request (best alone {best:.1} ms), {missed} of {n} choices > 1 ms late"
+                    );
+                }
                 for (e, f) in run.factors.iter().enumerate() {
                     let text: Vec<String> =
                         f.iter().map(|x| format!("{:.0}", x * 1000.0)).collect();

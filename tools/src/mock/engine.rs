@@ -190,7 +190,7 @@ pub struct Counters {
     pub busy_squared_ms2: f64,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Seq {
     id: ReqId,
     /// The request's `priority` (0 unless given; read under the priority policy only).
@@ -219,7 +219,7 @@ impl Seq {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct EngineCore {
     cfg: EngineConfig,
     cache: KvCache,

@@ -83,7 +83,7 @@ pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
         .collect()
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Block {
     parent: Option<BlockHash>,
     tokens: Vec<u32>,
@@ -96,7 +96,7 @@ struct Block {
     listed: Option<(Tier, u64)>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct KvCache {
     block_size: usize,
     device_capacity: usize,

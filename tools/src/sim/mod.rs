@@ -41,6 +41,11 @@ pub enum Router {
     Filter { config: Value, envoys: usize },
     /// Round-robin, as Envoy's own load balancer.
     RoundRobin,
+    /// Each request to the worker that would give it its first token soonest if nothing else
+    /// arrived (a copy of each engine run forward), that price times the filter's request-share
+    /// penalty with `share_weight` (0: none): what a router that saw every engine's exact state
+    /// and speed could do one request at a time. A yardstick, not a policy.
+    Oracle { share_weight: f64 },
 }
 
 /// The bridge's timing.
@@ -59,6 +64,10 @@ pub struct SimOptions {
     /// The bridge relays each Envoy's declared bookings to the others (`load.other_routers`),
     /// as `kv-event-bridge` does.
     pub relay_bookings: bool,
+    /// Also run every engine forward at each arrival (as [`Router::Oracle`]) and record how much
+    /// later the chosen worker gives the first token than the best one would
+    /// ([`SimRun::regret_ms`]). Slow: a copy of every engine per request.
+    pub probe_regret: bool,
 }
 
 impl Default for SimOptions {
@@ -69,6 +78,7 @@ impl Default for SimOptions {
             seed: 0,
             replicas_share_data: false,
             relay_bookings: true,
+            probe_regret: false,
         }
     }
 }
@@ -90,6 +100,11 @@ pub struct SimRun {
     pub counters: BTreeMap<String, u64>,
     /// Per Envoy, each worker's learned timing factor at the end.
     pub factors: Vec<Vec<f64>>,
+    /// Per request (with `probe_regret` or an oracle arm), the forecast first-token delay on the
+    /// chosen worker minus that on the best one, ms.
+    pub regret_ms: Vec<f64>,
+    /// Per request, the forecast first-token delay on the best worker, ms.
+    pub oracle_best_ms: Vec<f64>,
 }
 
 impl SimRun {
@@ -168,8 +183,9 @@ impl Agenda {
 struct SimWorker {
     core: EngineCore,
     address: String,
-    /// The step under way (its outputs are delivered when it ends).
+    /// The step under way (its outputs are delivered when it ends) and when it ends.
     stepping: Option<StepOutcome>,
+    step_end_ms: f64,
     /// A step is planned (`StepStart` is on the agenda).
     step_planned: bool,
     /// Events published and not yet delivered, as page texts with their ids.
@@ -207,6 +223,78 @@ fn engine_of(fleet: &Fleet, id: u64) -> Result<crate::mock::engine::EngineConfig
     Ok(options.engine_config())
 }
 
+/// How long after `now` a request would get its first token on `worker` if nothing else
+/// arrived: a copy of the engine (its jitter included) run forward from the end of its current
+/// step. Infinite when it would be refused.
+fn first_token_if_alone(worker: &SimWorker, tokens: &[u32], max_tokens: usize, now: f64) -> f64 {
+    let mut core = worker.core.clone();
+    let mut t = if worker.stepping.is_some() {
+        worker.step_end_ms.max(now)
+    } else {
+        now
+    };
+    let Ok(id) = core.submit(tokens.to_vec(), max_tokens, 0) else {
+        return f64::INFINITY;
+    };
+    while let Some(outcome) = core.step() {
+        // An engine with work but nothing it can schedule polls every 2 ms, as in `simulate`.
+        t += if outcome.is_idle() {
+            2.0
+        } else {
+            outcome.duration_ms.max(0.0)
+        };
+        let first = outcome
+            .outputs
+            .iter()
+            .any(|o| o.id() == id && matches!(o, Output::Token { .. } | Output::Failed { .. }));
+        if first {
+            return t - now;
+        }
+    }
+    f64::INFINITY
+}
+
+/// The oracle's memory of where it sent requests: the filter's request-share term
+/// (`ttft.share_weight`, [`kv_router_core::router`]) with each worker's true speed.
+struct Shares {
+    recent: Vec<f64>,
+}
+
+impl Shares {
+    /// As the filter: about the last 16 requests per worker, starting from fair shares.
+    const PER_WORKER: f64 = 16.0;
+
+    fn new(workers: usize) -> Shares {
+        Shares {
+            recent: vec![0.0; workers],
+        }
+    }
+
+    fn record(&mut self, worker: usize) {
+        let keep = 1.0 - 1.0 / (Self::PER_WORKER * self.recent.len() as f64);
+        self.recent.iter_mut().for_each(|r| *r *= keep);
+        if let Some(r) = self.recent.get_mut(worker) {
+            *r += 1.0;
+        }
+    }
+
+    /// The worker whose forecast times `1 + weight * excess` is lowest, `excess` being how far
+    /// its share of the recent requests is above its share of the fleet's speed.
+    fn cheapest(&self, forecast: &[f64], speeds: &[f64], weight: f64) -> Option<usize> {
+        let speed: f64 = speeds.iter().sum();
+        let total: f64 = self.recent.iter().sum();
+        let prior = Self::PER_WORKER / 2.0 * self.recent.len() as f64;
+        let price = |i: usize| {
+            let fair = speeds.get(i).copied().unwrap_or(0.0) / speed;
+            let share =
+                (self.recent.get(i).copied().unwrap_or(0.0) + prior * fair) / (total + prior);
+            let excess = (share / fair - 1.0).max(0.0);
+            forecast.get(i).copied().unwrap_or(f64::INFINITY) * (1.0 + weight * excess)
+        };
+        (0..forecast.len()).min_by(|&a, &b| price(a).total_cmp(&price(b)))
+    }
+}
+
 /// Runs `workload` on a fresh simulated `fleet` routed by `router`.
 pub fn simulate(
     workload: &Workload,
@@ -225,6 +313,7 @@ pub fn simulate(
             core: EngineCore::new(cfg),
             address: format!("10.0.{}.{}:8000", id / 256, id % 256),
             stepping: None,
+            step_end_ms: 0.0,
             step_planned: false,
             unsent: Vec::new(),
             first_unsent: 1,
@@ -306,6 +395,7 @@ pub fn simulate(
     let mut requests: Vec<Option<SimRequest>> = Vec::new();
     requests.resize_with(workload.requests.len(), || None);
     let run_opts = RunOptions::default();
+    let mut shares = Shares::new(n);
     let mut outstanding = workload.requests.len();
     while outstanding > 0 {
         let Some((now, event)) = agenda.next() else {
@@ -336,7 +426,30 @@ pub fn simulate(
                     }
                     None => None,
                 };
+                let oracle_share = match router {
+                    Router::Oracle { share_weight } => Some(*share_weight),
+                    _ => None,
+                };
+                // The oracle's forecast for every worker (the oracle arm, or the regret probe).
+                let forecast: Vec<f64> = if oracle_share.is_some() || opts.probe_regret {
+                    workers
+                        .iter()
+                        .map(|w| first_token_if_alone(w, &spec.tokens, spec.max_tokens, now))
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                let chosen = match oracle_share {
+                    Some(weight) => shares.cheapest(&forecast, &run.speedups, weight),
+                    None => chosen,
+                };
                 let w = chosen.unwrap_or(i % n);
+                shares.record(w);
+                let best = forecast.iter().copied().fold(f64::INFINITY, f64::min);
+                if let Some(&own) = forecast.get(w).filter(|f| f.is_finite()) {
+                    run.regret_ms.push(own - best);
+                    run.oracle_best_ms.push(best);
+                }
                 let Some(worker) = workers.get_mut(w) else {
                     continue;
                 };
@@ -391,7 +504,8 @@ pub fn simulate(
                     worker.step_planned = true;
                     agenda.at(now + 2.0, Event::StepStart(w));
                 } else {
-                    agenda.at(now + outcome.duration_ms.max(0.0), Event::StepEnd(w));
+                    worker.step_end_ms = now + outcome.duration_ms.max(0.0);
+                    agenda.at(worker.step_end_ms, Event::StepEnd(w));
                     worker.stepping = Some(outcome);
                 }
             }
@@ -532,7 +646,8 @@ pub fn simulate(
 }
 
 /// The router of arm `arm`: `round-robin`, `kv`, `kv+set:<a.b>=<v>[+set:...]` (the race's
-/// arms), each optionally on `*N` Envoys (`kv*3`).
+/// arms), each optionally on `*N` Envoys (`kv*3`), or the yardsticks `oracle` and
+/// `oracle+share:<weight>` ([`Router::Oracle`]).
 pub fn arm_router(arm: &str) -> Result<Router, String> {
     let (base, envoys) = match arm.rsplit_once('*') {
         Some((base, n)) => (
@@ -546,6 +661,14 @@ pub fn arm_router(arm: &str) -> Result<Router, String> {
     };
     match base {
         "round-robin" => Ok(Router::RoundRobin),
+        "oracle" => Ok(Router::Oracle { share_weight: 0.0 }),
+        b if b.starts_with("oracle+share:") => b
+            .trim_start_matches("oracle+share:")
+            .parse::<f64>()
+            .ok()
+            .filter(|w| w.is_finite() && *w >= 0.0)
+            .map(|share_weight| Router::Oracle { share_weight })
+            .ok_or_else(|| format!("{b}: expected oracle+share:<weight>, a number >= 0")),
         "kv" => Ok(Router::Filter {
             config: json!({}),
             envoys,
@@ -555,7 +678,7 @@ pub fn arm_router(arm: &str) -> Result<Router, String> {
             envoys,
         }),
         other => Err(format!(
-            "{other}: the simulator runs round-robin, kv and kv+set:... arms (peers run in the race)"
+            "{other}: the simulator runs round-robin, oracle, oracle+share:<w>, kv and kv+set:... arms (peers run in the race)"
         )),
     }
 }
