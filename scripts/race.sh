@@ -19,9 +19,8 @@ fi
 if [ ! -x .venv/bin/vllm-router ]; then
   echo "race: no .venv/bin/vllm-router: the vllm-router arms will be skipped (\`make setup\` installs it)" >&2
 fi
-if [ ! -f target/envoy_kv_router.wasm ]; then
-  bash scripts/build-wasm.sh
-fi
+# Always (a no-op in a fraction of a second when it is current): a stale .wasm would race old code.
+bash scripts/build-wasm.sh
 cargo build --release -p envoy-kv-router-tools -p kv-event-bridge
 
 trace="${RACE_SYNTHETIC_TRACE:-bench-data/mooncake_synthetic_trace.jsonl}"
