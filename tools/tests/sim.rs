@@ -157,3 +157,53 @@ fn the_oracle_forecasts_exactly_what_an_engine_left_alone_does() {
         "the filter's first choices cannot all be the fast workers"
     );
 }
+
+#[test]
+fn told_the_true_speeds_the_filter_leaves_the_slow_workers_idle_and_logs_each_decision() {
+    // The same spaced-out requests as above: told each worker's speed, the filter has nothing
+    // to learn, so none of its first choices is a slow worker; `decisions` shows its costs.
+    let mut workload = agent_workload("seed=9,sessions=6");
+    for (i, r) in workload.requests.iter_mut().enumerate() {
+        r.at_ms = i as f64 * 5_000.0;
+    }
+    let mut fleet = Fleet::new(4, 64, &["--kv-blocks", "8192"]);
+    fleet.speedups = vec![1.0, 1.0, 4.0, 4.0];
+    let n = workload.requests.len();
+    let arm = arm_router("kv+set:response_headers=true").unwrap();
+    let told = SimOptions {
+        probe_regret: true,
+        true_speeds: true,
+        ..SimOptions::default()
+    };
+    let kv = simulate(&workload, &fleet, &arm, &told).unwrap();
+    assert_eq!(kv.errors, 0);
+    assert_eq!(kv.per_worker[0] + kv.per_worker[1], 0, "{:?}", kv.per_worker);
+    let learning = SimOptions {
+        probe_regret: true,
+        ..SimOptions::default()
+    };
+    let learned = simulate(&workload, &fleet, &arm, &learning).unwrap();
+    let total = |r: &[f64]| r.iter().sum::<f64>();
+    assert!(
+        total(&kv.regret_ms) < total(&learned.regret_ms),
+        "told {} ms against learning {} ms",
+        total(&kv.regret_ms),
+        total(&learned.regret_ms)
+    );
+    // One line per request: the forecast for every worker, and the filter's lowest cost is the
+    // worker it chose.
+    assert_eq!(kv.decisions.len(), n);
+    for line in &kv.decisions {
+        let d: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert_eq!(d["forecast"].as_array().unwrap().len(), 4, "{line}");
+        let costs: Vec<f64> = d["filter"]["costs"]
+            .as_str()
+            .unwrap()
+            .split(',')
+            .map(|c| c.split('=').nth(1).unwrap().parse().unwrap())
+            .collect();
+        let chosen = d["chosen"].as_u64().unwrap() as usize;
+        let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+        assert_eq!(costs[chosen], min, "{line}");
+    }
+}

@@ -96,6 +96,12 @@ impl RequestPath {
         Self::default()
     }
 
+    /// Every candidate's final cost as the decision saw it (`worker/rank=cost,...`), when
+    /// `response_headers` is on: what a simulator compares with a forecast.
+    pub fn decision_costs(&self) -> Option<&str> {
+        self.outcome.as_ref()?.detail.as_ref()?.costs.as_deref()
+    }
+
     /// The request's headers: an LLM endpoint pauses for its body (routed at once if it has
     /// none); anything else goes on, without a client-chosen destination.
     pub fn on_request_headers(

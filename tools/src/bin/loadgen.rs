@@ -250,6 +250,14 @@ struct SimArgs {
     /// filter's choice gives the first token than the best worker would (slow).
     #[arg(long)]
     probe_regret: bool,
+    /// With `--probe-regret`: write each decision (forecast per worker, the filter's costs and
+    /// load view) as JSON lines to this file (the last arm's last run).
+    #[arg(long)]
+    decisions: Option<std::path::PathBuf>,
+    /// Tell every Envoy each worker's true speed (its learned factors replaced): what the
+    /// learning could at best give.
+    #[arg(long)]
+    true_speeds: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -336,6 +344,7 @@ fn run_sim(a: &SimArgs) {
         replicas_share_data: a.replicas_share_data,
         relay_bookings: !a.no_relay,
         probe_regret: a.probe_regret,
+        true_speeds: a.true_speeds,
     };
     let routers: Vec<(String, sim::Router)> = a
         .arms
@@ -405,6 +414,13 @@ fn run_sim(a: &SimArgs) {
                 "sim: {name} {arm}: {:.1} s",
                 started.elapsed().as_secs_f64()
             );
+            if let (Some(file), Some(run)) = (&a.decisions, runs.last()) {
+                let mut text = run.decisions.join("\n");
+                text.push('\n');
+                if let Err(e) = std::fs::write(file, text) {
+                    fail(&format!("sim: {}: {e}", file.display()));
+                }
+            }
             for (seed, run) in runs.iter().enumerate() {
                 if !run.regret_ms.is_empty() {
                     let n = run.regret_ms.len() as f64;

@@ -68,6 +68,9 @@ pub struct SimOptions {
     /// later the chosen worker gives the first token than the best one would
     /// ([`SimRun::regret_ms`]). Slow: a copy of every engine per request.
     pub probe_regret: bool,
+    /// Every Envoy is told each worker's true speed (its learned timing factors replaced by
+    /// the inverse speeds before each decision): what the learning could at best give.
+    pub true_speeds: bool,
 }
 
 impl Default for SimOptions {
@@ -79,6 +82,7 @@ impl Default for SimOptions {
             replicas_share_data: false,
             relay_bookings: true,
             probe_regret: false,
+            true_speeds: false,
         }
     }
 }
@@ -105,6 +109,9 @@ pub struct SimRun {
     pub regret_ms: Vec<f64>,
     /// Per request, the forecast first-token delay on the best worker, ms.
     pub oracle_best_ms: Vec<f64>,
+    /// With `probe_regret`, per routed request, one JSON line: the forecast per worker, the
+    /// worker chosen, and the filter's costs and load view as it decided (`--decisions`).
+    pub decisions: Vec<String>,
 }
 
 impl SimRun {
@@ -415,6 +422,12 @@ pub fn simulate(
                 };
                 let chosen = match envoys.get_mut(envoy) {
                     Some(e) => {
+                        if opts.true_speeds {
+                            let learned = &mut e.vm.learned;
+                            learned.factors = run.speedups.iter().map(|s| 1.0 / s).collect();
+                            let logs: f64 = learned.factors.iter().map(|f| f.ln()).sum();
+                            learned.fleet = (logs / n as f64).exp();
+                        }
                         let url = if spec.messages.is_some() {
                             "/v1/chat/completions"
                         } else {
@@ -449,6 +462,25 @@ pub fn simulate(
                 if let Some(&own) = forecast.get(w).filter(|f| f.is_finite()) {
                     run.regret_ms.push(own - best);
                     run.oracle_best_ms.push(best);
+                }
+                if opts.probe_regret {
+                    let view = envoys.get(envoy).map(|e| {
+                        let vm = &e.vm;
+                        json!({
+                            "costs": path.decision_costs(),
+                            "prefill_tokens": vm.load_view.iter().map(|l| l.prefill_tokens).collect::<Vec<_>>(),
+                            "decode_blocks": vm.load_view.iter().map(|l| l.decode_blocks).collect::<Vec<_>>(),
+                            "active": vm.load_view.iter().map(|l| l.active_requests).collect::<Vec<_>>(),
+                            "overlap": vm.overlaps.iter().map(|o| o.device_blocks).collect::<Vec<_>>(),
+                            "factors": (0..n).map(|k| vm.learned.factor(k)).collect::<Vec<_>>(),
+                            "fleet": vm.learned.fleet,
+                        })
+                    });
+                    run.decisions.push(
+                        json!({"i": i, "t": now, "envoy": envoy, "chosen": w,
+                               "tokens": spec.tokens.len(), "forecast": forecast, "filter": view})
+                        .to_string(),
+                    );
                 }
                 let Some(worker) = workers.get_mut(w) else {
                     continue;
