@@ -177,7 +177,12 @@ fn told_the_true_speeds_the_filter_leaves_the_slow_workers_idle_and_logs_each_de
     };
     let kv = simulate(&workload, &fleet, &arm, &told).unwrap();
     assert_eq!(kv.errors, 0);
-    assert_eq!(kv.per_worker[0] + kv.per_worker[1], 0, "{:?}", kv.per_worker);
+    assert_eq!(
+        kv.per_worker[0] + kv.per_worker[1],
+        0,
+        "{:?}",
+        kv.per_worker
+    );
     let learning = SimOptions {
         probe_regret: true,
         ..SimOptions::default()
