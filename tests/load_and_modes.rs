@@ -532,3 +532,49 @@ fn a_mixed_fleet_is_priced_at_each_workers_own_speed() {
     );
     holder.join().expect("long request");
 }
+
+/// At the defaults (the adaptive policy), a worker's own timing polynomials price it from the
+/// first request: the cost is scaled by its polynomial's time over the fleet's, on top of what
+/// is learned against that polynomial (which, for an accurate one, is what every worker learns).
+#[test]
+fn at_the_defaults_a_workers_own_timing_prices_it_from_the_first_request() {
+    let workers = echo_workers(2, BLOCK);
+    // Worker 2 four times faster: its prefill polynomial is the fleet's divided by 4.
+    let fleet = [16.5, 0.0152, 4.21e-7];
+    let fast: Vec<f64> = fleet.iter().map(|c| c / 4.0).collect();
+    let list = |own: bool| {
+        let mut second = json!({"id": 2, "address": workers[1].addr});
+        if own {
+            second["prefill_time_ms_poly"] = json!(fast);
+        }
+        json!([{"id": 1, "address": workers[0].addr}, second])
+    };
+    let prompt = |i: u32| completion(&tokens(30_000 * (i + 1), 125 * BLOCK));
+    let config = |own: bool, ttft: Value| {
+        json!({"mode": "kv", "load": {"prefill_time_ms_poly": fleet}, "ttft": ttft,
+               "workers": list(own)})
+    };
+
+    // Without it, the first prompt finds two idle workers at the same cost.
+    let same = envoy_with(&workers, config(false, json!({})));
+    let c = costs(&route(&same, &prompt(0)).2);
+    assert!((c[&1] - c[&2]).abs() < 1e-6 * c[&1], "costs {c:?}");
+    drop(same);
+
+    // With it, worker 2 costs a quarter (the ratio of the polynomials at 4,096 tokens) and
+    // takes the first prompt, learning on.
+    let envoy = envoy_with(&workers, config(true, json!({})));
+    let (w, _, resp) = route(&envoy, &prompt(1));
+    let c = costs(&resp);
+    let ratio = c[&1] / c[&2];
+    assert_eq!(w, 2, "costs {c:?}");
+    assert!((ratio - 4.0).abs() < 0.01, "costs {c:?}");
+    drop(envoy);
+
+    // Nothing learned (`ttft.learn: false`): the fast worker takes every prompt of an idle
+    // fleet, the request-share term allowing it four times the slow one's share.
+    let envoy = envoy_with(&workers, config(true, json!({"learn": false})));
+    let idle = distribution(&envoy, 20, |i| prompt(10 + i));
+    assert_eq!(idle.get(&1), None, "{idle:?}");
+    assert_eq!(idle.get(&2), Some(&20), "{idle:?}");
+}

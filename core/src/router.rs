@@ -289,16 +289,18 @@ pub fn decide(
                 (Some(t), Some(l)) if t.learn && config.policy == KvPolicy::Adaptive => Some(l),
                 _ => None,
             };
+            // The worker's configured and learned slowness scale its cost (`adaptive`).
+            let adaptive = config.policy == KvPolicy::Adaptive;
             let plain = no_taints && config.policy != KvPolicy::Predicted;
             if plain {
                 // The usual case in a loop of its own: nothing per slot but its inputs and cost
                 // (the same values and the same cost as the general loop below).
                 let overlaps = if has_prefix { input.overlaps } else { &[] };
                 let mut min = score_plain(&kv, &candidates, overlaps, input, &mut costs)?;
-                if let Some(learned) = speed {
+                if adaptive {
                     min = f64::INFINITY;
                     for (cost, &slot) in costs.iter_mut().zip(&candidates) {
-                        *cost *= relative_slowness(config, learned, slot);
+                        *cost *= relative_slowness(config, speed, slot);
                         min = min.min(*cost);
                     }
                 }
@@ -330,7 +332,11 @@ pub fn decide(
                             })
                     }
                     _ => {
-                        let speed = speed.map_or(1.0, |l| relative_slowness(config, l, slot));
+                        let speed = if adaptive {
+                            relative_slowness(config, speed, slot)
+                        } else {
+                            1.0
+                        };
                         let load = input.load.get(usize::from(slot));
                         kv.cost(&overlap_of(slot), load.unwrap_or(&IDLE), multiplier * speed)
                     }
@@ -474,12 +480,43 @@ const IDLE: SlotLoad = SlotLoad {
     active_requests: 0,
 };
 
-/// How much slower `slot`'s worker is than the fleet, as learned: its timing factor over the
-/// fleet's (1 when nothing is known).
-fn relative_slowness(config: &Config, learned: &LearnedTimings, slot: SlotIdx) -> f64 {
-    match config.slots.get(usize::from(slot)) {
-        Some(s) if learned.fleet > 0.0 => learned.factor(usize::from(s.worker)) / learned.fleet,
+/// How much slower `slot`'s worker is than the fleet: its configured timing (its own
+/// `prefill_time_ms_poly` against the fleet's, [`configured_slowness`]) times its learned
+/// timing factor over the fleet's. The factor is learned against the worker's own polynomial,
+/// so a worker whose polynomial already says it is 3x slower learns a factor like the rest:
+/// without the first term, configuring a worker's speed would take it out of the cost.
+fn relative_slowness(config: &Config, learned: Option<&LearnedTimings>, slot: SlotIdx) -> f64 {
+    let Some(s) = config.slots.get(usize::from(slot)) else {
+        return 1.0;
+    };
+    let worker = usize::from(s.worker);
+    let learned = match learned {
+        Some(l) if l.fleet > 0.0 => l.factor(worker) / l.fleet,
         _ => 1.0,
+    };
+    configured_slowness(config, worker) * learned
+}
+
+/// Prompt size at which a worker's own prefill polynomial is compared with the fleet's.
+const REFERENCE_PROMPT_TOKENS: f64 = 4096.0;
+
+/// Worker entry `worker`'s own prefill polynomial's time for a reference prompt over the
+/// fleet's (`load.prefill_time_ms_poly`): 1 without one, or when either time is not positive.
+fn configured_slowness(config: &Config, worker: usize) -> f64 {
+    let own = config
+        .workers
+        .get(worker)
+        .and_then(|w| w.prefill_time_ms_poly.as_deref());
+    let Some(own) = own else {
+        return 1.0;
+    };
+    let fleet = &config.load.prefill_time_ms_poly;
+    let at = |poly: &[f64]| ttft::prefill_duration_ms(poly, REFERENCE_PROMPT_TOKENS, 0.0, None);
+    let (own_ms, fleet_ms) = (at(own), at(fleet));
+    if own_ms > 0.0 && fleet_ms > 0.0 {
+        (own_ms / fleet_ms).clamp(1.0 / 256.0, 256.0)
+    } else {
+        1.0
     }
 }
 
@@ -493,7 +530,7 @@ struct Shares<'a> {
 
 /// Multiplies each candidate's cost by `1 + weight * excess`, `excess` being how far the slot's
 /// share of this VM's recent requests is above its fair share (its speed over the candidates',
-/// speed being the inverse of the learned relative slowness); returns the new minimum. The
+/// speed being the inverse of its configured and learned relative slowness); returns the new minimum. The
 /// shares start from pseudo-counts spread fairly, so the first requests (and a VM that has seen
 /// few) do not look lopsided. (Other Envoys' requests enter through the load instead:
 /// `load::share`.)
@@ -514,8 +551,7 @@ fn weigh_by_share(
         let count = shares.requests.get(usize::from(slot)).copied();
         count.filter(|c| c.is_finite() && *c > 0.0).unwrap_or(0.0) / unit
     };
-    let speed_of =
-        |slot: SlotIdx| learned.map_or(1.0, |l| 1.0 / relative_slowness(config, l, slot));
+    let speed_of = |slot: SlotIdx| 1.0 / relative_slowness(config, learned, slot);
     let (mut total_requests, mut total_speed) = (0.0, 0.0);
     for &slot in candidates {
         total_requests += requests_of(slot);
@@ -556,7 +592,7 @@ fn keep_balanced(
     }
     let weighed = |s: &SlotIdx| {
         let active = load.get(usize::from(*s)).map_or(0, |l| l.active_requests);
-        f64::from(active) * learned.map_or(1.0, |l| relative_slowness(config, l, *s))
+        f64::from(active) * relative_slowness(config, learned, *s)
     };
     let total: f64 = candidates.iter().map(weighed).sum();
     let cap = ratio * total / candidates.len() as f64 + 1.0;
@@ -1057,6 +1093,71 @@ mod tests {
         assert!(d
             .prediction
             .is_some_and(|p| p.ttft_ms > 0.0 && p.own_ms > 0.0 && p.own_ms <= p.ttft_ms));
+    }
+
+    #[test]
+    fn a_workers_own_timing_scales_its_cost_with_or_without_learning() {
+        // The worked example's costs 18 / 10 / 11, worker 2 configured 2x slower than the fleet
+        // (its own prefill polynomial): 18 / 20 / 11 before anything is learned, and still when
+        // every worker has learned the same factor against its own polynomial (which is what an
+        // accurate one gives). Worker 3 wins both times; without the polynomial worker 2 would.
+        let about = |scores: &[(SlotIdx, f64)], expect: [f64; 3]| {
+            scores.len() == 3
+                && scores
+                    .iter()
+                    .zip(expect)
+                    .enumerate()
+                    .all(|(i, (&(s, c), e))| usize::from(s) == i && c >= e && c < e + 0.1)
+        };
+        let workers = r#"{"id": 1, "address": "10.0.0.1:8000"},
+                         {"id": 2, "address": "10.0.0.2:8000", "prefill_time_ms_poly": [0, 0.02]},
+                         {"id": 3, "address": "10.0.0.3:8000"}"#;
+        let c = config(
+            r#""block_size": 16, "policy": "adaptive", "load": {"prefill_time_ms_poly": [0, 0.01]}"#,
+            workers,
+        );
+        let req = tokens(160);
+        let overlaps = [dev(2), dev(5), dev(8)];
+        let load = decode_load(&[2.0, 0.0, 7.0]);
+        let mut learned = LearnedTimings::default();
+        learned.resize(3);
+        learned.factors = vec![0.7, 0.7, 0.7];
+        learned.fleet = 0.7;
+        for learned in [None, Some(&learned)] {
+            let input = RouteInput {
+                request: &req,
+                header_pin: Pin::default(),
+                prompt_blocks: prompt_blocks(&c, &req),
+                overlaps: &overlaps,
+                load: &load,
+                stale_slots: &[],
+                kv_usage: &[],
+                learned,
+                arrivals_per_ms: 0.0,
+            };
+            let d = decide(&c, &input, &mut SelectorState::new(1)).unwrap();
+            assert!(about(&d.scores, [18.0, 20.0, 11.0]), "{:?}", d.scores);
+            assert_eq!(d.slot, 2);
+        }
+        // The same fleet without worker 2's polynomial: the worked example's choice.
+        let plain = config(
+            r#""block_size": 16, "policy": "adaptive", "load": {"prefill_time_ms_poly": [0, 0.01]}"#,
+            THREE,
+        );
+        let input = RouteInput {
+            request: &req,
+            header_pin: Pin::default(),
+            prompt_blocks: prompt_blocks(&plain, &req),
+            overlaps: &overlaps,
+            load: &load,
+            stale_slots: &[],
+            kv_usage: &[],
+            learned: None,
+            arrivals_per_ms: 0.0,
+        };
+        let d = decide(&plain, &input, &mut SelectorState::new(1)).unwrap();
+        assert!(about(&d.scores, [18.0, 10.0, 11.0]), "{:?}", d.scores);
+        assert_eq!(d.slot, 1);
     }
 
     /// Dynamo docs worked example (`"policy": "dynamo"`): block size 16, 160-token prompt (raw prefill 10

@@ -268,9 +268,15 @@ impl Fleet {
     /// one polynomial at the fleet's mean speed for all, what a filter without per-worker
     /// timing can do).
     fn price_each_worker(&self, mode: &str, config: &mut Value) {
-        if !(mode.starts_with("kv+ttft") && mode.split('+').any(|o| o == "fit")) {
-            return;
+        if mode.starts_with("kv+ttft") && mode.split('+').any(|o| o == "fit") {
+            self.give_each_worker_its_timing(config);
         }
+    }
+
+    /// On a mixed fleet, each worker entry of `config` gets its own timing polynomials: those
+    /// fitted to the mock's step-time model at its `--speedup`, as `calibrate` would measure them
+    /// on each kind of worker (`+calibrated` arms, `+fit` of `kv+ttft` arms).
+    pub fn give_each_worker_its_timing(&self, config: &mut Value) {
         let Some(list) = config["workers"].as_array_mut() else {
             return;
         };
@@ -385,6 +391,12 @@ fn run_arm(
     // A trailing `+cap` on any other kv arm: the workers' `kv_capacity_blocks` configured, as a
     // worker that describes itself would give it.
     let (mode, with_capacity) = match mode.strip_suffix("+cap") {
+        Some(m) if !m.starts_with("kv+ttft") => (m, true),
+        _ => (mode, false),
+    };
+    // A trailing `+calibrated`: each worker's own timing polynomials configured, as `calibrate`
+    // measures them per kind of worker (or a worker describes itself under `membership`).
+    let (mode, calibrated) = match mode.strip_suffix("+calibrated") {
         Some(m) if !m.starts_with("kv+ttft") => (m, true),
         _ => (mode, false),
     };
@@ -528,6 +540,9 @@ fn run_arm(
         }
     }
     fleet.price_each_worker(mode, &mut config);
+    if calibrated {
+        fleet.give_each_worker_its_timing(&mut config);
+    }
     if with_capacity
         || mode.starts_with("kv+ttft")
             && (mode.contains("+cap") || mode.contains("+busy:") || mode.contains("+admit"))

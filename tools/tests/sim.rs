@@ -159,7 +159,7 @@ fn the_oracle_forecasts_exactly_what_an_engine_left_alone_does() {
 }
 
 #[test]
-fn told_the_true_speeds_the_filter_leaves_the_slow_workers_idle_and_logs_each_decision() {
+fn told_or_calibrated_the_filter_leaves_the_slow_workers_idle_and_logs_each_decision() {
     // The same spaced-out requests as above: told each worker's speed, the filter has nothing
     // to learn, so none of its first choices is a slow worker; `decisions` shows its costs.
     let mut workload = agent_workload("seed=9,sessions=6");
@@ -194,6 +194,21 @@ fn told_the_true_speeds_the_filter_leaves_the_slow_workers_idle_and_logs_each_de
         "told {} ms against learning {} ms",
         total(&kv.regret_ms),
         total(&learned.regret_ms)
+    );
+    // Each worker's own timing polynomials configured (`kv+calibrated`, as `calibrate` measures
+    // them) price it from the first request as being told does.
+    let calibrated = simulate(
+        &workload,
+        &fleet,
+        &arm_router("kv+calibrated").unwrap(),
+        &learning,
+    )
+    .unwrap();
+    assert_eq!(
+        calibrated.per_worker[0] + calibrated.per_worker[1],
+        0,
+        "{:?}",
+        calibrated.per_worker
     );
     // One line per request: the forecast for every worker, and the filter's lowest cost is the
     // worker it chose.

@@ -37,8 +37,13 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap};
 /// How an arm routes.
 #[derive(Clone, Debug)]
 pub enum Router {
-    /// The filter with this configuration (JSON), in front of `envoys` Envoys.
-    Filter { config: Value, envoys: usize },
+    /// The filter with this configuration (JSON), in front of `envoys` Envoys; `calibrated`:
+    /// each worker entry with its own timing polynomials (`kv+calibrated`).
+    Filter {
+        config: Value,
+        envoys: usize,
+        calibrated: bool,
+    },
     /// Round-robin, as Envoy's own load balancer.
     RoundRobin,
     /// Each request to the worker that would give it its first token soonest if nothing else
@@ -341,6 +346,7 @@ pub fn simulate(
     if let Router::Filter {
         config,
         envoys: count,
+        calibrated,
     } = router
     {
         let entries: Vec<Value> = workers
@@ -349,6 +355,9 @@ pub fn simulate(
             .map(|(w, id): (&SimWorker, u64)| json!({"id": id, "address": w.address}))
             .collect();
         let mut config_json = fleet.filter_config_for("kv", entries);
+        if *calibrated {
+            fleet.give_each_worker_its_timing(&mut config_json);
+        }
         if let (Some(target), Some(extra)) = (config_json.as_object_mut(), config.as_object()) {
             for (k, v) in extra {
                 target.insert(k.clone(), v.clone());
@@ -691,7 +700,12 @@ pub fn arm_router(arm: &str) -> Result<Router, String> {
         ),
         None => (arm, 1),
     };
-    match base {
+    // `kv+calibrated[+set:...]`: each worker with its own timing polynomials.
+    let (base, calibrated) = match base.strip_prefix("kv+calibrated") {
+        Some(rest) if rest.is_empty() || rest.starts_with("+set:") => (format!("kv{rest}"), true),
+        _ => (base.to_string(), false),
+    };
+    match base.as_str() {
         "round-robin" => Ok(Router::RoundRobin),
         "oracle" => Ok(Router::Oracle { share_weight: 0.0 }),
         b if b.starts_with("oracle+share:") => b
@@ -704,13 +718,15 @@ pub fn arm_router(arm: &str) -> Result<Router, String> {
         "kv" => Ok(Router::Filter {
             config: json!({}),
             envoys,
+            calibrated,
         }),
         b if b.starts_with("kv+set:") => Ok(Router::Filter {
             config: crate::compare::set_fields(b).map_err(|e| e.to_string())?,
             envoys,
+            calibrated,
         }),
         other => Err(format!(
-            "{other}: the simulator runs round-robin, oracle, oracle+share:<w>, kv and kv+set:... arms (peers run in the race)"
+            "{other}: the simulator runs round-robin, oracle, oracle+share:<w>, kv, kv+set:... and kv+calibrated[+set:...] arms (peers run in the race)"
         )),
     }
 }
