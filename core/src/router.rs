@@ -1051,31 +1051,16 @@ mod tests {
         assert!(err.contains("ttft") && err.contains("dynamo"), "{err}");
     }
 
-    #[test]
-    fn adaptive_scales_each_workers_cost_by_its_learned_slowness() {
-        // The worked example's costs 18 / 10 / 11 (within 0.1: a prompt of 160 tokens is a
-        // little more work than its tokens), with worker 2 learned 2x slower than the fleet
-        // (factors 1, 2, 1: fleet 1): 18 / 20 / 11, and worker 3 wins.
-        let about = |scores: &[(SlotIdx, f64)], expect: [f64; 3]| {
-            scores.len() == 3
-                && scores
-                    .iter()
-                    .zip(expect)
-                    .enumerate()
-                    .all(|(i, (&(s, c), e))| usize::from(s) == i && c >= e && c < e + 0.1)
-        };
-        let c = config(r#""block_size": 16, "policy": "adaptive""#, THREE);
-        let mut learned = LearnedTimings::default();
-        learned.resize(3);
-        learned.factors = vec![1.0, 2.0, 1.0];
-        learned.fleet = 1.0;
+    /// The worked example's request (160 tokens, device overlaps 2 / 5 / 8, decode loads
+    /// 2 / 0 / 7) decided under `c` with `learned`.
+    fn worked_example_decision(c: &Config, learned: Option<&LearnedTimings>) -> Decision {
         let req = tokens(160);
         let overlaps = [dev(2), dev(5), dev(8)];
         let load = decode_load(&[2.0, 0.0, 7.0]);
-        let input = |learned| RouteInput {
+        let input = RouteInput {
             request: &req,
             header_pin: Pin::default(),
-            prompt_blocks: prompt_blocks(&c, &req),
+            prompt_blocks: prompt_blocks(c, &req),
             overlaps: &overlaps,
             load: &load,
             stale_slots: &[],
@@ -1083,12 +1068,50 @@ mod tests {
             learned,
             arrivals_per_ms: 0.0,
         };
-        let d = decide(&c, &input(Some(&learned)), &mut SelectorState::new(1)).unwrap();
-        assert!(about(&d.scores, [18.0, 20.0, 11.0]), "{:?}", d.scores);
+        decide(c, &input, &mut SelectorState::new(1)).unwrap()
+    }
+
+    /// Three scores in slot order, each within 0.1 above `expect` (a prompt of 160 tokens is a
+    /// little more work than its tokens).
+    fn scores_about(scores: &[(SlotIdx, f64)], expect: [f64; 3]) -> bool {
+        scores.len() == 3
+            && scores
+                .iter()
+                .zip(expect)
+                .enumerate()
+                .all(|(i, (&(s, c), e))| usize::from(s) == i && c >= e && c < e + 0.1)
+    }
+
+    /// `n` workers all at one learned factor.
+    fn learned_alike(n: usize, factor: f64) -> LearnedTimings {
+        let mut learned = LearnedTimings::default();
+        learned.resize(n);
+        learned.factors = vec![factor; n];
+        learned.fleet = factor;
+        learned
+    }
+
+    #[test]
+    fn adaptive_scales_each_workers_cost_by_its_learned_slowness() {
+        // The worked example's costs 18 / 10 / 11, with worker 2 learned 2x slower than the
+        // fleet (factors 1, 2, 1: fleet 1): 18 / 20 / 11, and worker 3 wins.
+        let c = config(r#""block_size": 16, "policy": "adaptive""#, THREE);
+        let mut learned = learned_alike(3, 1.0);
+        learned.factors[1] = 2.0;
+        let d = worked_example_decision(&c, Some(&learned));
+        assert!(
+            scores_about(&d.scores, [18.0, 20.0, 11.0]),
+            "{:?}",
+            d.scores
+        );
         assert_eq!(d.slot, 2);
         // Nothing learned: the seed's costs.
-        let d = decide(&c, &input(None), &mut SelectorState::new(1)).unwrap();
-        assert!(about(&d.scores, [18.0, 10.0, 11.0]), "{:?}", d.scores);
+        let d = worked_example_decision(&c, None);
+        assert!(
+            scores_about(&d.scores, [18.0, 10.0, 11.0]),
+            "{:?}",
+            d.scores
+        );
         // The time-to-first-token model still predicts the choice, for the learning.
         assert!(d
             .prediction
@@ -1100,63 +1123,28 @@ mod tests {
         // The worked example's costs 18 / 10 / 11, worker 2 configured 2x slower than the fleet
         // (its own prefill polynomial): 18 / 20 / 11 before anything is learned, and still when
         // every worker has learned the same factor against its own polynomial (which is what an
-        // accurate one gives). Worker 3 wins both times; without the polynomial worker 2 would.
-        let about = |scores: &[(SlotIdx, f64)], expect: [f64; 3]| {
-            scores.len() == 3
-                && scores
-                    .iter()
-                    .zip(expect)
-                    .enumerate()
-                    .all(|(i, (&(s, c), e))| usize::from(s) == i && c >= e && c < e + 0.1)
-        };
+        // accurate one gives). Worker 3 wins both times; without the polynomial worker 2 does.
+        let fleet = r#""block_size": 16, "policy": "adaptive", "load": {"prefill_time_ms_poly": [0, 0.01]}"#;
         let workers = r#"{"id": 1, "address": "10.0.0.1:8000"},
                          {"id": 2, "address": "10.0.0.2:8000", "prefill_time_ms_poly": [0, 0.02]},
                          {"id": 3, "address": "10.0.0.3:8000"}"#;
-        let c = config(
-            r#""block_size": 16, "policy": "adaptive", "load": {"prefill_time_ms_poly": [0, 0.01]}"#,
-            workers,
-        );
-        let req = tokens(160);
-        let overlaps = [dev(2), dev(5), dev(8)];
-        let load = decode_load(&[2.0, 0.0, 7.0]);
-        let mut learned = LearnedTimings::default();
-        learned.resize(3);
-        learned.factors = vec![0.7, 0.7, 0.7];
-        learned.fleet = 0.7;
+        let c = config(fleet, workers);
+        let learned = learned_alike(3, 0.7);
         for learned in [None, Some(&learned)] {
-            let input = RouteInput {
-                request: &req,
-                header_pin: Pin::default(),
-                prompt_blocks: prompt_blocks(&c, &req),
-                overlaps: &overlaps,
-                load: &load,
-                stale_slots: &[],
-                kv_usage: &[],
-                learned,
-                arrivals_per_ms: 0.0,
-            };
-            let d = decide(&c, &input, &mut SelectorState::new(1)).unwrap();
-            assert!(about(&d.scores, [18.0, 20.0, 11.0]), "{:?}", d.scores);
+            let d = worked_example_decision(&c, learned);
+            assert!(
+                scores_about(&d.scores, [18.0, 20.0, 11.0]),
+                "{:?}",
+                d.scores
+            );
             assert_eq!(d.slot, 2);
         }
-        // The same fleet without worker 2's polynomial: the worked example's choice.
-        let plain = config(
-            r#""block_size": 16, "policy": "adaptive", "load": {"prefill_time_ms_poly": [0, 0.01]}"#,
-            THREE,
+        let d = worked_example_decision(&config(fleet, THREE), None);
+        assert!(
+            scores_about(&d.scores, [18.0, 10.0, 11.0]),
+            "{:?}",
+            d.scores
         );
-        let input = RouteInput {
-            request: &req,
-            header_pin: Pin::default(),
-            prompt_blocks: prompt_blocks(&plain, &req),
-            overlaps: &overlaps,
-            load: &load,
-            stale_slots: &[],
-            kv_usage: &[],
-            learned: None,
-            arrivals_per_ms: 0.0,
-        };
-        let d = decide(&plain, &input, &mut SelectorState::new(1)).unwrap();
-        assert!(about(&d.scores, [18.0, 10.0, 11.0]), "{:?}", d.scores);
         assert_eq!(d.slot, 1);
     }
 

@@ -109,6 +109,31 @@ fn arms_are_parsed_as_the_race_names_them() {
         Ok(Router::Oracle { share_weight }) if share_weight == 2.0
     ));
     assert!(arm_router("oracle+share:-1").is_err());
+    let calibrated = arm_router("kv+calibrated+set:ttft.share_weight=3*2").unwrap();
+    assert!(matches!(
+        calibrated,
+        Router::Filter { calibrated: true, envoys: 2, ref config } if config["ttft"]["share_weight"] == 3
+    ));
+    assert!(matches!(
+        arm_router("kv").unwrap(),
+        Router::Filter {
+            calibrated: false,
+            ..
+        }
+    ));
+    assert!(arm_router("kv+calibratedx").is_err());
+}
+
+/// Agent requests 5 s apart (each finds the engines as the previous one left them, and nothing
+/// arrives while it waits) on a fleet of speeds 1, 1, 4, 4.
+fn spaced_on_a_mixed_fleet() -> (Workload, Fleet) {
+    let mut workload = agent_workload("seed=9,sessions=6");
+    for (i, r) in workload.requests.iter_mut().enumerate() {
+        r.at_ms = i as f64 * 5_000.0;
+    }
+    let mut fleet = Fleet::new(4, 64, &["--kv-blocks", "8192"]);
+    fleet.speedups = vec![1.0, 1.0, 4.0, 4.0];
+    (workload, fleet)
 }
 
 #[test]
@@ -116,12 +141,7 @@ fn the_oracle_forecasts_exactly_what_an_engine_left_alone_does() {
     // Requests 5 s apart on a mixed fleet: each finds the engines as the previous one left them
     // and nothing arrives while it waits, so the forecast (a copy of each engine run forward)
     // must be exactly what the engine it picked then does.
-    let mut workload = agent_workload("seed=9,sessions=6");
-    for (i, r) in workload.requests.iter_mut().enumerate() {
-        r.at_ms = i as f64 * 5_000.0;
-    }
-    let mut fleet = Fleet::new(4, 64, &["--kv-blocks", "8192"]);
-    fleet.speedups = vec![1.0, 1.0, 4.0, 4.0];
+    let (workload, fleet) = spaced_on_a_mixed_fleet();
     let oracle = run("oracle", &workload, &fleet);
     let n = workload.requests.len();
     assert_eq!(oracle.errors, 0);
@@ -162,12 +182,7 @@ fn the_oracle_forecasts_exactly_what_an_engine_left_alone_does() {
 fn told_or_calibrated_the_filter_leaves_the_slow_workers_idle_and_logs_each_decision() {
     // The same spaced-out requests as above: told each worker's speed, the filter has nothing
     // to learn, so none of its first choices is a slow worker; `decisions` shows its costs.
-    let mut workload = agent_workload("seed=9,sessions=6");
-    for (i, r) in workload.requests.iter_mut().enumerate() {
-        r.at_ms = i as f64 * 5_000.0;
-    }
-    let mut fleet = Fleet::new(4, 64, &["--kv-blocks", "8192"]);
-    fleet.speedups = vec![1.0, 1.0, 4.0, 4.0];
+    let (workload, fleet) = spaced_on_a_mixed_fleet();
     let n = workload.requests.len();
     let arm = arm_router("kv+set:response_headers=true").unwrap();
     let told = SimOptions {
