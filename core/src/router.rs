@@ -239,10 +239,9 @@ pub fn decide(
     {
         let learned = input.learned.filter(|_| t.learn);
         keep_balanced(
-            config,
+            &Slowness::new(config, learned),
             &mut candidates,
             input.load,
-            learned,
             t.max_load_ratio,
         );
     }
@@ -284,12 +283,13 @@ pub fn decide(
             let no_taints = request.preferred_taints.is_empty();
             costs.reserve(candidates.len());
             let mut min_cost = None;
-            // The worker's learned slowness relative to the fleet scales its cost (`adaptive`).
-            let speed = match (&config.ttft, input.learned) {
+            // The worker's configured and learned slowness relative to the fleet scales its cost
+            // (`adaptive`).
+            let learned = match (&config.ttft, input.learned) {
                 (Some(t), Some(l)) if t.learn && config.policy == KvPolicy::Adaptive => Some(l),
                 _ => None,
             };
-            // The worker's configured and learned slowness scale its cost (`adaptive`).
+            let slowness = Slowness::new(config, learned);
             let adaptive = config.policy == KvPolicy::Adaptive;
             let plain = no_taints && config.policy != KvPolicy::Predicted;
             if plain {
@@ -300,7 +300,7 @@ pub fn decide(
                 if adaptive {
                     min = f64::INFINITY;
                     for (cost, &slot) in costs.iter_mut().zip(&candidates) {
-                        *cost *= relative_slowness(config, speed, slot);
+                        *cost *= slowness.of(slot);
                         min = min.min(*cost);
                     }
                 }
@@ -332,11 +332,7 @@ pub fn decide(
                             })
                     }
                     _ => {
-                        let speed = if adaptive {
-                            relative_slowness(config, speed, slot)
-                        } else {
-                            1.0
-                        };
+                        let speed = if adaptive { slowness.of(slot) } else { 1.0 };
                         let load = input.load.get(usize::from(slot));
                         kv.cost(&overlap_of(slot), load.unwrap_or(&IDLE), multiplier * speed)
                     }
@@ -352,8 +348,7 @@ pub fn decide(
             };
             if share_weight > 0.0 && candidates.len() > 1 {
                 let min = weigh_by_share(
-                    config,
-                    speed,
+                    &slowness,
                     Shares {
                         requests: &state.recent,
                         request_unit: state.recent_unit,
@@ -480,43 +475,61 @@ const IDLE: SlotLoad = SlotLoad {
     active_requests: 0,
 };
 
-/// How much slower `slot`'s worker is than the fleet: its configured timing (its own
-/// `prefill_time_ms_poly` against the fleet's, [`configured_slowness`]) times its learned
-/// timing factor over the fleet's. The factor is learned against the worker's own polynomial,
-/// so a worker whose polynomial already says it is 3x slower learns a factor like the rest:
-/// without the first term, configuring a worker's speed would take it out of the cost.
-fn relative_slowness(config: &Config, learned: Option<&LearnedTimings>, slot: SlotIdx) -> f64 {
-    let Some(s) = config.slots.get(usize::from(slot)) else {
-        return 1.0;
-    };
-    let worker = usize::from(s.worker);
-    let learned = match learned {
-        Some(l) if l.fleet > 0.0 => l.factor(worker) / l.fleet,
-        _ => 1.0,
-    };
-    configured_slowness(config, worker) * learned
+/// How much slower each slot's worker is than the fleet ([`Slowness::of`]), with what is the
+/// same for every slot computed once per decision.
+#[derive(Clone, Copy)]
+struct Slowness<'a> {
+    config: &'a Config,
+    learned: Option<&'a LearnedTimings>,
+    /// The fleet polynomial's time for the reference prompt, which a worker's own is set against.
+    fleet_ms: f64,
 }
 
 /// Prompt size at which a worker's own prefill polynomial is compared with the fleet's.
 const REFERENCE_PROMPT_TOKENS: f64 = 4096.0;
 
-/// Worker entry `worker`'s own prefill polynomial's time for a reference prompt over the
-/// fleet's (`load.prefill_time_ms_poly`): 1 without one, or when either time is not positive.
-fn configured_slowness(config: &Config, worker: usize) -> f64 {
-    let own = config
-        .workers
-        .get(worker)
-        .and_then(|w| w.prefill_time_ms_poly.as_deref());
-    let Some(own) = own else {
-        return 1.0;
-    };
-    let fleet = &config.load.prefill_time_ms_poly;
-    let at = |poly: &[f64]| ttft::prefill_duration_ms(poly, REFERENCE_PROMPT_TOKENS, 0.0, None);
-    let (own_ms, fleet_ms) = (at(own), at(fleet));
-    if own_ms > 0.0 && fleet_ms > 0.0 {
-        (own_ms / fleet_ms).clamp(1.0 / 256.0, 256.0)
-    } else {
-        1.0
+/// A prefill polynomial's time for the reference prompt from scratch, in one step (ms).
+fn reference_ms(poly: &[f64]) -> f64 {
+    ttft::prefill_duration_ms(poly, REFERENCE_PROMPT_TOKENS, 0.0, None)
+}
+
+impl<'a> Slowness<'a> {
+    fn new(config: &'a Config, learned: Option<&'a LearnedTimings>) -> Self {
+        Slowness {
+            config,
+            learned,
+            fleet_ms: reference_ms(&config.load.prefill_time_ms_poly),
+        }
+    }
+
+    /// `slot`'s worker's configured slowness (its own `prefill_time_ms_poly`'s time for the
+    /// reference prompt over the fleet's; 1 without one, or when either time is not positive)
+    /// times its learned timing factor over the fleet's. The factor is learned against the
+    /// worker's own polynomial, so a worker whose polynomial already says it is 3x slower
+    /// learns a factor like the rest: without the first term, configuring a worker's speed
+    /// would take it out of the cost.
+    fn of(&self, slot: SlotIdx) -> f64 {
+        let Some(s) = self.config.slots.get(usize::from(slot)) else {
+            return 1.0;
+        };
+        let worker = usize::from(s.worker);
+        let learned = match self.learned {
+            Some(l) if l.fleet > 0.0 => l.factor(worker) / l.fleet,
+            _ => 1.0,
+        };
+        let own = self.config.workers.get(worker);
+        let configured = match own.and_then(|w| w.prefill_time_ms_poly.as_deref()) {
+            Some(poly) => {
+                let own_ms = reference_ms(poly);
+                if own_ms > 0.0 && self.fleet_ms > 0.0 {
+                    (own_ms / self.fleet_ms).clamp(1.0 / 256.0, 256.0)
+                } else {
+                    1.0
+                }
+            }
+            None => 1.0,
+        };
+        configured * learned
     }
 }
 
@@ -535,8 +548,7 @@ struct Shares<'a> {
 /// few) do not look lopsided. (Other Envoys' requests enter through the load instead:
 /// `load::share`.)
 fn weigh_by_share(
-    config: &Config,
-    learned: Option<&LearnedTimings>,
+    slowness: &Slowness,
     shares: Shares,
     weight: f64,
     candidates: &[SlotIdx],
@@ -551,7 +563,7 @@ fn weigh_by_share(
         let count = shares.requests.get(usize::from(slot)).copied();
         count.filter(|c| c.is_finite() && *c > 0.0).unwrap_or(0.0) / unit
     };
-    let speed_of = |slot: SlotIdx| 1.0 / relative_slowness(config, learned, slot);
+    let speed_of = |slot: SlotIdx| 1.0 / slowness.of(slot);
     let (mut total_requests, mut total_speed) = (0.0, 0.0);
     for &slot in candidates {
         total_requests += requests_of(slot);
@@ -581,10 +593,9 @@ fn weigh_by_share(
 /// requests). The least loaded is at or below the mean, so at least one candidate stays.
 /// `ratio` 0: no guard.
 fn keep_balanced(
-    config: &Config,
+    slowness: &Slowness,
     candidates: &mut Vec<SlotIdx>,
     load: &[SlotLoad],
-    learned: Option<&LearnedTimings>,
     ratio: f64,
 ) {
     if ratio <= 0.0 || candidates.len() < 2 {
@@ -592,7 +603,7 @@ fn keep_balanced(
     }
     let weighed = |s: &SlotIdx| {
         let active = load.get(usize::from(*s)).map_or(0, |l| l.active_requests);
-        f64::from(active) * relative_slowness(config, learned, *s)
+        f64::from(active) * slowness.of(*s)
     };
     let total: f64 = candidates.iter().map(weighed).sum();
     let cap = ratio * total / candidates.len() as f64 + 1.0;
@@ -1010,10 +1021,11 @@ mod tests {
         let d = route(&off, &req, &overlaps, &active_load(&[10, 1, 1]), 1).unwrap();
         assert_eq!(d.slot, 0, "{d:?}");
         // Everyone equally loaded: nobody is skipped.
+        let unlearned = Slowness::new(&c, None);
         let mut candidates = vec![0, 1, 2];
-        keep_balanced(&c, &mut candidates, &active_load(&[9, 9, 9]), None, 1.3);
+        keep_balanced(&unlearned, &mut candidates, &active_load(&[9, 9, 9]), 1.3);
         assert_eq!(candidates, [0, 1, 2]);
-        keep_balanced(&c, &mut candidates, &active_load(&[0, 0, 50]), None, 1.0);
+        keep_balanced(&unlearned, &mut candidates, &active_load(&[0, 0, 50]), 1.0);
         assert_eq!(candidates, [0, 1]);
         // A worker learned 3x as fast (factor 1/3 of the others') may hold 3x the requests.
         let mut learned = LearnedTimings::default();
@@ -1021,15 +1033,15 @@ mod tests {
         learned.factors = vec![1.0 / 3.0, 1.0, 1.0];
         learned.fleet = 1.0;
         let mut candidates = vec![0, 1, 2];
+        let load = active_load(&[9, 3, 3]);
         keep_balanced(
-            &c,
+            &Slowness::new(&c, Some(&learned)),
             &mut candidates,
-            &active_load(&[9, 3, 3]),
-            Some(&learned),
+            &load,
             1.3,
         );
         assert_eq!(candidates, [0, 1, 2]);
-        keep_balanced(&c, &mut candidates, &active_load(&[9, 3, 3]), None, 1.3);
+        keep_balanced(&unlearned, &mut candidates, &load, 1.3);
         assert_eq!(candidates, [1, 2]);
     }
 
