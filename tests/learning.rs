@@ -215,3 +215,92 @@ fn a_burst_on_one_prefix_spreads_and_contracts() {
         );
     }
 }
+
+/// Two Envoys in front of the same bridged workers, at the defaults (`load.unseen_traffic:
+/// relayed`): each tells a worker's `kv-event-bridge` at once when its bookings there moved (not
+/// only with its next poll), and what one learned of each worker's timing reaches the other
+/// through the bridges: an Envoy that never sent a worker a request prices it as the one that
+/// did.
+#[test]
+fn replicas_hear_each_others_bookings_at_once_and_learn_from_each_others_responses() {
+    let _alone = ONE_FLEET_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    // Worker 1 runs at speed 1, worker 2 three times as fast; neither Envoy is told.
+    let workers: Vec<Worker> = [(1, "1"), (2, "3")]
+        .into_iter()
+        .map(|(id, speedup)| {
+            let args = [
+                "--mode",
+                "engine",
+                "--block-size",
+                "64",
+                "--speedup",
+                speedup,
+            ];
+            Worker::spawn_bridged(id, 64, &args).expect("bridged mock engine")
+        })
+        .collect();
+    let config = filter_config(&workers, json!({"events": {"long_poll_ms": 1000}}));
+    let a = start_envoy(&workers, config.clone());
+    let b = start_envoy(&workers, config);
+
+    // A request through A, held on worker 1 for a while (256 output tokens): a third router
+    // polling worker 1's bridge sees it in A's bookings, declared between A's polls.
+    let bridge = workers[0].bridge.as_ref().unwrap().addr.clone();
+    let others = || -> serde_json::Value {
+        let page = http::get(&bridge, "/kv/events?after=0&limit=1&router=ff&booked=0,0,0");
+        page.unwrap().json().unwrap()["load"]["other_routers"].clone()
+    };
+    let listener = a.listener.clone();
+    let long = std::thread::spawn(move || stream_one(&listener, 0, 2048, 256, Some(1)));
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while others()["requests"] != 1 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "A's booking never reached the bridge: {}",
+            others()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(a.wait_for(Duration::from_secs(5), |e| {
+        e.router_stat("events.declared") >= 1
+    }));
+    assert_eq!(long.join().unwrap(), Some(1));
+    assert_eq!(a.router_stat("events.declare_failed"), 0);
+
+    // A learns both workers from its own responses; B serves nothing.
+    for n in 0..24u32 {
+        let id = u64::from(n % 2) + 1;
+        assert_eq!(
+            stream_one(&a.listener, 100 + n, 16_384, 2, Some(id)),
+            Some(id)
+        );
+    }
+    assert!(a.wait_for(Duration::from_secs(5), |e| {
+        e.router_stat("worker.1.timing_samples") >= 12
+            && e.router_stat("worker.2.timing_samples") >= 12
+    }));
+    let learned = (factor(&a, 1), factor(&a, 2));
+    assert!(
+        learned.0 > 2.0 * learned.1,
+        "A learned {learned:?}: the test needs workers priced apart"
+    );
+    // B's factors follow A's from what the bridges relay (A declares its sums with each poll).
+    let close = |x: f64, y: f64| (x - y).abs() <= 0.15 * y;
+    let heard = b.wait_for(Duration::from_secs(15), |e| {
+        close(factor(e, 1), factor(&a, 1)) && close(factor(e, 2), factor(&a, 2))
+    });
+    assert!(
+        heard,
+        "B prices the workers {:?}, A {:?}",
+        (factor(&b, 1), factor(&b, 2)),
+        (factor(&a, 1), factor(&a, 2))
+    );
+    assert_eq!(
+        b.router_stat("worker.1.timing_samples"),
+        0,
+        "B served nothing"
+    );
+    assert_eq!(b.router_stat("worker.2.timing_samples"), 0);
+}

@@ -1,4 +1,5 @@
-//! The HTTP side: `/kv/events` (with long poll), `/kv/dump`, `/health`, `/metrics`.
+//! The HTTP side: `/kv/events` (with long poll), `POST /kv/declare`, `/kv/dump`, `/health`,
+//! `/metrics`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -6,13 +7,13 @@ use std::time::{Duration, Instant};
 use axum::extract::{Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::Router;
 use serde::Deserialize;
 
 use crate::metrics::Gauges;
 use crate::state::Shared;
-use kv_router_protocol::page::Booked;
+use kv_router_protocol::page::{Booked, TimingSums};
 use kv_router_protocol::ring::PageLimits;
 
 /// Limits of the HTTP side.
@@ -32,6 +33,7 @@ struct AppState {
 pub fn router(shared: Arc<Shared>, limits: HttpLimits) -> Router {
     Router::new()
         .route("/kv/events", get(events))
+        .route("/kv/declare", post(declare))
         .route("/kv/dump", get(dump))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -50,6 +52,41 @@ struct EventsQuery {
     /// (`<requests>,<prefill tokens>,<decode blocks>`), relayed to the other routers.
     router: Option<String>,
     booked: Option<String>,
+    /// What it learned of the worker's timing (seven sums), relayed with the bookings.
+    timing: Option<String>,
+}
+
+/// `POST /kv/declare`: a declaration between polls.
+#[derive(Deserialize)]
+struct DeclareQuery {
+    router: Option<String>,
+    booked: Option<String>,
+    timing: Option<String>,
+}
+
+/// A router id (hex), when valid.
+fn router_id(router: Option<&str>) -> Option<u64> {
+    router.and_then(|r| u64::from_str_radix(r, 16).ok())
+}
+
+/// A declaration's bookings, with its timing when valid (invalid timing is left out; the
+/// bookings still count).
+fn declared(booked: Option<&str>, timing: Option<&str>) -> Option<Booked> {
+    let mut booked = Booked::parse(booked?)?;
+    booked.timing = timing.and_then(TimingSums::parse);
+    Some(booked)
+}
+
+/// Records router `id`'s declaration (counted by `path` and whether it moved).
+fn record_declaration(shared: &Shared, path: &str, id: u64, booked: Booked) {
+    let moved = shared.routers.declare(id, booked, Instant::now());
+    shared.metrics.inc(
+        "kv_bridge_declarations_total",
+        &[
+            ("path", path),
+            ("moved", if moved { "true" } else { "false" }),
+        ],
+    );
 }
 
 impl HttpLimits {
@@ -65,16 +102,17 @@ fn json(status: StatusCode, body: String) -> Response {
 
 async fn events(State(app): State<AppState>, query: Query<EventsQuery>) -> Response {
     let shared = &app.shared;
+    // The declarations' version as the poll arrives (before it is counted): the other routers'
+    // moves from here on wake it, never the caller's own.
+    let versions = shared.routers.subscribe();
     shared
         .metrics
         .inc("kv_bridge_page_requests_total", &[("path", "/kv/events")]);
     let after = query.after.unwrap_or(0);
-    let router = query
-        .router
-        .as_deref()
-        .and_then(|r| u64::from_str_radix(r, 16).ok());
-    if let (Some(id), Some(booked)) = (router, query.booked.as_deref().and_then(Booked::parse)) {
-        shared.routers.declare(id, booked, Instant::now());
+    let router = router_id(query.router.as_deref());
+    let booked = declared(query.booked.as_deref(), query.timing.as_deref());
+    if let (Some(id), Some(booked)) = (router, booked) {
+        record_declaration(shared, "/kv/events", id, booked);
     }
     if let Some(wait_ms) = query.wait_ms.filter(|&w| w > 0) {
         let wait = Duration::from_millis(wait_ms).min(app.limits.max_wait);
@@ -83,12 +121,24 @@ async fn events(State(app): State<AppState>, query: Query<EventsQuery>) -> Respo
         // Wait only when nothing newer exists; a cursor ahead of us (a restarted bridge)
         // gets its answer at once, so the poller notices and re-syncs.
         if *last_id.borrow() == after {
-            let woke = tokio::select! {
-                r = tokio::time::timeout(wait, last_id.wait_for(|&id| id > after)) => matches!(r, Ok(Ok(_))),
-                _ = shutdown.wait_for(|&s| s) => false,
+            // A poll that says who it is also returns when another router's bookings moved,
+            // so that it hears of them at once.
+            let others_moved = async {
+                match router {
+                    Some(id) => shared.routers.others_moved(id, versions).await,
+                    None => std::future::pending().await,
+                }
             };
-            if woke {
-                shared.metrics.inc("kv_bridge_long_poll_wakeups_total", &[]);
+            let cause = tokio::select! {
+                r = last_id.wait_for(|&id| id > after) => r.ok().map(|_| "events"),
+                () = others_moved => Some("declared"),
+                () = tokio::time::sleep(wait) => None,
+                _ = shutdown.wait_for(|&s| s) => None,
+            };
+            if let Some(cause) = cause {
+                shared
+                    .metrics
+                    .inc("kv_bridge_long_poll_wakeups_total", &[("cause", cause)]);
             }
         }
     }
@@ -102,6 +152,31 @@ async fn events(State(app): State<AppState>, query: Query<EventsQuery>) -> Respo
     let body = shared.with_core(|core| core.page(after, limits, load));
     let body = kv_router_protocol::worker::splice(body, shared.worker_json().as_deref());
     json(StatusCode::OK, body)
+}
+
+/// `POST /kv/declare?router=<hex>&booked=<requests>,<tokens>,<blocks>[&timing=<sums>]`: records
+/// the declaration as a poll would (waking the other routers' polls when it moved); 204, or 400
+/// when `router` or `booked` is missing or invalid.
+async fn declare(State(app): State<AppState>, query: Query<DeclareQuery>) -> Response {
+    let shared = &app.shared;
+    shared
+        .metrics
+        .inc("kv_bridge_page_requests_total", &[("path", "/kv/declare")]);
+    let Some(id) = router_id(query.router.as_deref()) else {
+        return bad_request("router: missing or not a hex id");
+    };
+    let Some(booked) = declared(query.booked.as_deref(), query.timing.as_deref()) else {
+        return bad_request("booked: missing or not <requests>,<prefill tokens>,<decode blocks>");
+    };
+    record_declaration(shared, "/kv/declare", id, booked);
+    StatusCode::NO_CONTENT.into_response()
+}
+
+fn bad_request(error: &str) -> Response {
+    json(
+        StatusCode::BAD_REQUEST,
+        serde_json::json!({ "error": error }).to_string(),
+    )
 }
 
 async fn dump(State(app): State<AppState>) -> Response {

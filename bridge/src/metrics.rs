@@ -90,8 +90,13 @@ pub const COUNTERS: &[(&str, &str, &[&str])] = &[
     ),
     (
         "kv_bridge_long_poll_wakeups_total",
-        "Long polls answered because an event arrived.",
-        &[],
+        "Long polls answered before their wait, by cause (events: an event arrived; declared: another router's bookings moved).",
+        &["cause"],
+    ),
+    (
+        "kv_bridge_declarations_total",
+        "Router declarations received (router= and booked=), by path and whether they moved (woke the other routers' long polls).",
+        &["path", "moved"],
     ),
     (
         "kv_bridge_load_scrapes_total",

@@ -1091,3 +1091,220 @@ async fn each_router_sees_what_the_others_declared_on_their_polls() {
     assert_eq!(page["load"]["other_routers"]["requests"], 4, "{page}");
     bridge.shutdown(Duration::from_secs(5)).await;
 }
+
+/// A bridge over one fake engine whose scraped load (`running` requests) is on the page, so
+/// that pages carry `load.other_routers`.
+async fn start_bridge_with_load(running: u32) -> (FakeEngine, Bridge) {
+    let body: &'static str =
+        format!("vllm:num_requests_running {running}\nvllm:num_requests_waiting 0\n").leak();
+    let metrics = serve_metrics(body).await;
+    let mut engine = FakeEngine::start(0).await;
+    let mut config = config(&[(&engine, true)], Duration::from_secs(60));
+    config.engine_metrics_urls = vec![metrics];
+    config.engine_metrics_interval = Duration::from_millis(50);
+    let bridge = Bridge::start(config).await.unwrap();
+    engine.wait_subscribed().await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let page = get_json(&bridge, "/kv/events?after=0").await;
+        if page["load"]["num_running"] == running {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no engine load: {page}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (engine, bridge)
+}
+
+async fn post(bridge: &Bridge, path: &str) -> (u16, String) {
+    let response = reqwest::Client::new()
+        .post(format!("http://{}{path}", bridge.addr))
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.text().await.unwrap())
+}
+
+/// Starts `GET /kv/events?<query>` and returns once the bridge has it (counted as it arrives,
+/// before it waits): its answer and how long it took.
+async fn start_long_poll(
+    bridge: &Bridge,
+    query: &str,
+) -> tokio::task::JoinHandle<(Duration, Value)> {
+    let count = |text: &str| {
+        metric(
+            text,
+            "kv_bridge_page_requests_total",
+            &[("path", "/kv/events")],
+        )
+    };
+    let before = count(&metrics(bridge).await);
+    let url = format!("http://{}/kv/events?{query}", bridge.addr);
+    let poll = tokio::spawn(async move {
+        let started = Instant::now();
+        let body = reqwest::get(url).await.unwrap().text().await.unwrap();
+        (started.elapsed(), serde_json::from_str(&body).unwrap())
+    });
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while count(&metrics(bridge).await) == before {
+        assert!(Instant::now() < deadline, "the long poll never arrived");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    poll
+}
+
+fn wakeups(text: &str, cause: &str) -> u64 {
+    metric(
+        text,
+        "kv_bridge_long_poll_wakeups_total",
+        &[("cause", cause)],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_routers_moved_booking_wakes_a_long_poll_at_once() {
+    let (_engine, bridge) = start_bridge_with_load(5).await;
+    let last = health(&bridge).await["last_event_id"].as_u64().unwrap();
+    // Router a waits (no event will come); router b declares between its polls.
+    let poll = start_long_poll(
+        &bridge,
+        &format!("after={last}&wait_ms=5000&router=a&booked=1,100,1"),
+    )
+    .await;
+    let (status, body) = post(
+        &bridge,
+        "/kv/declare?router=b&booked=3,5000,7&timing=10,0.5,0.25,100,2,4,1.5",
+    )
+    .await;
+    assert_eq!((status, body.as_str()), (204, ""));
+    let (elapsed, page) = tokio::time::timeout(Duration::from_secs(5), poll)
+        .await
+        .expect("the long poll waited although another router's bookings moved")
+        .unwrap();
+    assert!(elapsed < Duration::from_secs(2), "{elapsed:?}");
+    assert_eq!(page["events"].as_array().unwrap().len(), 0, "{page}");
+    assert_eq!(
+        page["load"]["other_routers"],
+        serde_json::json!({
+            "requests": 3, "prefill_tokens": 5000.0, "decode_blocks": 7.0,
+            "timing": [10.0, 0.5, 0.25, 100.0, 2.0, 4.0, 1.5],
+        }),
+        "{page}"
+    );
+    let text = metrics(&bridge).await;
+    assert_eq!(wakeups(&text, "declared"), 1, "{text}");
+    assert_eq!(wakeups(&text, "events"), 0, "{text}");
+    let declarations = |path: &str, moved: &str| {
+        metric(
+            &text,
+            "kv_bridge_declarations_total",
+            &[("path", path), ("moved", moved)],
+        )
+    };
+    assert_eq!(declarations("/kv/declare", "true"), 1, "{text}");
+    assert_eq!(declarations("/kv/events", "true"), 1, "{text}");
+    bridge.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn declarations_that_did_not_move_or_are_the_callers_own_do_not_wake_it() {
+    let (_engine, bridge) = start_bridge_with_load(5).await;
+    let last = health(&bridge).await["last_event_id"].as_u64().unwrap();
+    let (status, _) = post(&bridge, "/kv/declare?router=b&booked=3,5000,7").await;
+    assert_eq!(status, 204);
+    let a_polls = format!("after={last}&wait_ms=600&router=a&booked=1,100,1");
+
+    // b declares the same bookings, then only more decode blocks, a little prefill drift and
+    // learned timing: nothing a waits for.
+    let poll = start_long_poll(&bridge, &a_polls).await;
+    for declaration in [
+        "booked=3,5000,7",
+        "booked=3,5100,60&timing=10,0.5,0.25,100,2,4,1.5",
+    ] {
+        let (status, _) = post(&bridge, &format!("/kv/declare?router=b&{declaration}")).await;
+        assert_eq!(status, 204);
+    }
+    let (elapsed, page) = poll.await.unwrap();
+    assert!(elapsed >= Duration::from_millis(500), "woken: {elapsed:?}");
+    // The latest declaration still rides with the page.
+    assert_eq!(
+        page["load"]["other_routers"]["decode_blocks"], 60.0,
+        "{page}"
+    );
+    assert_eq!(page["load"]["other_routers"]["timing"][0], 10.0, "{page}");
+
+    // a's own moves (between its polls, or with another poll of its own) never wake it.
+    let poll = start_long_poll(&bridge, &a_polls).await;
+    let (status, _) = post(&bridge, "/kv/declare?router=a&booked=9,9000,9").await;
+    assert_eq!(status, 204);
+    let (_, page) = get(&bridge, "/kv/events?after=0&router=a&booked=2,100,1").await;
+    assert!(page.contains("other_routers"), "{page}");
+    let (elapsed, _) = poll.await.unwrap();
+    assert!(elapsed >= Duration::from_millis(500), "woken: {elapsed:?}");
+
+    // A poll that does not say who it is waits as before, whoever moves.
+    let poll = start_long_poll(&bridge, &format!("after={last}&wait_ms=600")).await;
+    let (status, _) = post(&bridge, "/kv/declare?router=b&booked=8,20000,7").await;
+    assert_eq!(status, 204);
+    let (elapsed, page) = poll.await.unwrap();
+    assert!(elapsed >= Duration::from_millis(500), "woken: {elapsed:?}");
+    assert_eq!(page["load"]["other_routers"]["requests"], 10, "{page}");
+
+    let text = metrics(&bridge).await;
+    assert_eq!(wakeups(&text, "declared"), 0, "{text}");
+    assert_eq!(
+        metric(
+            &text,
+            "kv_bridge_declarations_total",
+            &[("path", "/kv/declare"), ("moved", "false")]
+        ),
+        2,
+        "{text}"
+    );
+    bridge.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_declaration_needs_a_router_and_its_bookings() {
+    let (_engine, bridge) = start_bridge_with_load(5).await;
+    for bad in [
+        "/kv/declare?booked=3,5000,7",
+        "/kv/declare?router=zz&booked=3,5000,7",
+        "/kv/declare?router=b",
+        "/kv/declare?router=b&booked=x",
+        "/kv/declare?router=b&booked=3,5000",
+        "/kv/declare?router=b&booked=-1,5000,7",
+    ] {
+        let (status, body) = post(&bridge, bad).await;
+        assert_eq!(status, 400, "{bad}: {body}");
+        let error: Value = serde_json::from_str(&body).unwrap();
+        assert!(error["error"].is_string(), "{bad}: {body}");
+    }
+    assert_eq!(
+        get(&bridge, "/kv/declare?router=b&booked=3,5000,7").await.0,
+        405
+    );
+    let page = get_json(&bridge, "/kv/events?after=0&router=a").await;
+    assert!(page["load"].get("other_routers").is_none(), "{page}");
+    // Invalid timing is left out; the bookings count (on either path).
+    let (status, _) = post(&bridge, "/kv/declare?router=b&booked=3,5000,7&timing=1,2,3").await;
+    assert_eq!(status, 204);
+    let page = get_json(
+        &bridge,
+        "/kv/events?after=0&router=c&booked=1,0,0&timing=-1,0,0,0,0,0,0",
+    )
+    .await;
+    assert_eq!(
+        page["load"]["other_routers"],
+        serde_json::json!({"requests": 3, "prefill_tokens": 5000.0, "decode_blocks": 7.0}),
+        "{page}"
+    );
+    let page = get_json(&bridge, "/kv/events?after=0&router=a").await;
+    assert_eq!(page["load"]["other_routers"]["requests"], 4, "{page}");
+    assert!(
+        page["load"]["other_routers"].get("timing").is_none(),
+        "{page}"
+    );
+    bridge.shutdown(Duration::from_secs(5)).await;
+}

@@ -197,18 +197,19 @@ pub enum PrefillLoadModel {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum UnseenTraffic {
-    /// The own view alone (the engine's count still floors `active_requests`). The default:
-    /// three replicas routed faster with it than with `per_worker` (docs/OPERATIONS.md).
+    /// The own view alone (the engine's count still floors `active_requests`).
     Off,
     /// Each worker's reported requests beyond this Envoy's own, at the size of its own
     /// requests (queued prefill tokens and blocks per request in flight): better balance
     /// across replicas, a lower hit rate.
     PerWorker,
-    /// What the other routers have booked on each worker, as they declare it when polling its
-    /// bridge and the bridge relays it (`load.other_routers` on the page, kv-event-bridge only):
-    /// the other replicas' queued prefill tokens and decode blocks, one page late. Measured
-    /// with three replicas: TTFT 1.43x one Envoy's -> 1.16x on a mixed-speed fleet, but 1.10x ->
-    /// 1.22x on a fleet of one speed and 1.04x -> 1.14x on bursts (docs/OPERATIONS.md).
+    /// The default. What the other routers have booked on each worker and learned of its
+    /// timing, as they declare it to its bridge and the bridge relays it (`load.other_routers`
+    /// on the page, kv-event-bridge only): the other replicas' queued prefill tokens, decode
+    /// blocks and timing samples. Each Envoy declares with every poll and, when its bookings
+    /// moved, between polls; the bridge then wakes the others' polls, so a replica hears of a
+    /// request another sent within a tick and a network hop. One Envoy alone routes as with
+    /// `off` (docs/OPERATIONS.md, "Several Envoy replicas").
     Relayed,
 }
 
@@ -236,7 +237,7 @@ impl Default for LoadConfig {
             prefill_time_ms_poly: vec![16.5, 0.0152, 4.21e-7],
             request_timeout_ms: 900_000,
             reported_load: true,
-            unseen_traffic: UnseenTraffic::Off,
+            unseen_traffic: UnseenTraffic::Relayed,
         }
     }
 }
@@ -252,6 +253,10 @@ pub struct EventsConfig {
     pub cluster: String,
     pub path: String,
     pub dump_path: String,
+    /// Where this Envoy tells a worker's bridge, between its polls, that its bookings there moved
+    /// (`POST <declare_path>?router=..&booked=..`), so that the other Envoys' polls return with
+    /// them at once. Empty: declare only with each poll.
+    pub declare_path: String,
     pub poll_interval_ms: u64,
     pub timeout_ms: u64,
     /// The dump call's timeout: a dump carries the worker's whole cache (up to
@@ -277,6 +282,7 @@ impl Default for EventsConfig {
             cluster: "kv_events".to_string(),
             path: "/kv/events".to_string(),
             dump_path: "/kv/dump".to_string(),
+            declare_path: "/kv/declare".to_string(),
             poll_interval_ms: 100,
             timeout_ms: 1000,
             // A full 16k-block dump (~9 MB) can take a loaded host more than `timeout_ms` to

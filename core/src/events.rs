@@ -52,9 +52,9 @@ pub struct NumberedEvent {
     pub event: IndexEvent,
 }
 
-pub use kv_router_protocol::page::Booked;
 /// Load counters a worker may report with its events: the page's `load` object.
 pub use kv_router_protocol::page::Load as ReportedLoad;
+pub use kv_router_protocol::page::{Booked, TimingSums};
 
 /// One validated page from a worker's event endpoint (or its dump).
 #[derive(Clone, Debug, PartialEq)]

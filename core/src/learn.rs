@@ -43,6 +43,7 @@
 //! A record is 72 bytes, one shared-data key per worker entry of the configuration
 //! (`ekr.timing.<index>`): bounded by the configuration, never per request.
 
+use crate::events::TimingSums;
 use crate::store::{SharedStore, StoreError};
 
 /// Samples whose weight is `1/e` of the newest one's.
@@ -105,20 +106,11 @@ pub struct Prediction {
 /// `Default` is "nothing learned".
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct TimingRecord {
-    /// Σ p (ms).
-    pub predicted_ms: f64,
-    /// Σ p · ln(observed / predicted).
-    pub log_ratio: f64,
-    /// Σ p · ln(observed / predicted)².
-    pub log_ratio_sq: f64,
-    /// Σ p² (for the effective sample count `(Σ p)² / Σ p²`).
-    pub predicted_sq: f64,
-    /// Σ p · ln(own prefill) (the sample's size, for the mix adjustment).
-    pub log_own: f64,
-    /// Σ p · ln(own prefill)².
-    pub log_own_sq: f64,
-    /// Σ p · ln(observed / predicted) · ln(own prefill).
-    pub cross: f64,
+    /// Σ p, Σ p·x, Σ p·x², Σ p², Σ p·z, Σ p·z², Σ p·x·z over the samples, x being
+    /// ln(observed / predicted) and z ln(own prefill) (the sample's size, for the mix
+    /// adjustment); `(Σ p)² / Σ p²` is the effective sample count. The same sums another
+    /// Envoy's declaration carries (`timing=`).
+    pub sums: TimingSums,
     /// When the sums were last decayed (ms since the epoch).
     pub updated_ms: u64,
     /// Samples ever taken (not decayed; for stats).
@@ -155,13 +147,7 @@ impl TimingRecord {
 
     fn scaled(&self, keep: f64, updated_ms: u64) -> TimingRecord {
         TimingRecord {
-            predicted_ms: self.predicted_ms * keep,
-            log_ratio: self.log_ratio * keep,
-            log_ratio_sq: self.log_ratio_sq * keep,
-            predicted_sq: self.predicted_sq * keep,
-            log_own: self.log_own * keep,
-            log_own_sq: self.log_own_sq * keep,
-            cross: self.cross * keep,
+            sums: self.sums.scaled(keep),
             updated_ms,
             samples: self.samples,
         }
@@ -185,21 +171,53 @@ impl TimingRecord {
         let z = p.ln();
         let decayed = self.decayed(now_ms);
         let mut r = decayed.scaled(1.0 - 1.0 / SAMPLE_MEMORY, decayed.updated_ms);
-        r.predicted_ms += p;
-        r.log_ratio += p * x;
-        r.log_ratio_sq += p * x * x;
-        r.predicted_sq += p * p;
-        r.log_own += p * z;
-        r.log_own_sq += p * z * z;
-        r.cross += p * x * z;
+        let t = &mut r.sums;
+        t.predicted_ms += p;
+        t.log_ratio += p * x;
+        t.log_ratio_sq += p * x * x;
+        t.predicted_sq += p * p;
+        t.log_own += p * z;
+        t.log_own_sq += p * z * z;
+        t.cross += p * x * z;
         r.samples = r.samples.saturating_add(1);
         *self = r;
         true
     }
 
+    /// The sums as of `now_ms`, without their clock: what this Envoy declares to the bridge for
+    /// the other Envoys in front of the worker.
+    pub fn sums_at(&self, now_ms: u64) -> TimingSums {
+        self.decayed(now_ms).sums
+    }
+
+    /// A record of `sums` as of `at_ms` (the other routers' sums, as relayed); nothing learned
+    /// when they are not valid sums.
+    pub fn from_sums(sums: &TimingSums, at_ms: u64) -> TimingRecord {
+        if !sums.is_valid() {
+            return TimingRecord::default();
+        }
+        TimingRecord {
+            sums: *sums,
+            updated_ms: at_ms,
+            samples: 0,
+        }
+    }
+
+    /// This record's sums and `other`'s, both as of `now_ms` (the later of their clocks): what
+    /// both learned, as one record would hold it had it taken both sets of samples.
+    pub fn plus(&self, other: &TimingRecord, now_ms: u64) -> TimingRecord {
+        let at = now_ms.max(self.updated_ms).max(other.updated_ms);
+        let (a, b) = (self.decayed(at), other.decayed(at));
+        TimingRecord {
+            sums: a.sums.plus(&b.sums),
+            updated_ms: at,
+            samples: a.samples.saturating_add(b.samples),
+        }
+    }
+
     /// The record as of `now_ms`; `None` when nothing is left of what was learned.
     pub fn summary(&self, now_ms: u64) -> Option<Summary> {
-        let r = self.decayed(now_ms);
+        let r = self.decayed(now_ms).sums;
         if !(r.predicted_ms > 1e-9 && r.predicted_sq > 0.0) {
             return None;
         }
@@ -229,24 +247,13 @@ impl TimingRecord {
 
     pub fn encode(&self) -> [u8; RECORD_LEN] {
         let mut out = [0u8; RECORD_LEN];
-        let parts: [&[u8]; 10] = [
-            &MAGIC.to_le_bytes(),
-            &self.samples.to_le_bytes(),
-            &self.predicted_ms.to_le_bytes(),
-            &self.log_ratio.to_le_bytes(),
-            &self.log_ratio_sq.to_le_bytes(),
-            &self.predicted_sq.to_le_bytes(),
-            &self.log_own.to_le_bytes(),
-            &self.log_own_sq.to_le_bytes(),
-            &self.cross.to_le_bytes(),
-            &self.updated_ms.to_le_bytes(),
-        ];
-        let mut at = 0;
-        for p in parts {
-            if let Some(dst) = out.get_mut(at..at + p.len()) {
-                dst.copy_from_slice(p);
-            }
-            at += p.len();
+        let sums = <[f64; 7]>::from(self.sums).map(f64::to_le_bytes);
+        let parts = [MAGIC.to_le_bytes(), self.samples.to_le_bytes()];
+        let updated = self.updated_ms.to_le_bytes();
+        let bytes = parts.iter().flatten().chain(sums.iter().flatten());
+        let bytes = bytes.chain(updated.iter());
+        for (dst, b) in out.iter_mut().zip(bytes) {
+            *dst = *b;
         }
         out
     }
@@ -263,26 +270,16 @@ impl TimingRecord {
         if bytes.len() != RECORD_LEN || u32_at(0)? != MAGIC {
             return None;
         }
+        let mut sums = [0.0; 7];
+        for (i, v) in sums.iter_mut().enumerate() {
+            *v = f64::from_bits(u64_at(8 + 8 * i)?);
+        }
         let r = TimingRecord {
             samples: u32_at(4)?,
-            predicted_ms: f64::from_bits(u64_at(8)?),
-            log_ratio: f64::from_bits(u64_at(16)?),
-            log_ratio_sq: f64::from_bits(u64_at(24)?),
-            predicted_sq: f64::from_bits(u64_at(32)?),
-            log_own: f64::from_bits(u64_at(40)?),
-            log_own_sq: f64::from_bits(u64_at(48)?),
-            cross: f64::from_bits(u64_at(56)?),
+            sums: TimingSums::from(sums),
             updated_ms: u64_at(64)?,
         };
-        let weight = |v: f64| v.is_finite() && v >= 0.0;
-        (weight(r.predicted_ms)
-            && weight(r.predicted_sq)
-            && weight(r.log_ratio_sq)
-            && weight(r.log_own_sq)
-            && r.log_ratio.is_finite()
-            && r.log_own.is_finite()
-            && r.cross.is_finite())
-        .then_some(r)
+        r.sums.is_valid().then_some(r)
     }
 }
 
@@ -337,6 +334,9 @@ fn clamp_factor(f: f64) -> f64 {
 #[derive(Clone, Debug)]
 pub struct LearnedTimings {
     pub records: Vec<TimingRecord>,
+    /// Per worker entry, what the other Envoys learned of it, as the bridge relayed it (their
+    /// records summed; nothing learned without a relay). Learned alongside this Envoy's own.
+    pub others: Vec<TimingRecord>,
     /// Per worker entry, the factor the router multiplies predictions by.
     pub factors: Vec<f64>,
     /// The fleet's factor (the prior of a worker with few samples).
@@ -350,6 +350,7 @@ impl Default for LearnedTimings {
     fn default() -> Self {
         LearnedTimings {
             records: Vec::new(),
+            others: Vec::new(),
             factors: Vec::new(),
             fleet: 1.0,
             cursor: 0,
@@ -361,6 +362,7 @@ impl LearnedTimings {
     /// Resizes to `workers` entries (new ones learned nothing).
     pub fn resize(&mut self, workers: usize) {
         self.records.resize(workers, TimingRecord::default());
+        self.others.resize(workers, TimingRecord::default());
         self.factors.resize(workers, 1.0);
     }
 
@@ -383,8 +385,14 @@ impl LearnedTimings {
     /// effective samples; factor 1 when nothing was learned), then each worker's mean shrunk
     /// toward it by how much of the workers' spread is noise (see the module's doc).
     pub fn refresh(&mut self, now_ms: u64) {
-        let summaries: Vec<Option<Summary>> =
-            self.records.iter().map(|r| r.summary(now_ms)).collect();
+        let nothing = TimingRecord::default();
+        let others = self.others.iter().chain(std::iter::repeat(&nothing));
+        let summaries: Vec<Option<Summary>> = self
+            .records
+            .iter()
+            .zip(others)
+            .map(|(own, others)| own.plus(others, now_ms).summary(now_ms))
+            .collect();
         let learned = || summaries.iter().flatten();
         let samples: f64 = learned().map(|s| s.effective_samples).sum();
         // A value's mean over the fleet, each worker weighted by its effective samples.
@@ -486,6 +494,68 @@ mod tests {
         }
         t.refresh(samples);
         t
+    }
+
+    #[test]
+    fn what_other_envoys_learned_counts_as_if_this_one_had_taken_their_samples() {
+        // Three Envoys in front of a fleet of speeds 1, 2 and 4 (slowness 4, 2, 1), each taking
+        // a third of the samples: one that also reads the others' relayed sums prices the
+        // workers as one Envoy that took all of them would.
+        let slowness = [4.0, 2.0, 1.0];
+        let mut envoys = vec![LearnedTimings::default(); 3];
+        let mut alone = LearnedTimings::default();
+        alone.resize(3);
+        for e in &mut envoys {
+            e.resize(3);
+        }
+        let mut rng = Rng::new(5);
+        for i in 0..30u64 {
+            for (w, slow) in slowness.iter().enumerate() {
+                let observed = 100.0 * slow * ((rng.next_f64() - 0.5) * 0.6).exp();
+                let envoy = (i % 3) as usize;
+                envoys[envoy].records[w].observe(observed, all(100.0), i * 10);
+                alone.records[w].observe(observed, all(100.0), i * 10);
+            }
+        }
+        let now = 300;
+        alone.refresh(now);
+        let mut first = envoys[0].clone();
+        first.refresh(now);
+        for w in 0..3 {
+            // The bridge's sum of the other two Envoys' declarations, as of their declaration.
+            let sums = envoys[1].records[w]
+                .sums_at(now)
+                .plus(&envoys[2].records[w].sums_at(now));
+            first.others[w] = TimingRecord::from_sums(&sums, now);
+        }
+        let own_only: Vec<f64> = (0..3).map(|w| first.factor(w)).collect();
+        assert!(
+            (0..3).any(|w| !near(own_only[w], alone.factor(w), 0.02)),
+            "a third of the samples prices alike: the test would not tell ({own_only:?})"
+        );
+        first.refresh(now);
+        for (w, own) in own_only.iter().enumerate() {
+            let (merged, all) = (first.factor(w), alone.factor(w));
+            assert!(
+                near(merged, all, 0.02),
+                "worker {w}: {merged} with the others' sums, {all} for one Envoy with every \
+                 sample ({own} from its own third)"
+            );
+        }
+        // Sums that are not sums (a negative weight) teach nothing.
+        let bad = TimingSums {
+            predicted_ms: -1.0,
+            ..TimingSums::default()
+        };
+        assert_eq!(TimingRecord::from_sums(&bad, now), TimingRecord::default());
+        // The others' sums age like the own: a relay a half-life old weighs half.
+        let record = TimingRecord::from_sums(&envoys[1].records[0].sums_at(now), now);
+        let later = now + HALF_LIFE_MS as u64;
+        assert!(near(
+            record.weight_at(later) * 2.0,
+            record.weight_at(now),
+            1e-9
+        ));
     }
 
     #[test]

@@ -1509,6 +1509,7 @@ mod merge_reported_tests {
                 requests: 6,
                 prefill_tokens: 8000.0,
                 decode_blocks: 40.0,
+                timing: None,
             }),
         };
         let mut view = SlotLoad {

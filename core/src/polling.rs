@@ -53,14 +53,109 @@ pub fn call_path(events: &EventsConfig, kind: CallKind, declare: Option<(u64, Bo
                 path.push_str(&format!("&wait_ms={}", events.long_poll_ms));
             }
             if let Some((router, booked)) = declare {
-                path.push_str(&format!(
-                    "&router={router:016x}&booked={}",
-                    booked.query_value()
-                ));
+                path.push('&');
+                path.push_str(&declaration_query(router, &booked));
             }
             path
         }
         CallKind::Dump => events.dump_path.clone(),
+    }
+}
+
+/// `router=<hex id>&booked=<requests>,<tokens>,<blocks>`, and `&timing=<seven sums>` when the
+/// Envoy learns the worker's timing.
+fn declaration_query(router: u64, booked: &Booked) -> String {
+    let mut query = format!("router={router:016x}&booked={}", booked.query_value());
+    if let Some(t) = &booked.timing {
+        query.push_str("&timing=");
+        query.push_str(&t.query_value());
+    }
+    query
+}
+
+/// The path of a declaration between polls (`POST`): `None` when `events.declare_path` is
+/// empty. Sent when the bookings [`Booked::moved_from`] the last declared (see
+/// [`Declarations`]).
+pub fn declare_path(events: &EventsConfig, router: u64, booked: &Booked) -> Option<String> {
+    if events.declare_path.is_empty() {
+        return None;
+    }
+    let sep = if events.declare_path.contains('?') {
+        '&'
+    } else {
+        '?'
+    };
+    let query = declaration_query(router, booked);
+    Some(format!("{}{sep}{query}", events.declare_path))
+}
+
+/// Per worker, what this Envoy last declared to its bridge and whether a declaration call is in
+/// flight: a declaration between polls is sent when the bookings moved since, one at a time.
+#[derive(Clone, Debug, Default)]
+pub struct Declarations {
+    last: Vec<Option<Booked>>,
+    in_flight: Vec<bool>,
+    /// Workers whose event endpoint has no declaration path (it answered 404, 405 or 501: not
+    /// `kv-event-bridge`): they hear declarations with the polls only.
+    unsupported: Vec<bool>,
+}
+
+impl Declarations {
+    /// Records that `booked` went out to `worker`'s bridge (with a poll, or a declaration call:
+    /// `call`, which is then in flight until [`Self::answered`]).
+    pub fn sent(&mut self, worker: u16, booked: Booked, call: bool) {
+        let i = usize::from(worker);
+        if self.last.len() <= i {
+            self.last.resize(i + 1, None);
+            self.in_flight.resize(i + 1, false);
+            self.unsupported.resize(i + 1, false);
+        }
+        if let (Some(l), Some(f)) = (self.last.get_mut(i), self.in_flight.get_mut(i)) {
+            *l = Some(booked);
+            *f |= call;
+        }
+    }
+
+    /// The declaration call to `worker` was answered with `status` (`None`: no answer). An
+    /// endpoint without the path is not asked again (until [`Self::forget`]).
+    pub fn answered(&mut self, worker: u16, status: Option<&str>) {
+        let i = usize::from(worker);
+        if let Some(f) = self.in_flight.get_mut(i) {
+            *f = false;
+        }
+        if matches!(status, Some("404" | "405" | "501")) {
+            if let Some(u) = self.unsupported.get_mut(i) {
+                *u = true;
+            }
+        }
+    }
+
+    /// `worker`'s entry has a new occupant: nothing was declared to it yet.
+    pub fn forget(&mut self, worker: u16) {
+        let i = usize::from(worker);
+        for (v, none) in [(&mut self.in_flight, false), (&mut self.unsupported, false)] {
+            if let Some(x) = v.get_mut(i) {
+                *x = none;
+            }
+        }
+        if let Some(l) = self.last.get_mut(i) {
+            *l = None;
+        }
+    }
+
+    /// Whether `now` should be declared to `worker`'s bridge before the next poll: it moved from
+    /// what was last declared and no declaration call is in flight. Never before a first
+    /// declaration with a poll (the bridge does not know this Envoy yet).
+    pub fn due(&self, worker: u16, now: &Booked) -> bool {
+        let i = usize::from(worker);
+        match (
+            self.last.get(i),
+            self.in_flight.get(i),
+            self.unsupported.get(i),
+        ) {
+            (Some(Some(last)), Some(false), Some(false)) => now.moved_from(last),
+            _ => false,
+        }
     }
 }
 
@@ -353,6 +448,62 @@ mod tests {
     }
 
     #[test]
+    fn a_declaration_between_polls_goes_when_the_bookings_moved_one_at_a_time() {
+        let events = EventsConfig::default();
+        let booked = |requests, prefill_tokens| Booked {
+            requests,
+            prefill_tokens,
+            decode_blocks: 3.0,
+            timing: None,
+        };
+        let timed = Booked {
+            timing: Some(crate::events::TimingSums::from([
+                1.0, 0.5, 0.25, 1.0, 2.0, 4.0, 1.0,
+            ])),
+            ..booked(1, 512.0)
+        };
+        assert_eq!(
+            declare_path(&events, 0xabc, &timed).as_deref(),
+            Some("/kv/declare?router=0000000000000abc&booked=1,512,3.0&timing=1,0.5,0.25,1,2,4,1")
+        );
+        let off = EventsConfig {
+            declare_path: String::new(),
+            ..EventsConfig::default()
+        };
+        assert_eq!(declare_path(&off, 1, &timed), None);
+        let mut d = Declarations::default();
+        assert!(
+            !d.due(0, &booked(1, 0.0)),
+            "the bridge has not heard of us yet"
+        );
+        d.sent(0, booked(0, 0.0), false);
+        assert!(!d.due(0, &booked(0, 0.0)));
+        assert!(d.due(0, &booked(1, 4096.0)));
+        d.sent(0, booked(1, 4096.0), true);
+        assert!(
+            !d.due(0, &booked(2, 8192.0)),
+            "one call in flight at a time"
+        );
+        d.answered(0, Some("204"));
+        assert!(d.due(0, &booked(2, 8192.0)));
+        assert!(!d.due(0, &booked(1, 4000.0)), "as last declared");
+        assert!(!d.due(5, &booked(9, 0.0)), "an unknown worker");
+        // An event endpoint that is not kv-event-bridge is not asked again.
+        d.sent(0, booked(2, 8192.0), true);
+        d.answered(0, Some("404"));
+        assert!(!d.due(0, &booked(5, 0.0)));
+        // ... until the entry has a new occupant, heard from with a poll.
+        d.forget(0);
+        assert!(!d.due(0, &booked(5, 0.0)));
+        d.sent(0, booked(0, 0.0), false);
+        assert!(d.due(0, &booked(5, 0.0)));
+        // No answer (a timeout) is not a missing path.
+        d.sent(0, booked(5, 0.0), true);
+        d.answered(0, None);
+        assert!(d.due(0, &booked(1, 0.0)));
+    }
+
+    #[test]
     fn a_new_poller_carries_on_the_backoff_recorded_in_the_head() {
         let cfg = events(0);
         // The previous poller saw 3 refusals and set the next fetch 800 ms out.
@@ -410,6 +561,7 @@ mod tests {
             requests: 2,
             prefill_tokens: 4096.0,
             decode_blocks: 12.25,
+            timing: None,
         };
         assert_eq!(
             call_path(&plain, EV, Some((0xabc, booked))),

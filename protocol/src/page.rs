@@ -354,14 +354,22 @@ pub struct Load {
 }
 
 /// One router's bookings on one worker: requests in flight, their queued prefill tokens and
-/// their decode blocks, as its load table holds them (`booked=<requests>,<tokens>,<blocks>`).
+/// their decode blocks, as its load table holds them (`booked=<requests>,<tokens>,<blocks>`),
+/// and what it has learned of the worker's timing (`timing=`, when it learns).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Booked {
     pub requests: u32,
     pub prefill_tokens: f64,
     pub decode_blocks: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timing: Option<TimingSums>,
 }
+
+/// Queued prefill tokens that change a declaration enough to tell the other routers at once
+/// (beyond a quarter of the larger of the two): requests starting or ending their prefill, not
+/// the drift of a decaying estimate.
+const MOVED_TOKENS: f64 = 64.0;
 
 impl Booked {
     /// The `booked=` query value.
@@ -393,16 +401,124 @@ impl Booked {
             requests,
             prefill_tokens,
             decode_blocks,
+            timing: None,
         })
     }
 
-    /// The sum of two routers' bookings.
+    /// The sum of two routers' bookings (and of what they learned).
     pub fn plus(self, other: Booked) -> Booked {
+        let timing = match (self.timing, other.timing) {
+            (Some(a), Some(b)) => Some(a.plus(&b)),
+            (a, b) => a.or(b),
+        };
         Booked {
             requests: self.requests.saturating_add(other.requests),
             prefill_tokens: self.prefill_tokens + other.prefill_tokens,
             decode_blocks: self.decode_blocks + other.decode_blocks,
+            timing,
         }
+    }
+
+    /// Whether the bookings moved enough since `before` for the other routers to hear of it now
+    /// rather than with the next page: a request more or less, or the queued prefill by more
+    /// than a quarter (the decode blocks, which grow with every token, and the timing ride
+    /// along with the next declaration).
+    pub fn moved_from(&self, before: &Booked) -> bool {
+        let (a, b) = (self.prefill_tokens, before.prefill_tokens);
+        self.requests != before.requests || (a - b).abs() > MOVED_TOKENS + 0.25 * a.max(b)
+    }
+}
+
+/// What one router learned of a worker's timing, as decayed sums over its samples
+/// (`kv_router_core::learn::TimingRecord` without its clock): additive, so the bridge relays
+/// the other routers' sum and each router learns from every replica's responses.
+/// Serialized as an array of the seven sums, in field order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(from = "[f64; 7]", into = "[f64; 7]")]
+pub struct TimingSums {
+    pub predicted_ms: f64,
+    pub log_ratio: f64,
+    pub log_ratio_sq: f64,
+    pub predicted_sq: f64,
+    pub log_own: f64,
+    pub log_own_sq: f64,
+    pub cross: f64,
+}
+
+impl From<[f64; 7]> for TimingSums {
+    fn from(v: [f64; 7]) -> Self {
+        let [predicted_ms, log_ratio, log_ratio_sq, predicted_sq, log_own, log_own_sq, cross] = v;
+        TimingSums {
+            predicted_ms,
+            log_ratio,
+            log_ratio_sq,
+            predicted_sq,
+            log_own,
+            log_own_sq,
+            cross,
+        }
+    }
+}
+
+impl From<TimingSums> for [f64; 7] {
+    fn from(t: TimingSums) -> Self {
+        [
+            t.predicted_ms,
+            t.log_ratio,
+            t.log_ratio_sq,
+            t.predicted_sq,
+            t.log_own,
+            t.log_own_sq,
+            t.cross,
+        ]
+    }
+}
+
+impl TimingSums {
+    /// The `timing=` query value: the seven sums, comma-separated, each exactly.
+    pub fn query_value(&self) -> String {
+        let v: [f64; 7] = (*self).into();
+        v.map(|x| x.to_string()).join(",")
+    }
+
+    /// Parses a `timing=` value; `None` unless seven finite numbers whose weights (the sums of
+    /// weights and of squares) are not negative.
+    pub fn parse(value: &str) -> Option<TimingSums> {
+        let mut v = [0.0; 7];
+        let mut parts = value.split(',');
+        for slot in &mut v {
+            *slot = parts.next()?.trim().parse::<f64>().ok()?;
+        }
+        let t = TimingSums::from(v);
+        (parts.next().is_none() && t.is_valid()).then_some(t)
+    }
+
+    /// Finite sums, the weights and squares not negative.
+    pub fn is_valid(&self) -> bool {
+        let v: [f64; 7] = (*self).into();
+        v.iter().all(|x| x.is_finite())
+            && [
+                self.predicted_ms,
+                self.log_ratio_sq,
+                self.predicted_sq,
+                self.log_own_sq,
+            ]
+            .iter()
+            .all(|x| *x >= 0.0)
+    }
+
+    /// Every sum times `keep` (the samples' weights decayed alike).
+    pub fn scaled(&self, keep: f64) -> TimingSums {
+        TimingSums::from(<[f64; 7]>::from(*self).map(|v| v * keep))
+    }
+
+    pub fn plus(&self, other: &TimingSums) -> TimingSums {
+        let (a, b): ([f64; 7], [f64; 7]) = ((*self).into(), (*other).into());
+        let mut sum = [0.0; 7];
+        for ((s, x), y) in sum.iter_mut().zip(a).zip(b) {
+            *s = x + y;
+        }
+        TimingSums::from(sum)
     }
 }
 
@@ -475,11 +591,80 @@ mod tests {
     }
 
     #[test]
+    fn timing_sums_read_back_exactly_and_add_up_across_routers() {
+        let t = TimingSums {
+            predicted_ms: 1234.5,
+            log_ratio: -0.123_456_789_012_345_6,
+            log_ratio_sq: 0.5,
+            predicted_sq: 98_765.432_1,
+            log_own: 61.25,
+            log_own_sq: 400.125,
+            cross: -7.75,
+        };
+        assert_eq!(TimingSums::parse(&t.query_value()), Some(t));
+        for bad in [
+            "",
+            "1,2,3,4,5,6",
+            "1,2,3,4,5,6,7,8",
+            "1,2,3,4,5,6,NaN",
+            "-1,2,3,4,5,6,7",
+            "1,2,-3,4,5,6,7",
+            "1,2,3,inf,5,6,7",
+        ] {
+            assert_eq!(TimingSums::parse(bad), None, "{bad:?}");
+        }
+        // A negative log ratio (a worker faster than predicted) is a valid sum.
+        assert!(TimingSums::parse("1,-2,3,4,-5,6,-7").is_some());
+        let booked = |requests, timing| Booked {
+            requests,
+            prefill_tokens: 10.0,
+            decode_blocks: 1.0,
+            timing,
+        };
+        let sum = booked(1, Some(t))
+            .plus(booked(2, Some(t)))
+            .plus(booked(3, None));
+        assert_eq!(sum.requests, 6);
+        assert_eq!(sum.timing.map(|s| s.predicted_ms), Some(2469.0));
+        assert_eq!(sum.timing.map(|s| s.cross), Some(-15.5));
+        // On the page: an array of the seven sums, absent without timing.
+        let json = serde_json::to_string(&booked(1, Some(t))).unwrap();
+        assert!(json.contains(r#""timing":[1234.5,"#), "{json}");
+        let back: Booked = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, booked(1, Some(t)));
+        assert!(!serde_json::to_string(&booked(1, None))
+            .unwrap()
+            .contains("timing"));
+    }
+
+    #[test]
+    fn a_booking_moves_with_a_request_or_a_quarter_of_its_prefill_not_with_its_decode() {
+        let b = |requests, prefill_tokens, decode_blocks| Booked {
+            requests,
+            prefill_tokens,
+            decode_blocks,
+            timing: None,
+        };
+        let before = b(2, 4000.0, 30.0);
+        assert!(b(3, 4000.0, 30.0).moved_from(&before));
+        assert!(b(1, 4000.0, 30.0).moved_from(&before));
+        assert!(b(2, 2000.0, 30.0).moved_from(&before));
+        assert!(b(2, 5600.0, 30.0).moved_from(&before));
+        assert!(
+            !b(2, 3100.0, 30.0).moved_from(&before),
+            "a decaying estimate"
+        );
+        assert!(!b(2, 4000.0, 90.0).moved_from(&before), "decode growth");
+        assert!(!b(0, 50.0, 0.0).moved_from(&b(0, 0.0, 0.0)));
+    }
+
+    #[test]
     fn a_booking_reads_back_from_its_query_value() {
         let b = Booked {
             requests: 3,
             prefill_tokens: 12_288.0,
             decode_blocks: 40.5,
+            timing: None,
         };
         assert_eq!(b.query_value(), "3,12288,40.5");
         assert_eq!(Booked::parse(&b.query_value()), Some(b));

@@ -2,11 +2,15 @@
 //! whom is [`crate::polling::PollSchedule`]'s decision; only the VM holding the poller lease polls.
 
 use super::host::{self, HostStore};
-use crate::config::Config;
+use crate::config::{Config, UnseenTraffic};
 use crate::events::Booked;
+use crate::learn;
 use crate::load::SlotLoad;
 use crate::load_store;
-use crate::polling::{call_path, call_timeout_ms, CallKind, Next, PollSchedule, ReplyOutcome};
+use crate::polling::{
+    call_path, call_timeout_ms, declare_path, CallKind, Declarations, Next, PollSchedule,
+    ReplyOutcome,
+};
 use crate::replication::coalesce::Coalescer;
 use crate::replication::log::LogHead;
 use hashbrown::HashMap;
@@ -36,6 +40,10 @@ pub struct Poller {
     /// The load table as last viewed (at that ms), for the bookings each events call declares:
     /// one view serves every call of a tick.
     booked_view: (u64, Vec<SlotLoad>),
+    /// What each worker's bridge last heard from this Envoy.
+    declarations: Declarations,
+    /// Declaration calls in flight by token (at most one per worker).
+    declaring: HashMap<u32, u16>,
 }
 
 impl Poller {
@@ -47,19 +55,79 @@ impl Poller {
             queued: Coalescer::default(),
             nonce,
             booked_view: (u64::MAX, Vec::new()),
+            declarations: Declarations::default(),
+            declaring: HashMap::new(),
         }
     }
 
     /// This Envoy's id and what it has booked on `worker`, for an events call.
     fn declaration(&mut self, config: &Config, worker: u16, now_ms: u64) -> (u64, Booked) {
+        let booked = self.booked_on(config, worker, now_ms);
+        (
+            load_store::router_id(&HostStore, self.nonce),
+            with_timing(config, worker, booked, now_ms),
+        )
+    }
+
+    fn booked_on(&mut self, config: &Config, worker: u16, now_ms: u64) -> Booked {
         if self.booked_view.0 != now_ms {
             // Into the same vector every time: the VM's linear memory never shrinks.
             self.booked_view.0 = now_ms;
             load_store::read_snapshot(&HostStore, config.slots.len())
                 .view_into(now_ms, &mut self.booked_view.1);
         }
-        let booked = load_store::booked_on(&self.booked_view.1, config.worker_slots(worker));
-        (load_store::router_id(&HostStore, self.nonce), booked)
+        load_store::booked_on(&self.booked_view.1, config.worker_slots(worker))
+    }
+
+    /// With `load.unseen_traffic: relayed`, tells each worker's bridge at once when this Envoy's
+    /// bookings there moved since it last declared them (a request more or less, a quarter of
+    /// the queued prefill), instead of with its next poll, which waits for the worker's next
+    /// event: the bridge wakes the other Envoys' polls with it. Returns the calls sent and those
+    /// the host refused.
+    pub fn declare_moved(&mut self, config: &Config, now_ms: u64) -> (u64, u64) {
+        let (mut sent, mut failed) = (0, 0);
+        if config.load.unseen_traffic != UnseenTraffic::Relayed
+            || config.events.declare_path.is_empty()
+        {
+            return (sent, failed);
+        }
+        for (i, spec) in config.workers.iter().enumerate() {
+            let Ok(worker) = u16::try_from(i) else { break };
+            if spec.is_vacant() || !spec.kv_mode.has_events() {
+                continue;
+            }
+            let booked = self.booked_on(config, worker, now_ms);
+            if !self.declarations.due(worker, &booked) {
+                continue;
+            }
+            let booked = with_timing(config, worker, booked, now_ms);
+            let router = load_store::router_id(&HostStore, self.nonce);
+            let Some(path) = declare_path(&config.events, router, &booked) else {
+                break;
+            };
+            let headers = call_headers("POST", &path, &spec.events_address_text);
+            let timeout = Duration::from_millis(config.events.timeout_ms);
+            match host::http_call(&config.events.cluster, headers, timeout) {
+                Ok(token) => {
+                    self.declaring.insert(token, worker);
+                    self.declarations.sent(worker, booked, true);
+                    sent += 1;
+                }
+                Err(_) => failed += 1,
+            }
+        }
+        (sent, failed)
+    }
+
+    /// Whether `token` answers a declaration call (then done with), answered with `status`.
+    pub fn take_declaration(&mut self, token: u32, status: Option<&str>) -> bool {
+        match self.declaring.remove(&token) {
+            Some(worker) => {
+                self.declarations.answered(worker, status);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Sends the calls that are due. Returns how many the host refused.
@@ -72,6 +140,7 @@ impl Poller {
                 // A new occupant: the old one's call in flight, backoff and gap history are not its.
                 *seen = now_gen;
                 self.schedule.reset(worker);
+                self.declarations.forget(worker);
                 self.pending.retain(|_, call| call.worker != worker);
                 self.queued.forget(worker);
             }
@@ -135,16 +204,11 @@ impl Poller {
             CallKind::Events { .. } => Some(self.declaration(config, worker, now_ms)),
             CallKind::Dump => None,
         };
+        if let Some((_, booked)) = declare {
+            self.declarations.sent(worker, booked, false);
+        }
         let path = call_path(&config.events, kind, declare);
-        let address = spec.events_address_text.as_str();
-        let headers = vec![
-            (":method", "GET"),
-            (":path", path.as_str()),
-            (":authority", address),
-            (":scheme", "http"),
-            ("x-envoy-original-dst-host", address),
-            ("x-gateway-destination-endpoint", address),
-        ];
+        let headers = call_headers("GET", &path, &spec.events_address_text);
         let timeout_ms = call_timeout_ms(&config.events, kind);
         match host::http_call(
             &config.events.cluster,
@@ -187,4 +251,27 @@ impl Poller {
         self.schedule
             .replied(worker, outcome, &config.events, now_ms)
     }
+}
+
+/// A call to a worker's event endpoint through the event cluster, steered to `address` as the
+/// request path steers requests (ORIGINAL_DST or override_host, whichever the cluster is).
+fn call_headers<'a>(method: &'a str, path: &'a str, address: &'a str) -> Vec<(&'a str, &'a str)> {
+    vec![
+        (":method", method),
+        (":path", path),
+        (":authority", address),
+        (":scheme", "http"),
+        ("x-envoy-original-dst-host", address),
+        ("x-gateway-destination-endpoint", address),
+    ]
+}
+
+/// `booked` with what this Envoy learned of `worker`'s timing, for the other Envoys (one
+/// shared-data get per declaration, never per request); as it is without learning.
+fn with_timing(config: &Config, worker: u16, mut booked: Booked, now_ms: u64) -> Booked {
+    if config.ttft.as_ref().is_some_and(|t| t.learn) {
+        let record = learn::read_record(&HostStore, usize::from(worker));
+        booked.timing = (record.samples > 0).then(|| record.sums_at(now_ms));
+    }
+    booked
 }

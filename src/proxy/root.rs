@@ -57,13 +57,19 @@ impl Context for RouterRoot {
         if vm.membership_reply(token_id, num_headers, body_size, now) {
             return;
         }
-        let Some(call) = vm.poller.take(token_id) else {
-            return;
-        };
         let status = if num_headers == 0 {
             None
         } else {
             host::header(MapType::HttpCallResponseHeaders, ":status")
+        };
+        if vm.poller.take_declaration(token_id, status.as_deref()) {
+            if !status.as_deref().is_some_and(|s| s.starts_with('2')) {
+                vm.metrics.inc("events.declare_failed");
+            }
+            return;
+        }
+        let Some(call) = vm.poller.take(token_id) else {
+            return;
         };
         let max_bytes = vm.path.config.events.max_response_bytes;
         // The size is known before the body is copied into the VM: an oversized page never is.
@@ -164,6 +170,9 @@ impl VmState {
         // The membership may have moved during this tick: poll with the configuration as it is.
         let config = Rc::clone(&self.path.config);
         self.poller.dispatch_due(&config, &head, now);
+        let (declared, refused) = self.poller.declare_moved(&config, now);
+        self.metrics.add("events.declared", declared);
+        self.metrics.add("events.declare_failed", refused);
         self.path.replica.maybe_write_snapshot(&HostStore);
         self.publish_gauges(now);
     }

@@ -71,15 +71,18 @@ fn replicas_split_the_traffic_and_shared_data_makes_them_one_envoy() {
     let fleet = Fleet::new(4, 64, &["--kv-blocks", "8192", "--speedup", "2"]);
     let n = workload.requests.len() as u64;
     let one = run("kv", &workload, &fleet);
-    let three = run("kv+set:load.unseen_traffic=relayed*3", &workload, &fleet);
+    let three = run("kv*3", &workload, &fleet);
     assert_eq!(three.errors, 0);
     // Every request routed by one of the three filters, each by its own index copy.
     assert_eq!(three.counters.get("routed.kv").copied(), Some(n));
     assert!(three.counters.get("events.applied").copied().unwrap_or(0) > 3 * 100);
-    // At the defaults each Envoy is blind to what the others booked (the bridge relays it, the
-    // filter does not add it); with `relayed` the others' bookings reach its decisions.
-    let blind = run("kv*3", &workload, &fleet);
+    // At the defaults (`relayed`) each Envoy tells the bridges between polls when its bookings
+    // moved, and hears the others'; with `off` it declares only with its polls and adds none.
+    let declared = three.counters.get("events.declared").copied().unwrap_or(0);
+    assert!(declared > n / 2, "{declared} declarations for {n} requests");
+    let blind = run("kv+set:load.unseen_traffic=off*3", &workload, &fleet);
     assert_eq!(blind.counters.get("routed.kv").copied(), Some(n));
+    assert_eq!(blind.counters.get("events.declared"), None);
     assert_ne!(
         three.ttft_ms, blind.ttft_ms,
         "the relay changed no decision"

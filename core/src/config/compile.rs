@@ -261,6 +261,9 @@ fn check_events(e: &EventsConfig) -> Result<(), ConfigError> {
     non_empty("events.cluster", &e.cluster)?;
     url_path("events.path", &e.path)?;
     url_path("events.dump_path", &e.dump_path)?;
+    if !e.declare_path.is_empty() {
+        url_path("events.declare_path", &e.declare_path)?;
+    }
     let hour = "within [1, 3600000]";
     u64_in(
         "events.poll_interval_ms",

@@ -22,7 +22,7 @@
 //! membership is 64 + 77 B per worker at most.
 
 use super::head::{LogHead, Member, WorkerPollState};
-use crate::events::{Booked, ReportedLoad};
+use crate::events::{Booked, ReportedLoad, TimingSums};
 
 const MAGIC: u32 = u32::from_le_bytes(*b"EKRH");
 const FORMAT: u16 = 1;
@@ -35,8 +35,15 @@ const ROUTE_MEMBER: u8 = 1 << 2;
 const ROUTE_HEALTHY: u8 = 1 << 3;
 const ROUTE_DESCRIBED: u8 = 1 << 4;
 const ROUTE_OTHERS: u8 = 1 << 5;
-const ROUTE_KNOWN: u8 =
-    ROUTE_STALE | ROUTE_REPORTED | ROUTE_MEMBER | ROUTE_HEALTHY | ROUTE_DESCRIBED | ROUTE_OTHERS;
+/// The other routers' bookings carry their learned timing sums (seven f64 after them).
+const ROUTE_TIMING: u8 = 1 << 6;
+const ROUTE_KNOWN: u8 = ROUTE_STALE
+    | ROUTE_REPORTED
+    | ROUTE_MEMBER
+    | ROUTE_HEALTHY
+    | ROUTE_DESCRIBED
+    | ROUTE_OTHERS
+    | ROUTE_TIMING;
 
 /// The fixed header alone: what a replica needs when the routing part did not change.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -169,7 +176,9 @@ fn decode_routing(c: &mut Cursor<'_>, w: &mut WorkerPollState) -> Option<()> {
         return None;
     }
     w.stale = flags & ROUTE_STALE != 0;
-    if flags & ROUTE_OTHERS != 0 && flags & ROUTE_REPORTED == 0 {
+    if flags & ROUTE_OTHERS != 0 && flags & ROUTE_REPORTED == 0
+        || flags & ROUTE_TIMING != 0 && flags & ROUTE_OTHERS == 0
+    {
         return None;
     }
     if flags & ROUTE_REPORTED != 0 {
@@ -180,11 +189,20 @@ fn decode_routing(c: &mut Cursor<'_>, w: &mut WorkerPollState) -> Option<()> {
             other_routers: None,
         };
         if flags & ROUTE_OTHERS != 0 {
-            reported.other_routers = Some(Booked {
+            let mut others = Booked {
                 requests: c.u32()?,
                 prefill_tokens: f64::from_bits(c.u64()?),
                 decode_blocks: f64::from_bits(c.u64()?),
-            });
+                timing: None,
+            };
+            if flags & ROUTE_TIMING != 0 {
+                let mut sums = [0.0; 7];
+                for s in &mut sums {
+                    *s = f64::from_bits(c.u64()?);
+                }
+                others.timing = Some(TimingSums::from(sums));
+            }
+            reported.other_routers = Some(others);
         }
         w.reported = Some(reported);
     }
@@ -261,8 +279,11 @@ pub fn encode_routing(head: &LogHead) -> Vec<u8> {
         }
         if let Some(r) = &w.reported {
             flags |= ROUTE_REPORTED;
-            if r.other_routers.is_some() {
+            if let Some(o) = &r.other_routers {
                 flags |= ROUTE_OTHERS;
+                if o.timing.is_some() {
+                    flags |= ROUTE_TIMING;
+                }
             }
         }
         if let Some(m) = &w.member {
@@ -283,6 +304,11 @@ pub fn encode_routing(head: &LogHead) -> Vec<u8> {
                 out.extend_from_slice(&o.requests.to_le_bytes());
                 out.extend_from_slice(&o.prefill_tokens.to_bits().to_le_bytes());
                 out.extend_from_slice(&o.decode_blocks.to_bits().to_le_bytes());
+                if let Some(t) = o.timing {
+                    for v in <[f64; 7]>::from(t) {
+                        out.extend_from_slice(&v.to_bits().to_le_bytes());
+                    }
+                }
             }
         }
         if let Some(m) = &w.member {
@@ -334,6 +360,7 @@ fn same_load(a: &WorkerPollState, b: &WorkerPollState) -> bool {
                         b.requests,
                         b.prefill_tokens.to_bits(),
                         b.decode_blocks.to_bits(),
+                        b.timing.map(|t| <[f64; 7]>::from(t).map(f64::to_bits)),
                     )
                 })
             };
@@ -375,6 +402,9 @@ mod tests {
                     requests: 5,
                     prefill_tokens: 12_345.5,
                     decode_blocks: 0.1,
+                    timing: Some(TimingSums::from([
+                        1.5, -0.25, 0.125, 3.0, 40.0, 400.5, -9.0,
+                    ])),
                 }),
             }),
             rejections: 2,
@@ -485,6 +515,10 @@ mod tests {
         let booked = others.workers[0].reported.as_mut().unwrap();
         booked.other_routers.as_mut().unwrap().prefill_tokens += 1.0;
         assert!(routing_changed(&before, &others));
+        let mut learned = before.clone();
+        let booked = learned.workers[0].reported.as_mut().unwrap();
+        booked.other_routers.as_mut().unwrap().timing = Some(TimingSums::default());
+        assert!(routing_changed(&before, &learned), "the others' timing");
         let mut stale = before.clone();
         stale.workers[1].stale = true;
         assert!(routing_changed(&before, &stale));

@@ -207,6 +207,21 @@ impl RoutingState {
             return;
         }
         let workers = self.config.workers.len();
+        self.learned.resize(workers);
+        // What the other Envoys learned, as the bridges relayed it with their pages (as of the
+        // page's arrival; not from a stale report).
+        let relayed = self.config.load.unseen_traffic == UnseenTraffic::Relayed;
+        let polls = &self.replica.head.workers;
+        for (i, others) in self.learned.others.iter_mut().enumerate() {
+            *others = polls
+                .get(i)
+                .filter(|w| relayed && !w.stale)
+                .and_then(|w| {
+                    let sums = w.reported.as_ref()?.other_routers?.timing?;
+                    Some(learn::TimingRecord::from_sums(&sums, w.last_ok_ms))
+                })
+                .unwrap_or_default();
+        }
         self.learned
             .read_next(store, workers, learn::RECORDS_PER_TICK, now_ms);
     }
@@ -489,6 +504,7 @@ mod tests {
             requests: 4,
             prefill_tokens: 6000.0,
             decode_blocks: 20.0,
+            timing: None,
         };
         let mut head = head(1, 0.5);
         for w in &mut head.workers {
@@ -514,6 +530,47 @@ mod tests {
             assert_eq!(load[1].active_requests, 4, "{unseen}");
             // Worker 1's events are overdue: what the others booked there may be gone too.
             assert_eq!(load[0].prefill_tokens, 0.0, "{unseen}");
+        }
+    }
+
+    #[test]
+    fn what_the_other_envoys_learned_joins_the_own_learning_only_when_relayed_and_fresh() {
+        use crate::learn::{Prediction, TimingRecord};
+        // The other Envoys learned worker 2 to be 3x slower than predicted; this one learned
+        // nothing of either worker.
+        let mut theirs = TimingRecord::default();
+        let predicted = Prediction {
+            ttft_ms: 100.0,
+            own_ms: 100.0,
+        };
+        for i in 0..40 {
+            theirs.observe(300.0, predicted, i);
+        }
+        let others = crate::events::Booked {
+            timing: Some(theirs.sums_at(40)),
+            ..crate::events::Booked::default()
+        };
+        let mut head = head(1, 0.5);
+        for w in &mut head.workers {
+            w.last_ok_ms = 40;
+            w.reported = Some(ReportedLoad {
+                other_routers: Some(others),
+                ..ReportedLoad::default()
+            });
+        }
+        for (unseen, expected) in [("off", 1.0), ("relayed", 3.0)] {
+            let json = format!(
+                r#"{{"load": {{"unseen_traffic": "{unseen}"}}, "workers": [
+                {{"id": 1, "address": "10.0.0.1:8000"}}, {{"id": 2, "address": "10.0.0.2:8000"}}]}}"#
+            );
+            let config = Rc::new(Config::from_json(json.as_bytes()).unwrap());
+            let mut vm = RoutingState::new(config, 1, 1);
+            vm.replica.head = head.clone();
+            vm.refresh_learned(&crate::store::fake::MemStore::new(), 40);
+            let f = vm.learned.factor(1);
+            assert!((f - expected).abs() < 0.05 * expected, "{unseen}: {f}");
+            // Worker 1's report is stale: nothing of it is taken.
+            assert_eq!(vm.learned.others[0], TimingRecord::default(), "{unseen}");
         }
     }
 

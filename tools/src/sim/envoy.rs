@@ -4,9 +4,11 @@
 
 use super::host::SimHost;
 use kv_router_core::approx;
-use kv_router_core::config::Config;
+use kv_router_core::config::{Config, UnseenTraffic};
 use kv_router_core::events::{parse_event_page, Booked, LogRecord};
+use kv_router_core::learn;
 use kv_router_core::load_store;
+use kv_router_core::polling::Declarations;
 use kv_router_core::replication::coalesce::{Coalescer, QueuedReply, ReplyKind};
 use kv_router_core::replication::log as replication;
 use kv_router_core::request_path::{Action, RequestPath, RoutingState};
@@ -21,6 +23,8 @@ pub struct SimEnvoy {
     fingerprint: u64,
     /// Per worker, the newest event id this Envoy has applied.
     cursors: Vec<u64>,
+    /// What each worker's bridge last heard from this Envoy.
+    declarations: Declarations,
     pub counters: HashMap<&'static str, u64>,
 }
 
@@ -52,6 +56,7 @@ impl SimEnvoy {
             coalescer: Coalescer::default(),
             fingerprint,
             cursors: vec![0; workers],
+            declarations: Declarations::default(),
             counters: HashMap::new(),
         };
         for worker in 0..workers {
@@ -70,12 +75,49 @@ impl SimEnvoy {
         Ok(envoy)
     }
 
-    /// What this Envoy has booked on worker entry `worker` (what its next events call declares).
-    pub fn booked_on(&self, worker: usize, now_ms: u64) -> Booked {
+    /// What this Envoy has booked on worker entry `worker`, and what it learned of its timing:
+    /// what its events call declares now (as `src/proxy/poller.rs` does).
+    pub fn declaration(&mut self, worker: usize, now_ms: u64) -> Booked {
+        let booked = self.declared_with_poll(worker, now_ms);
+        if let Ok(w) = u16::try_from(worker) {
+            self.declarations.sent(w, booked, false);
+        }
+        booked
+    }
+
+    fn declared_with_poll(&self, worker: usize, now_ms: u64) -> Booked {
         let config = &self.vm.config;
         let view = load_store::view(&*self.store, config.slots.len(), now_ms);
-        let worker = u16::try_from(worker).unwrap_or(u16::MAX);
-        load_store::booked_on(&view, config.worker_slots(worker))
+        let slots = config.worker_slots(u16::try_from(worker).unwrap_or(u16::MAX));
+        let mut booked = load_store::booked_on(&view, slots);
+        if config.ttft.as_ref().is_some_and(|t| t.learn) {
+            let record = learn::read_record(&*self.store, worker);
+            booked.timing = (record.samples > 0).then(|| record.sums_at(now_ms));
+        }
+        booked
+    }
+
+    /// The tick's declarations between polls (`load.unseen_traffic: relayed`): per worker whose
+    /// bookings moved since this Envoy last declared them, what it declares now. The simulated
+    /// bridge answers at once.
+    pub fn declare_moved(&mut self, workers: usize, now_ms: u64) -> Vec<(usize, Booked)> {
+        let config = Rc::clone(&self.vm.config);
+        if config.load.unseen_traffic != UnseenTraffic::Relayed
+            || config.events.declare_path.is_empty()
+        {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for worker in 0..workers {
+            let Ok(w) = u16::try_from(worker) else { break };
+            let booked = self.declared_with_poll(worker, now_ms);
+            if self.declarations.due(w, &booked) {
+                self.declarations.sent(w, booked, true);
+                self.declarations.answered(w, Some("204"));
+                out.push((worker, booked));
+            }
+        }
+        out
     }
 
     /// This Envoy's shared data.

@@ -10,10 +10,11 @@
 //!   planned, its outputs when it ends; an idle engine with waiting work polls every 2 ms);
 //! * the bridge: each worker's events reach every Envoy `event_delay_ms` after they were
 //!   published, in one page, with the engine's load as last scraped (every
-//!   `scrape_interval_ms`, phase-shifted per worker) and the other Envoys' bookings as they
-//!   declared them when their calls were sent (after their last page); a worker without events
-//!   answers after the filter's `events.long_poll_ms` (else `poll_interval_ms`) with an
-//!   empty page;
+//!   `scrape_interval_ms`, phase-shifted per worker) and the other Envoys' bookings (and
+//!   learned timing) as they declared them when their calls were sent (after their last page)
+//!   or, with `load.unseen_traffic: relayed`, on a tick when they moved, which wakes every
+//!   Envoy's poll of the worker [`DECLARE_HOP_MS`] later; a worker without events answers after
+//!   the filter's `events.long_poll_ms` (else `poll_interval_ms`) with an empty page;
 //! * Envoy: requests spread round-robin over `envoys` independent Envoys (one VM each), the
 //!   filter's tick every `tick_ms`; no network, HTTP or Envoy time (the real race adds a few
 //!   ms per request);
@@ -33,6 +34,9 @@ use kv_router_protocol::page::{page_json, Load};
 use serde_json::{json, Value};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
+
+/// From an Envoy's declaration between polls to the other Envoys' woken polls answering (ms).
+const DECLARE_HOP_MS: f64 = 1.0;
 
 /// How an arm routes.
 #[derive(Clone, Debug)]
@@ -643,7 +647,7 @@ pub fn simulate(
                     envoy.apply_page(w, body.as_bytes(), now_ms)?;
                     // Its next call, sent at once, declares what it has booked there now.
                     if let Some(d) = worker.declared.get_mut(e) {
-                        *d = Some(envoy.booked_on(w, now_ms));
+                        *d = Some(envoy.declaration(w, now_ms));
                     }
                 }
             }
@@ -670,9 +674,33 @@ pub fn simulate(
                 }
             }
             Event::Tick(e) => {
+                let replicas = envoys.len();
                 if let Some(envoy) = envoys.get_mut(e) {
                     envoy.tick(now_ms);
                     agenda.at(now + envoy.tick_ms() as f64, Event::Tick(e));
+                    // Declarations between polls: the bridge records each and, when it moved,
+                    // wakes the other Envoys' polls of the worker (a page a network hop later).
+                    let relay = opts.relay_bookings && !opts.replicas_share_data;
+                    let declared = envoy.declare_moved(workers.len(), now_ms);
+                    if !declared.is_empty() {
+                        *envoy.counters.entry("events.declared").or_default() +=
+                            declared.len() as u64;
+                    }
+                    for (w, booked) in declared {
+                        let Some(worker) = workers.get_mut(w).filter(|_| relay) else {
+                            continue;
+                        };
+                        worker.declared.resize(replicas, None);
+                        let before = worker.declared.get(e).copied().flatten();
+                        if let Some(d) = worker.declared.get_mut(e) {
+                            *d = Some(booked);
+                        }
+                        let moved = before.is_none_or(|b| booked.moved_from(&b));
+                        if moved && replicas > 1 && !worker.delivery_planned {
+                            worker.delivery_planned = true;
+                            agenda.at(now + DECLARE_HOP_MS, Event::Deliver(w));
+                        }
+                    }
                 }
             }
         }
