@@ -31,6 +31,7 @@ use std::fmt;
 
 use crate::types::SlotIdx;
 
+pub mod recent;
 pub mod share;
 mod window;
 pub use window::{reap_due, view_bytes, view_bytes_at, Window};

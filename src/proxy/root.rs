@@ -156,6 +156,7 @@ impl VmState {
         self.sync_replica();
         self.sync_predictions(now);
         self.path.refresh_learned(&HostStore, now);
+        self.path.sample_traffic_on_tick(&HostStore, now);
         // Every VM adds its own share; the other gauges are the leader's alone.
         self.publish_linear_memory();
         if !leader {

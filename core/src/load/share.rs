@@ -9,9 +9,14 @@
 //! leader or new infrastructure, assuming the others' requests look like its own (they run the
 //! same filter behind one balancer). One Envoy alone adds about nothing.
 //!
-//! Off by default: measured with three replicas it evened the requests per worker but moved
-//! requests off their prefix holders, and TTFT rose (docs/OPERATIONS.md, "Several Envoy
-//! replicas"). The ratio itself (`scale`) is the `load.traffic_scale_pct` metric either way.
+//! With `relayed` (the default) the other routers' requests in flight come from the bridges
+//! instead, exactly; [`TrafficShare::relayed_ratio`] scales what a replica infers the others
+//! just sent ([`super::recent`]).
+//!
+//! `per_worker` is off by default: measured with three replicas it evened the requests per
+//! worker but moved requests off their prefix holders, and TTFT rose (docs/OPERATIONS.md,
+//! "Several Envoy replicas"). The reported ratio (`scale`) is the `load.traffic_scale_pct`
+//! metric either way.
 
 /// Half-life of the decayed sums (ms): long enough to average over the engines' report lag
 /// (a page's `load` is as old as the last scrape or event), short enough to follow a replica
@@ -22,13 +27,15 @@ pub const MAX_SCALE: f64 = 16.0;
 /// Below this mean of own requests in flight the ratio is noise: the scale stays 1.
 const MIN_OWN_IN_FLIGHT: f64 = 1.0;
 
-/// Decayed sums of own and reported requests in flight, and of the own requests' queued
-/// prefill tokens and active blocks: sampled at each decision with `per_worker`, otherwise once
-/// a second for the metric.
+/// Decayed sums of own, reported and relayed requests in flight, and of the own requests'
+/// queued prefill tokens and active blocks: sampled at each decision with `per_worker`, on every
+/// tick with `relayed` (for [`TrafficShare::relayed_ratio`]), otherwise once a second for the
+/// metric.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct TrafficShare {
     own: f64,
     reported: f64,
+    relayed: f64,
     prefill_tokens: f64,
     decode_blocks: f64,
     samples: f64,
@@ -42,6 +49,8 @@ pub struct Sample {
     pub own: f64,
     /// The requests the workers say they run or queue.
     pub reported: f64,
+    /// The other routers' requests in flight, as the bridges relay their declarations.
+    pub relayed: f64,
     /// This Envoy's queued prefill tokens and active blocks.
     pub prefill_tokens: f64,
     pub decode_blocks: f64,
@@ -52,10 +61,11 @@ impl TrafficShare {
         let Sample {
             own,
             reported,
+            relayed,
             prefill_tokens,
             decode_blocks,
         } = sample;
-        if ![own, reported, prefill_tokens, decode_blocks]
+        if ![own, reported, relayed, prefill_tokens, decode_blocks]
             .iter()
             .all(|v| v.is_finite())
         {
@@ -65,6 +75,7 @@ impl TrafficShare {
         let keep = 0.5f64.powf(dt / HALF_LIFE_MS);
         self.own = self.own * keep + own.max(0.0);
         self.reported = self.reported * keep + reported.max(0.0);
+        self.relayed = self.relayed * keep + relayed.max(0.0);
         self.prefill_tokens = self.prefill_tokens * keep + prefill_tokens.max(0.0);
         self.decode_blocks = self.decode_blocks * keep + decode_blocks.max(0.0);
         self.samples = self.samples * keep + 1.0;
@@ -94,6 +105,17 @@ impl TrafficShare {
         }
         (self.reported / self.own).clamp(1.0, MAX_SCALE)
     }
+
+    /// The other routers' relayed requests in flight over this Envoy's own, within
+    /// `0..=MAX_SCALE - 1`: how much traffic the other replicas route for each request of this
+    /// one (2 for one of three). Exact where [`Self::scale`] reads lagging engine reports; 0
+    /// without relayed bookings, or until its own traffic is enough to tell.
+    pub fn relayed_ratio(&self) -> f64 {
+        if !self.enough_own() {
+            return 0.0;
+        }
+        (self.relayed / self.own).clamp(0.0, MAX_SCALE - 1.0)
+    }
 }
 
 #[cfg(test)]
@@ -105,6 +127,7 @@ mod tests {
         Sample {
             own,
             reported,
+            relayed: reported - own,
             prefill_tokens: own * 1000.0,
             decode_blocks: own * 64.0,
         }
@@ -124,6 +147,11 @@ mod tests {
     fn one_envoy_of_three_scales_its_load_by_three() {
         let s = steady(4.0, 12.0);
         assert!((s.scale() - 3.0).abs() < 0.05, "{}", s.scale());
+        assert!(
+            (s.relayed_ratio() - 2.0).abs() < 0.05,
+            "{}",
+            s.relayed_ratio()
+        );
         let (prefill, blocks) = s.per_request().unwrap();
         assert!((prefill - 1000.0).abs() < 1e-6 && (blocks - 64.0).abs() < 1e-6);
     }
@@ -131,6 +159,7 @@ mod tests {
     #[test]
     fn an_envoy_alone_keeps_its_own_view() {
         assert_eq!(steady(4.0, 4.0).scale(), 1.0);
+        assert_eq!(TrafficShare::default().relayed_ratio(), 0.0);
         // Engines that report fewer (requests between engine and client) never shrink it.
         assert_eq!(steady(4.0, 3.0).scale(), 1.0);
     }

@@ -8,6 +8,7 @@ use super::steer::{merge_predictions, record_prediction};
 use super::REASON_HEADER;
 use crate::config::{ClientHints, Config, KvPolicy, RoutingMode, UnseenTraffic};
 use crate::lazy_hash::PromptHasher;
+use crate::load::recent;
 use crate::load_store;
 use crate::prompt_text::prompt_text;
 use crate::request::{parse_request_with, LlmRequest, ParseOptions, RequestError};
@@ -221,11 +222,13 @@ impl RequestPath {
         let mut load = std::mem::take(&mut vm.load_view);
         snapshot.view_with(now, &mut load, &mut vm.load_views);
         if config.load.reported_load {
-            // The share is sampled on every decision only when it shapes the load view;
-            // otherwise only for its metric, once a second.
+            // The share is sampled on every decision only when it shapes the load view this
+            // way; `relayed` samples it on every tick (`sample_traffic_on_tick`); otherwise
+            // only for its metric, once a second.
             let per_worker = config.load.unseen_traffic == UnseenTraffic::PerWorker;
+            let relayed = config.load.unseen_traffic == UnseenTraffic::Relayed;
             let due = now >= vm.traffic_share_recorded_ms + 1000;
-            if per_worker || due {
+            if per_worker || (due && !relayed) {
                 let share = &mut vm.traffic_share;
                 vm.slot_reports.sample_share(config, share, &load, now);
             }
@@ -246,6 +249,12 @@ impl RequestPath {
             };
             vm.slot_reports
                 .merge_into(config, &mut load, request_tokens);
+            if relayed {
+                let others = vm.traffic_share.relayed_ratio();
+                let half_life = recent::half_life_ms(config.tick_ms);
+                vm.recent_bookings
+                    .add_inferred(others, &mut load, now, half_life);
+            }
         }
         let kv_usage: &[Option<f64>] = if config.load.reported_load {
             &vm.slot_reports.kv_usage

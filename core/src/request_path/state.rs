@@ -7,6 +7,7 @@ use crate::approx::PredictedStore;
 use crate::config::{Config, UnseenTraffic};
 use crate::events::ReportedLoad;
 use crate::learn;
+use crate::load::recent::RecentBookings;
 use crate::load::share::{self, TrafficShare};
 use crate::load::{add_other_routers, merge_reported, reported_requests, SlotLoad};
 use crate::load_store::{PendingReleases, ViewCache};
@@ -56,6 +57,9 @@ pub struct RoutingState {
     pub traffic_share: TrafficShare,
     /// When the inferred scale was last recorded (`load.traffic_scale_pct`, once a second).
     pub traffic_share_recorded_ms: u64,
+    /// This VM's own bookings of the last moments, for what the other replicas likely sent
+    /// (`load::recent`).
+    pub recent_bookings: RecentBookings,
 }
 
 impl RoutingState {
@@ -92,6 +96,7 @@ impl RoutingState {
             lifetime_ms: 0.0,
             traffic_share: TrafficShare::default(),
             traffic_share_recorded_ms: 0,
+            recent_bookings: RecentBookings::default(),
         }
     }
 
@@ -224,6 +229,23 @@ impl RoutingState {
         }
         self.learned
             .read_next(store, workers, learn::RECORDS_PER_TICK, now_ms);
+    }
+
+    /// With `load.unseen_traffic: relayed`, samples this Envoy's requests in flight against the
+    /// other routers' relayed ones on every tick: evenly in time, so that neither the bursts in
+    /// which decisions crowd nor the relay's lag skews the ratio
+    /// ([`TrafficShare::relayed_ratio`], which scales [`crate::load::recent`]).
+    pub fn sample_traffic_on_tick(&mut self, store: &dyn crate::store::SharedStore, now_ms: u64) {
+        let config = Rc::clone(&self.config);
+        if !config.load.reported_load || config.load.unseen_traffic != UnseenTraffic::Relayed {
+            return;
+        }
+        let mut snapshot = crate::load_store::read_snapshot(store, config.slots.len());
+        let mut load = std::mem::take(&mut self.load_view);
+        snapshot.view_with(now_ms, &mut load, &mut self.load_views);
+        self.slot_reports
+            .sample_share(&config, &mut self.traffic_share, &load, now_ms);
+        self.load_view = load;
     }
 
     /// The first token arrived `now` for a request routed as `sample` says: the observed TTFT
@@ -360,6 +382,9 @@ impl SlotReports {
             };
             sample.own += f64::from(view.active_requests);
             sample.reported += reported_requests(report, dp_size);
+            if let Some(others) = report.other_routers {
+                sample.relayed += f64::from(others.requests) / f64::from(dp_size.max(1));
+            }
             sample.prefill_tokens += view.prefill_tokens;
             sample.decode_blocks += view.decode_blocks;
             any = true;

@@ -8,7 +8,8 @@ use super::host::Host;
 use super::state::{worker_id, RoutingState, Sample};
 use super::REASON_HEADER;
 use crate::approx::Record;
-use crate::config::{Config, DestinationFormat, KvPolicy, PrefillLoadModel};
+use crate::config::{Config, DestinationFormat, KvPolicy, PrefillLoadModel, UnseenTraffic};
+use crate::load::recent;
 use crate::load_store;
 use crate::prefill_work::prefill_work_tokens;
 use crate::priority::{request_priority, UNPRICED_PREFILL_MS};
@@ -121,6 +122,19 @@ impl RequestPath {
             },
         );
         if let Ok(ticket) = booked {
+            // Only a placement from scratch: one on a worker holding the prompt's prefix follows
+            // the request's own history, which the other replicas' requests do not share.
+            let from_scratch = decision.prefill_tokens >= decision.isl_tokens;
+            if config.load.unseen_traffic == UnseenTraffic::Relayed && from_scratch {
+                vm.recent_bookings.record(
+                    config.slots.len(),
+                    decision.slot,
+                    f64::from(booked_work),
+                    f64::from(decision.prompt_blocks),
+                    now,
+                    recent::half_life_ms(config.tick_ms),
+                );
+            }
             self.booking = Some(Booking {
                 ticket,
                 address: worker.address_text.clone(),

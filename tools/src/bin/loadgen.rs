@@ -206,6 +206,10 @@ struct SimArgs {
     /// A Mooncake-format trace instead, on --fleet workers with --worker-args / --worker-speedups.
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// A synthetic workload instead (the spec of `loadgen --synthetic`, e.g. a burst workload of
+    /// another seed than the race's), on the same fleet options as --trace.
+    #[arg(long, conflicts_with = "trace")]
+    synthetic: Option<String>,
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
     #[arg(long, default_value_t = 8)]
@@ -353,16 +357,25 @@ fn run_sim(a: &SimArgs) {
         .map(|m| (m.clone(), sim::arm_router(m).unwrap_or_else(|e| fail(&e))))
         .collect();
     let mut jobs: Vec<(String, Workload, Fleet)> = Vec::new();
-    if let Some(path) = &a.trace {
-        let workload =
-            load_mooncake(path, a.time_scale, None).unwrap_or_else(|e| fail(&e.to_string()));
+    let given = match (&a.trace, &a.synthetic) {
+        (Some(path), _) => Some((
+            path.display().to_string(),
+            load_mooncake(path, a.time_scale, None).unwrap_or_else(|e| fail(&e.to_string())),
+        )),
+        (None, Some(spec)) => Some((
+            format!("synthetic {spec}"),
+            synthetic(&SyntheticSpec::parse(spec).unwrap_or_else(|e| fail(&e))),
+        )),
+        (None, None) => None,
+    };
+    if let Some((name, workload)) = given {
         let mut fleet = Fleet::new(
             a.fleet,
             a.block_size,
             &a.worker_args.split_whitespace().collect::<Vec<_>>(),
         );
         fleet.speedups = a.worker_speedups.clone();
-        jobs.push((path.display().to_string(), workload, fleet));
+        jobs.push((name, workload, fleet));
     } else {
         let names: Vec<String> = if a.workloads.is_empty() {
             [

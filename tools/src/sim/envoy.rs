@@ -191,6 +191,7 @@ impl SimEnvoy {
         let mut host = SimHost::idle(&self.store, &mut self.counters, now_ms);
         self.vm.sync_predictions(&mut host, now_ms);
         self.vm.refresh_learned(&*self.store, now_ms);
+        self.vm.sample_traffic_on_tick(&*self.store, now_ms);
     }
 
     /// Routes a request (headers, then the whole body): the chosen worker's address, or `None`

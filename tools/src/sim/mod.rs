@@ -487,6 +487,8 @@ pub fn simulate(
                             "overlap": vm.overlaps.iter().map(|o| o.device_blocks).collect::<Vec<_>>(),
                             "factors": (0..n).map(|k| vm.learned.factor(k)).collect::<Vec<_>>(),
                             "fleet": vm.learned.fleet,
+                            "kv_usage": vm.slot_reports.kv_usage,
+                            "scale": vm.traffic_share.relayed_ratio(),
                         })
                     });
                     run.decisions.push(
