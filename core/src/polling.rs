@@ -133,10 +133,11 @@ impl Declarations {
     /// `worker`'s entry has a new occupant: nothing was declared to it yet.
     pub fn forget(&mut self, worker: u16) {
         let i = usize::from(worker);
-        for (v, none) in [(&mut self.in_flight, false), (&mut self.unsupported, false)] {
-            if let Some(x) = v.get_mut(i) {
-                *x = none;
-            }
+        if let Some(x) = self.in_flight.get_mut(i) {
+            *x = false;
+        }
+        if let Some(x) = self.unsupported.get_mut(i) {
+            *x = false;
         }
         if let Some(l) = self.last.get_mut(i) {
             *l = None;

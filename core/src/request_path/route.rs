@@ -240,6 +240,10 @@ impl RequestPath {
                 vm.traffic_share_recorded_ms = now;
                 let scale = vm.traffic_share.scale();
                 host.histogram("load.traffic_scale_pct", (scale * 100.0) as u64);
+                if relayed {
+                    let others = vm.traffic_share.relayed_ratio();
+                    host.histogram("load.relayed_ratio_pct", (others * 100.0) as u64);
+                }
             }
             // With `per_worker` the unseen requests are priced above already.
             let request_tokens = if per_worker {

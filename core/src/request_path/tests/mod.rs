@@ -565,3 +565,78 @@ fn a_clear_forgets_the_predictions_other_vms_published_before_it() {
         "no worker holds the prompt after the clear"
     );
 }
+
+/// Three Envoys in front of the same two workers: the other two route twice this one's traffic
+/// (`load.other_routers` on the workers' pages). Until their declarations arrive they likely
+/// placed what this one did, so a request this Envoy just placed from scratch on worker 1
+/// weighs there three times over, and the next fresh request goes to worker 2, whose queued
+/// prefill (224 tokens, its own and the others') outweighs one such request but not three
+/// (`load::recent`). Each replica on its own bookings (`off`) sends both to worker 1.
+#[test]
+fn a_replica_counts_what_the_others_likely_just_placed_as_it_did() {
+    use crate::events::{Booked, ReportedLoad};
+    for (mode, second) in [("relayed", W2), ("off", W1)] {
+        let json = config(json!({"policy": "dynamo", "load": {"unseen_traffic": mode}}));
+        let body = |first: u32| {
+            let tokens: Vec<u32> = (first..first + 64).collect();
+            json!({"model": "m", "prompt": tokens, "max_tokens": 4}).to_string()
+        };
+        let mut host = FakeHost::new().post("/v1/completions", &body(1000));
+        let mut filter = Filter::new(&host, &json);
+        // One own request in flight on each worker, 160 tokens to prefill on worker 2 ...
+        for (key, slot, tokens) in [(1u64, 0u16, 0), (2, 1, 160)] {
+            let now = host.now_ms;
+            let booked = crate::load_store::update_slot(&host.store, 2, slot, now, |t| {
+                t.admit(key, slot, tokens, 0, None, now)
+            });
+            assert!(booked.is_ok());
+        }
+        // ... and the other routers' two on each, with 64 more tokens queued on worker 2.
+        let others = |prefill_tokens| ReportedLoad {
+            num_waiting: 0,
+            num_running: 3,
+            kv_usage: 0.0,
+            other_routers: Some(Booked {
+                requests: 2,
+                prefill_tokens,
+                decode_blocks: 0.0,
+                timing: None,
+            }),
+        };
+        assert!(crate::replication::log::update_head(
+            &host.store,
+            7,
+            2,
+            host.now_ms,
+            |head| {
+                head.workers[0].reported = Some(others(0.0));
+                head.workers[1].reported = Some(others(64.0));
+                true
+            }
+        ));
+        filter.vm.sync_replica(&mut host);
+        for _ in 0..10 {
+            host.now_ms += 50;
+            filter.vm.sample_traffic_on_tick(&host.store, host.now_ms);
+        }
+        let ratio = filter.vm.traffic_share.relayed_ratio();
+        let expected = if mode == "relayed" { 2.0 } else { 0.0 };
+        assert!((ratio - expected).abs() < 1e-9, "{mode}: ratio {ratio}");
+        let (_, action) = filter.send(&mut host);
+        assert_eq!(action, Action::Continue);
+        assert_eq!(chosen(&host), Some(W1), "{mode}: first");
+        host = host.post("/v1/completions", &body(5000));
+        let (_, action) = filter.send(&mut host);
+        assert_eq!(action, Action::Continue);
+        assert_eq!(chosen(&host), Some(second), "{mode}: second");
+        // Recorded once a second while routing, with `relayed` only.
+        let ratios: Vec<u64> = host
+            .histograms
+            .iter()
+            .filter(|(name, _)| name == "load.relayed_ratio_pct")
+            .map(|(_, v)| *v)
+            .collect();
+        let expected: &[u64] = if mode == "relayed" { &[200] } else { &[] };
+        assert_eq!(ratios, expected, "{mode}");
+    }
+}
