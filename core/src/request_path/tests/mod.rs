@@ -512,12 +512,7 @@ fn a_replica_weighs_load_at_the_fleets_scale_from_the_workers_reports() {
         // The inferred scale, 6 reported over 2 own, is recorded once a second whatever the mode.
         let (_, again) = filter.send(&mut host);
         assert_eq!(again, Action::Continue);
-        let scales: Vec<u64> = host
-            .histograms
-            .iter()
-            .filter(|(name, _)| name == "load.traffic_scale_pct")
-            .map(|(_, v)| *v)
-            .collect();
+        let scales = recorded(&host, "load.traffic_scale_pct");
         assert_eq!(scales, [300], "unseen_traffic {mode}");
     }
 }
@@ -564,6 +559,12 @@ fn a_clear_forgets_the_predictions_other_vms_published_before_it() {
         Some("0"),
         "no worker holds the prompt after the clear"
     );
+}
+
+/// The values recorded into histogram `name`, in order.
+fn recorded(host: &FakeHost, name: &str) -> Vec<u64> {
+    let named = host.histograms.iter().filter(|(n, _)| n == name);
+    named.map(|(_, v)| *v).collect()
 }
 
 /// Three Envoys in front of the same two workers: the other two route twice this one's traffic
@@ -630,12 +631,7 @@ fn a_replica_counts_what_the_others_likely_just_placed_as_it_did() {
         assert_eq!(action, Action::Continue);
         assert_eq!(chosen(&host), Some(second), "{mode}: second");
         // Recorded once a second while routing, with `relayed` only.
-        let ratios: Vec<u64> = host
-            .histograms
-            .iter()
-            .filter(|(name, _)| name == "load.relayed_ratio_pct")
-            .map(|(_, v)| *v)
-            .collect();
+        let ratios = recorded(&host, "load.relayed_ratio_pct");
         let expected: &[u64] = if mode == "relayed" { &[200] } else { &[] };
         assert_eq!(ratios, expected, "{mode}");
     }
