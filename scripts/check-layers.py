@@ -51,8 +51,11 @@ LAYERS = [
     #    crate's, re-exported here. Parsing a page hashes its token ids, hence above `request`.
     ("wire", ["worker_description", "events"]),
     # 4. State the filter keeps, shared between VMs or not: the KV index, the load table and its
-    #    store, approximate (predicted) blocks, the replicated log, membership, the polling plan.
-    ("state", ["index", "load", "load_store", "approx", "replication", "membership", "polling"]),
+    #    store, approximate (predicted) blocks, the replicated log, membership, the polling plan and
+    #    the tick's cadence.
+    ("state", [
+        "index", "load", "load_store", "approx", "replication", "membership", "polling", "tick",
+    ]),
     # 5. The decision: filters -> costs (TTFT model, its learning, priority, affinity) -> pick, and
     #    the router that runs them for one request.
     ("decide", [

@@ -222,7 +222,9 @@ fn the_bridge_mirrors_the_engine_cache_through_eviction_offload_and_reset() {
 
 /// Each event poll declares what this Envoy has booked on the worker (`router=`, `booked=`), and
 /// the bridge relays it to the other routers polling it (`load.other_routers`), which replicas
-/// add to their own view with `load.unseen_traffic: relayed`.
+/// add to their own view with `load.unseen_traffic: relayed`. Alone, the Envoy keeps its plain
+/// tick; once another router declares to the bridge, its poller also ticks in between to relay
+/// (`events.relay_ticks`).
 #[test]
 fn the_filter_declares_its_bookings_to_the_bridge_for_the_other_replicas() {
     // A slow engine (~0.2 s a decode step): a 16-token answer stays in flight for seconds.
@@ -241,6 +243,15 @@ fn the_filter_declares_its_bookings_to_the_bridge_for_the_other_replicas() {
         filter_config(&workers, json!({"block_size": BLOCK})),
     );
     let bridge = workers[0].bridge.as_ref().unwrap().addr.clone();
+    // Alone: a request routed and answered (a few hundred ms of ticks), its booking released,
+    // and no relay tick meanwhile.
+    let short = json!({"model": "m", "prompt": tokens(3, 2 * BLOCK), "max_tokens": 1});
+    let answer = envoy.post_json("/v1/completions", &short).unwrap();
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    assert!(envoy.wait_for(Duration::from_secs(15), |e| {
+        e.router_stat("load.active_entries") == 0
+    }));
+    assert_eq!(envoy.router_stat("events.relay_ticks"), 0, "alone");
     // Another router's poll, as a second Envoy's would be.
     let others = || {
         let page: Value = http::get(&bridge, "/kv/events?after=0&router=ff&booked=0,0,0")
@@ -271,6 +282,16 @@ fn the_filter_declares_its_bookings_to_the_bridge_for_the_other_replicas() {
     assert!(
         declared["decode_blocks"].as_f64().unwrap() > 0.0,
         "{declared}"
+    );
+    // The other router's declarations reach the Envoy with its next page: it relays between
+    // ticks from then on (while the other router keeps polling, as it does here).
+    assert!(
+        envoy.wait_for(Duration::from_secs(10), |e| {
+            others();
+            e.router_stat("events.relay_ticks") >= 10
+        }),
+        "relay ticks: {}",
+        envoy.router_stat("events.relay_ticks")
     );
     long.join().unwrap();
     // Once the answer is over, the Envoy's next poll declares nothing in flight.

@@ -227,6 +227,10 @@ pub struct LoadConfig {
     /// With `reported_load`: the other routers' requests the workers' reports show, added to
     /// the own view (`load::share`), so that replicas weigh load as if each saw all of it.
     pub unseen_traffic: UnseenTraffic,
+    /// With `relayed`, how often (ms) the polling VM applies the pages that came in and declares
+    /// the bookings that moved, between its ticks, while other routers share the fleet
+    /// ([`crate::tick`]). `0`: only on ticks. At most `tick_ms` takes effect.
+    pub relay_interval_ms: u64,
 }
 
 impl Default for LoadConfig {
@@ -238,6 +242,7 @@ impl Default for LoadConfig {
             request_timeout_ms: 900_000,
             reported_load: true,
             unseen_traffic: UnseenTraffic::Relayed,
+            relay_interval_ms: 10,
         }
     }
 }

@@ -33,6 +33,7 @@ pub mod router;
 pub mod select;
 pub mod store;
 pub mod text;
+pub mod tick;
 pub mod ttft;
 pub mod types;
 pub mod worker_description;

@@ -2,7 +2,8 @@
 //!
 //! It compiles the configuration once, owns the VM's state (index replica, selector, metrics) that
 //! request contexts share, and on every tick: applies new log batches, and, if it holds the poller
-//! lease, polls worker events, marks silent workers stale and reaps abandoned load entries.
+//! lease, polls worker events, marks silent workers stale and reaps abandoned load entries. While
+//! other routers share the fleet, the poller also ticks in between, only to relay (`crate::tick`).
 
 use super::envoy_host::EnvoyHost;
 use super::host::{self, HostStore};
@@ -18,6 +19,7 @@ use crate::polling::{disposition, Disposition, ReplyOutcome};
 use crate::replication::lease::hold_lease;
 use crate::replication::log as replication;
 use crate::request_path::RoutingState;
+use crate::tick::{TickCadence, TickKind};
 use log::{error, info, warn};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -135,9 +137,13 @@ impl VmState {
     }
 
     fn tick(&mut self) {
-        self.metrics.flush();
         let now = host::now_ms();
         let config = Rc::clone(&self.path.config);
+        if self.cadence.kind(config.tick_ms, now) == TickKind::Relay {
+            self.relay_tick(&config, now);
+            return;
+        }
+        self.metrics.flush();
         if !self.path.releases.is_empty() {
             self.path.releases.flush(&HostStore, config.slots.len());
         }
@@ -159,6 +165,10 @@ impl VmState {
         self.path.sample_traffic_on_tick(&HostStore, now);
         // Every VM adds its own share; the other gauges are the leader's alone.
         self.publish_linear_memory();
+        let others = self.path.hears_other_routers();
+        if let Some(ms) = self.cadence.period_change(&config, leader, others) {
+            let _ = hostcalls::set_tick_period(Duration::from_millis(ms));
+        }
         if !leader {
             // Another VM records the gauges meanwhile: on taking the lease back, record all.
             self.slot_gauges.clear();
@@ -171,11 +181,24 @@ impl VmState {
         // The membership may have moved during this tick: poll with the configuration as it is.
         let config = Rc::clone(&self.path.config);
         self.poller.dispatch_due(&config, &head, now);
-        let (declared, refused) = self.poller.declare_moved(&config, now);
-        self.metrics.add("events.declared", declared);
-        self.metrics.add("events.declare_failed", refused);
+        self.declare_moved(&config, now);
         self.path.replica.maybe_write_snapshot(&HostStore);
         self.publish_gauges(now);
+    }
+
+    /// Between full ticks, on the poller while other routers share the fleet (`crate::tick`):
+    /// the replies that came in, applied (their relayed bookings), and this Envoy's bookings
+    /// that moved, declared, so that replicas hear of each other's within a few ms.
+    fn relay_tick(&mut self, config: &Config, now: u64) {
+        self.metrics.add_later("events.relay_ticks", 1);
+        self.flush_replies(now);
+        self.declare_moved(config, now);
+    }
+
+    fn declare_moved(&mut self, config: &Config, now: u64) {
+        let (declared, refused) = self.poller.declare_moved(config, now);
+        self.metrics.add("events.declared", declared);
+        self.metrics.add("events.declare_failed", refused);
     }
 }
 
@@ -204,6 +227,7 @@ impl RootContext for RouterRoot {
             path: RoutingState::new(Rc::clone(&config), fingerprint, nonce),
             metrics: Metrics::default(),
             poller: Poller::new(workers, nonce),
+            cadence: TickCadence::new(config.tick_ms),
             slot_gauges: Vec::new(),
             block_size_warned: vec![false; workers],
             fingerprint,

@@ -7,6 +7,7 @@ use super::metrics::Metrics;
 use super::poller::Poller;
 use crate::config::Config;
 use crate::request_path::RoutingState;
+use crate::tick::TickCadence;
 
 /// Everything a VM keeps between requests. Request contexts borrow it briefly; callbacks use
 /// `try_borrow_mut` so that a re-entrant host callback can never panic.
@@ -18,6 +19,8 @@ pub struct VmState {
     pub(super) fingerprint: u64,
     pub metrics: Metrics,
     pub(super) poller: Poller,
+    /// Full ticks and, on the poller while other routers share the fleet, relay ticks.
+    pub(super) cadence: TickCadence,
     /// Per slot, the worker id and the load gauges last recorded for it (only changes are).
     pub slot_gauges: Vec<Option<(u64, [u64; 3])>>,
     pub(super) block_size_warned: Vec<bool>,

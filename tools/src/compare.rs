@@ -601,7 +601,8 @@ fn run_arm(
 }
 
 /// The filter's counters behind the affinity diagnostics (summed over the Envoy threads):
-/// predictions published / applied / skipped / refuted by events, index evictions, event gaps and re-syncs.
+/// predictions published / applied / skipped / refuted by events, index evictions, event gaps and
+/// re-syncs, and the declarations and relay ticks of replicas.
 fn print_filter_stats(mode: &str, envoy: &Envoy) {
     let stats = envoy.stats();
     let names = [
@@ -618,6 +619,8 @@ fn print_filter_stats(mode: &str, envoy: &Envoy) {
         "events.resyncs",
         "workers.marked_stale",
         "log.lost_sync",
+        "events.declared",
+        "events.relay_ticks",
     ];
     let line: Vec<String> = names
         .iter()

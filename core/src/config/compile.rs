@@ -254,6 +254,13 @@ fn check_load(l: &LoadConfig) -> Result<(), ConfigError> {
         1,
         u64::from(u32::MAX),
         "within [1, 4294967295]",
+    )?;
+    u64_in(
+        "load.relay_interval_ms",
+        l.relay_interval_ms,
+        0,
+        60_000,
+        "within [0, 60000]",
     )
 }
 

@@ -227,6 +227,7 @@ impl RequestPath {
             // only for its metric, once a second.
             let per_worker = config.load.unseen_traffic == UnseenTraffic::PerWorker;
             let relayed = config.load.unseen_traffic == UnseenTraffic::Relayed;
+            let others = vm.traffic_share.relayed_ratio();
             let due = now >= vm.traffic_share_recorded_ms + 1000;
             if per_worker || (due && !relayed) {
                 let share = &mut vm.traffic_share;
@@ -241,7 +242,6 @@ impl RequestPath {
                 let scale = vm.traffic_share.scale();
                 host.histogram("load.traffic_scale_pct", (scale * 100.0) as u64);
                 if relayed {
-                    let others = vm.traffic_share.relayed_ratio();
                     host.histogram("load.relayed_ratio_pct", (others * 100.0) as u64);
                 }
             }
@@ -254,7 +254,6 @@ impl RequestPath {
             vm.slot_reports
                 .merge_into(config, &mut load, request_tokens);
             if relayed {
-                let others = vm.traffic_share.relayed_ratio();
                 let half_life = recent::half_life_ms(config.tick_ms);
                 vm.recent_bookings
                     .add_inferred(others, &mut load, now, half_life);

@@ -248,6 +248,12 @@ impl RoutingState {
         self.load_view = load;
     }
 
+    /// Whether some worker's bridge relays other routers' bookings (another Envoy declared
+    /// there lately): this Envoy shares the fleet with other routers ([`crate::tick`]).
+    pub fn hears_other_routers(&self) -> bool {
+        self.slot_reports.others_heard
+    }
+
     /// The first token arrived `now` for a request routed as `sample` says: the observed TTFT
     /// (histograms) and, with a prediction, a sample in the worker's shared timing record.
     pub fn learn_first_token(&mut self, host: &mut impl Host, sample: &Sample, now: u64) {
@@ -351,6 +357,8 @@ pub struct SlotReports {
     pub reported: Vec<Option<ReportedLoad>>,
     /// Each `reported` KV usage alone, the form `RouteInput::kv_usage` takes.
     pub kv_usage: Vec<Option<f64>>,
+    /// Some report relays other routers' bookings (`load.other_routers`).
+    pub others_heard: bool,
     /// `(head version, configuration)` the vectors were built from (the `Rc` held so that a
     /// new configuration can never reuse its address).
     built_for: Option<(u64, Rc<Config>)>,
@@ -437,9 +445,11 @@ impl SlotReports {
         self.stale.clear();
         self.reported.clear();
         self.kv_usage.clear();
+        self.others_heard = false;
         for slot in &config.slots {
             let worker = head.workers.get(usize::from(slot.worker));
             let reported = worker.and_then(|w| w.reported);
+            self.others_heard |= reported.is_some_and(|r| r.other_routers.is_some());
             self.stale.push(worker.is_some_and(|w| w.stale));
             self.reported.push(reported);
             self.kv_usage.push(reported.map(|r| r.kv_usage));

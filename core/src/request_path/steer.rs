@@ -124,15 +124,18 @@ impl RequestPath {
         if let Ok(ticket) = booked {
             // Only a placement from scratch: one on a worker holding the prompt's prefix follows
             // the request's own history, which the other replicas' requests do not share.
+            // (An Envoy that hears of no other router never reads them: not recorded.)
             let from_scratch = decision.prefill_tokens >= decision.isl_tokens;
-            if config.load.unseen_traffic == UnseenTraffic::Relayed && from_scratch {
+            let others = vm.traffic_share.relayed_ratio() > 0.0;
+            if config.load.unseen_traffic == UnseenTraffic::Relayed && from_scratch && others {
+                let half_life = recent::half_life_ms(config.tick_ms);
                 vm.recent_bookings.record(
                     config.slots.len(),
                     decision.slot,
                     f64::from(booked_work),
                     f64::from(decision.prompt_blocks),
                     now,
-                    recent::half_life_ms(config.tick_ms),
+                    half_life,
                 );
             }
             self.booking = Some(Booking {

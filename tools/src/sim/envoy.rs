@@ -13,6 +13,7 @@ use kv_router_core::replication::coalesce::{Coalescer, QueuedReply, ReplyKind};
 use kv_router_core::replication::log as replication;
 use kv_router_core::request_path::{Action, RequestPath, RoutingState};
 use kv_router_core::store::fake::MemStore;
+use kv_router_core::tick::{TickCadence, TickKind};
 use std::collections::HashMap;
 use std::rc::Rc;
 
@@ -20,6 +21,7 @@ pub struct SimEnvoy {
     store: Rc<MemStore>,
     pub vm: RoutingState,
     coalescer: Coalescer,
+    cadence: TickCadence,
     fingerprint: u64,
     /// Per worker, the newest event id this Envoy has applied.
     cursors: Vec<u64>,
@@ -54,6 +56,7 @@ impl SimEnvoy {
             store,
             vm,
             coalescer: Coalescer::default(),
+            cadence: TickCadence::new(config.tick_ms),
             fingerprint,
             cursors: vec![0; workers],
             declarations: Declarations::default(),
@@ -125,10 +128,6 @@ impl SimEnvoy {
         Rc::clone(&self.store)
     }
 
-    pub fn tick_ms(&self) -> u64 {
-        self.vm.config.tick_ms.max(1)
-    }
-
     fn host(&mut self, now_ms: u64) -> (SimHost<'_>, &mut RoutingState) {
         let host = SimHost::idle(&self.store, &mut self.counters, now_ms);
         (host, &mut self.vm)
@@ -179,9 +178,27 @@ impl SimEnvoy {
         Ok(())
     }
 
+    /// The tick at `now_ms`, full or relay only ([`kv_router_core::tick`]), as the adapter's
+    /// `on_tick`; the declarations are the caller's ([`Self::declare_moved`]). Returns when the
+    /// next tick is due.
+    pub fn on_tick(&mut self, now_ms: u64) -> u64 {
+        let config = Rc::clone(&self.vm.config);
+        match self.cadence.kind(config.tick_ms, now_ms) {
+            TickKind::Full => self.tick(now_ms),
+            // The replies that came in since, applied; the caller declares what moved.
+            TickKind::Relay => {
+                *self.counters.entry("events.relay_ticks").or_default() += 1;
+                self.flush(now_ms);
+            }
+        }
+        let others = self.vm.hears_other_routers();
+        self.cadence.period_change(&config, true, others);
+        now_ms + self.cadence.period_ms()
+    }
+
     /// The VM's tick: deferred releases, the tick's batch of replies, the shared log, the
     /// predictions of other VMs and the learned timings.
-    pub fn tick(&mut self, now_ms: u64) {
+    fn tick(&mut self, now_ms: u64) {
         let slots = self.vm.config.slots.len();
         if !self.vm.releases.is_empty() {
             self.vm.releases.flush(&*self.store, slots);

@@ -387,7 +387,7 @@ pub fn simulate(
         agenda.at(phase, Event::Scrape(w));
     }
     for (e, envoy) in envoys.iter().enumerate() {
-        agenda.at(envoy.tick_ms() as f64, Event::Tick(e));
+        agenda.at(envoy.vm.config.tick_ms.max(1) as f64, Event::Tick(e));
     }
     // A worker without events answers each call after the filter's long-poll wait.
     let idle_page_ms = envoys.first().map_or(1.0, |e| {
@@ -488,7 +488,7 @@ pub fn simulate(
                             "factors": (0..n).map(|k| vm.learned.factor(k)).collect::<Vec<_>>(),
                             "fleet": vm.learned.fleet,
                             "kv_usage": vm.slot_reports.kv_usage,
-                            "scale": vm.traffic_share.relayed_ratio(),
+                            "relayed_ratio": vm.traffic_share.relayed_ratio(),
                         })
                     });
                     run.decisions.push(
@@ -678,8 +678,8 @@ pub fn simulate(
             Event::Tick(e) => {
                 let replicas = envoys.len();
                 if let Some(envoy) = envoys.get_mut(e) {
-                    envoy.tick(now_ms);
-                    agenda.at(now + envoy.tick_ms() as f64, Event::Tick(e));
+                    let next_ms = envoy.on_tick(now_ms);
+                    agenda.at(next_ms as f64, Event::Tick(e));
                     // Declarations between polls: the bridge records each and, when it moved,
                     // wakes the other Envoys' polls of the worker (a page a network hop later).
                     let relay = opts.relay_bookings && !opts.replicas_share_data;
