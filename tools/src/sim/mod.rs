@@ -488,6 +488,7 @@ pub fn simulate(
                             "factors": (0..n).map(|k| vm.learned.factor(k)).collect::<Vec<_>>(),
                             "fleet": vm.learned.fleet,
                             "kv_usage": vm.slot_reports.kv_usage,
+                            "reported": vm.slot_reports.reported.iter().map(|r| r.map(|r| (r.num_running, r.num_waiting))).collect::<Vec<_>>(),
                             "relayed_ratio": vm.traffic_share.relayed_ratio(),
                         })
                     });
