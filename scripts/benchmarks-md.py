@@ -53,7 +53,7 @@ def main():
             race = json.load(f)["race"]
         readme_path = os.path.join(d, "README.md")
         readme = open(readme_path).read() if os.path.isfile(readme_path) else ""
-        summary = f"race/{name}/summary.md" if results else f"race/{name}/{replicas[0]}/summary.md"
+        summary = "race/" + os.path.relpath(os.path.join(os.path.dirname(first), "summary.md"), RACES)
         print(f"## {name}\n")
         print(f"{race.get('started_utc', '?')} to {race.get('finished_utc', '?')}, "
               f"{race.get('runs')} run(s) per arm, scale {race.get('scale')}; "

@@ -432,6 +432,7 @@ impl PromptSource {
             tokens: ids,
             max_tokens: max_tokens as usize,
             messages: None,
+            client: None,
         }
     }
 }

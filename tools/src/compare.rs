@@ -16,7 +16,7 @@ use crate::harness::{
 };
 use crate::loadgen::{
     print_comparison_table, run_workload, run_workload_on, write_svg_chart, RunOptions, RunStats,
-    Workload,
+    Spread, Workload,
 };
 use crate::mock::timing;
 use crate::peer::{
@@ -360,12 +360,22 @@ pub fn run_mode(
     run_arm(mode, fleet, None, workload, opts)
 }
 
-/// `kv*3` -> (`kv`, 3): the arm run on that many Envoy replicas; 1 without the suffix.
-fn split_replicas(mode: &str) -> io::Result<(&str, usize)> {
+/// `kv*3` -> (`kv`, 3, round-robin): the arm run on that many Envoy replicas, the requests
+/// spread round-robin over them; `kv*3~client`: spread by client (a load balancer with client
+/// affinity, [`Spread::ByClient`]). 1 without the suffix.
+pub fn split_replicas(mode: &str) -> io::Result<(&str, usize, Spread)> {
+    let (mode, spread) = match mode.strip_suffix("~client") {
+        Some(m) => (m, Spread::ByClient),
+        None => (mode, Spread::RoundRobin),
+    };
     match mode.rsplit_once('*') {
-        None => Ok((mode, 1)),
+        None if spread == Spread::RoundRobin => Ok((mode, 1, spread)),
+        None => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{mode}~client: expected <arm>*<replicas>~client"),
+        )),
         Some((base, n)) => match n.parse::<usize>() {
-            Ok(n) if (1..=16).contains(&n) => Ok((base, n)),
+            Ok(n) if (1..=16).contains(&n) => Ok((base, n, spread)),
             _ => Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!("{mode}: expected <arm>*<replicas>, 1 to 16 replicas"),
@@ -387,7 +397,7 @@ fn run_arm(
     }
     let arm = mode;
     let (mode, wasm) = fleet.arm_build(arm)?;
-    let (mode, replicas) = split_replicas(mode)?;
+    let (mode, replicas, spread) = split_replicas(mode)?;
     // A trailing `+cap` on any other kv arm: the workers' `kv_capacity_blocks` configured, as a
     // worker that describes itself would give it.
     let (mode, with_capacity) = match mode.strip_suffix("+cap") {
@@ -568,8 +578,8 @@ fn run_arm(
     // No deadline, as in the shipped configs.
     envoy_opts.route_timeout = Duration::ZERO;
     envoy_opts.log_level = "warning";
-    // `kv*N`: N independent Envoys (no shared state but the fleet), the requests spread
-    // round-robin over them as a load balancer in front of a gateway's replicas would.
+    // `kv*N`: N independent Envoys (no shared state but the fleet), the requests spread over them
+    // as a load balancer in front of a gateway's replicas would: round-robin, or by client.
     let envoys = (0..replicas)
         .map(|_| Envoy::start(&envoy_opts))
         .collect::<io::Result<Vec<Envoy>>>()?;
@@ -585,6 +595,7 @@ fn run_arm(
         }
     }
     opts.worker_addrs = workers.iter().map(|w| w.addr.clone()).collect();
+    opts.spread = spread;
     opts.label = arm.to_string();
     let listeners: Vec<String> = envoys.iter().map(|e| e.listener.clone()).collect();
     let stats = run_workload_on(&listeners, workload, &opts);
@@ -1089,9 +1100,20 @@ mod tests {
 
     #[test]
     fn replica_arms_name_their_count() {
-        assert_eq!(split_replicas("kv").unwrap(), ("kv", 1));
-        assert_eq!(split_replicas("kv*3").unwrap(), ("kv", 3));
-        assert_eq!(split_replicas("kv+share:0*2").unwrap(), ("kv+share:0", 2));
+        assert_eq!(split_replicas("kv").unwrap(), ("kv", 1, Spread::RoundRobin));
+        assert_eq!(
+            split_replicas("kv*3").unwrap(),
+            ("kv", 3, Spread::RoundRobin)
+        );
+        assert_eq!(
+            split_replicas("kv+share:0*2").unwrap(),
+            ("kv+share:0", 2, Spread::RoundRobin)
+        );
+        assert_eq!(
+            split_replicas("kv*3~client").unwrap(),
+            ("kv", 3, Spread::ByClient)
+        );
+        assert!(split_replicas("kv~client").is_err());
         for bad in ["kv*0", "kv*17", "kv*x", "kv*"] {
             assert!(split_replicas(bad).is_err(), "{bad}");
         }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use envoy_kv_router_tools::loadgen::{
     comparison_table, run_workload, run_workload_on, scrape_hit_rate, svg_chart, synthetic,
-    RunOptions, SyntheticSpec,
+    RunOptions, Spread, SyntheticSpec,
 };
 use envoy_kv_router_tools::mock::{self, Mode, Options};
 use serde_json::json;
@@ -22,6 +22,23 @@ fn engine_worker(id: &str) -> (envoy_kv_router_tools::server::Server, String) {
     .unwrap();
     let addr = server.addr_string();
     (server, addr)
+}
+
+/// Mock workers at their default options, with their addresses.
+fn default_workers(ids: &[&str]) -> (Vec<envoy_kv_router_tools::server::Server>, Vec<String>) {
+    let workers: Vec<_> = ids
+        .iter()
+        .map(|id| {
+            mock::spawn(Options {
+                id: (*id).into(),
+                ..Options::default()
+            })
+            .unwrap()
+            .0
+        })
+        .collect();
+    let addrs = workers.iter().map(|s| s.addr_string()).collect();
+    (workers, addrs)
 }
 
 #[test]
@@ -89,18 +106,7 @@ fn errors_are_counted_not_fatal() {
 /// workers' server-side TTFT, which the client-side TTFT can only exceed.
 #[test]
 fn closed_loop_over_a_fleet_reports_concurrency_and_server_ttft() {
-    let workers: Vec<_> = ["1", "2"]
-        .iter()
-        .map(|id| {
-            mock::spawn(Options {
-                id: (*id).into(),
-                ..Options::default()
-            })
-            .unwrap()
-            .0
-        })
-        .collect();
-    let addrs: Vec<String> = workers.iter().map(|s| s.addr_string()).collect();
+    let (_workers, addrs) = default_workers(&["1", "2"]);
     let spec = SyntheticSpec::parse("groups=2,prefix=8,isl=16,osl=3,requests=40,rate=1").unwrap();
     let opts = RunOptions {
         worker_addrs: addrs.clone(),
@@ -132,6 +138,37 @@ fn closed_loop_over_a_fleet_reports_concurrency_and_server_ttft() {
         stats.ttft().mean
     );
     assert!(stats.ttft_overhead_ms().unwrap() > 0.0);
+}
+
+/// Spread by client over three targets (as `kv*3~client` spreads over three Envoys): every
+/// request of a burst reaches the same target over real HTTP, the target its client hashes to,
+/// and the bursts are not all on one target.
+#[test]
+fn by_client_every_request_of_a_burst_reaches_one_target() {
+    let (_workers, addrs) = default_workers(&["1", "2", "3"]);
+    let spec =
+        SyntheticSpec::parse("burst=4,prefix=8,isl=16,osl=2,requests=48,rate=200,seed=3").unwrap();
+    let workload = synthetic(&spec);
+    let opts = RunOptions {
+        progress_every: None,
+        timeout: Duration::from_secs(20),
+        spread: Spread::ByClient,
+        ..RunOptions::default()
+    };
+    let stats = run_workload_on(&addrs, &workload, &opts);
+    assert_eq!(stats.completed(), 48, "{:?}", stats.error_summary());
+    let mut targets_used = std::collections::BTreeSet::new();
+    for r in &stats.results {
+        let client = workload.requests[r.index]
+            .client
+            .expect("a burst names its client");
+        assert_eq!(client, (r.index / 4) as u64);
+        let expected = Spread::ByClient.target(r.index, Some(client), 3);
+        let worker = r.worker_id.as_deref().expect("x-worker-id");
+        assert_eq!(worker, ["1", "2", "3"][expected], "request {}", r.index);
+        targets_used.insert(expected);
+    }
+    assert!(targets_used.len() > 1, "{targets_used:?}");
 }
 
 /// `loadgen --report-from` re-reads a saved `--requests-jsonl` of `--modes` and prints the

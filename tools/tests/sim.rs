@@ -4,7 +4,7 @@
 
 use envoy_kv_router_tools::compare::Fleet;
 use envoy_kv_router_tools::loadgen::generate::{self, AgentSpec};
-use envoy_kv_router_tools::loadgen::{load_mooncake, synthetic, SyntheticSpec, Workload};
+use envoy_kv_router_tools::loadgen::{load_mooncake, synthetic, Spread, SyntheticSpec, Workload};
 use envoy_kv_router_tools::sim::{arm_router, simulate, Router, SimOptions, SimRun};
 
 fn agent_workload(params: &str) -> Workload {
@@ -159,6 +159,39 @@ fn replicas_that_relay_between_ticks_route_nearly_as_one_envoy() {
 }
 
 #[test]
+fn replicas_behind_client_affinity_route_a_burst_as_one_envoy() {
+    // Eight requests sharing a new 4,096-token prefix arrive at once. One Envoy spreads them
+    // over the eight workers. Sprayed round-robin over three Envoys, each decides on the same
+    // view in the same instant and the three pile theirs on the same few workers (no relay is
+    // fast enough within one instant). A load balancer with client affinity sends a client's
+    // burst to one Envoy, which spreads it as one Envoy does.
+    let spec =
+        SyntheticSpec::parse("burst=8,prefix=4096,isl=6144,osl=128,rate=16,seed=11").unwrap();
+    let workload = synthetic(&spec);
+    assert!(workload.requests.iter().all(|r| r.client.is_some()));
+    let fleet = Fleet::new(8, 64, &["--kv-blocks", "8192", "--speedup", "2"]);
+    let one = run("kv", &workload, &fleet);
+    let sprayed = run("kv*3", &workload, &fleet);
+    let by_client = run("kv*3~client", &workload, &fleet);
+    for r in [&one, &sprayed, &by_client] {
+        assert_eq!(r.errors, 0);
+        assert_eq!(r.ttft_ms.len(), workload.requests.len());
+    }
+    let ratio = |r: &SimRun| r.ttft_mean() / one.ttft_mean();
+    let (rr, affine) = (ratio(&sprayed), ratio(&by_client));
+    assert!(
+        affine < 1.05 && rr > 1.3,
+        "three Envoys {affine:.3}x one's TTFT by client, {rr:.3}x round-robin"
+    );
+    assert!(
+        by_client.balance() < sprayed.balance() + 1e-9 && by_client.balance() < 1.1,
+        "balance {:.2} by client, {:.2} round-robin",
+        by_client.balance(),
+        sprayed.balance()
+    );
+}
+
+#[test]
 fn arms_are_parsed_as_the_race_names_them() {
     assert!(arm_router("kv*3").is_ok());
     assert!(arm_router("kv+set:ttft.share_weight=3").is_ok());
@@ -167,6 +200,15 @@ fn arms_are_parsed_as_the_race_names_them() {
     assert!(err.contains("peers run in the race"), "{err}");
     assert!(arm_router("kv*0").is_err());
     assert!(matches!(
+        arm_router("kv*3~client"),
+        Ok(Router::Filter {
+            envoys: 3,
+            spread: Spread::ByClient,
+            ..
+        })
+    ));
+    assert!(arm_router("kv~client").is_err());
+    assert!(matches!(
         arm_router("oracle+share:2"),
         Ok(Router::Oracle { share_weight }) if share_weight == 2.0
     ));
@@ -174,7 +216,7 @@ fn arms_are_parsed_as_the_race_names_them() {
     let calibrated = arm_router("kv+calibrated+set:ttft.share_weight=3*2").unwrap();
     assert!(matches!(
         calibrated,
-        Router::Filter { calibrated: true, envoys: 2, ref config } if config["ttft"]["share_weight"] == 3
+        Router::Filter { calibrated: true, envoys: 2, ref config, .. } if config["ttft"]["share_weight"] == 3
     ));
     assert!(matches!(
         arm_router("kv").unwrap(),

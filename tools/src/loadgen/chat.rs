@@ -130,6 +130,7 @@ pub fn chat(spec: &ChatSpec) -> Workload {
                 tokens,
                 max_tokens: spec.osl,
                 messages: Some(messages),
+                client: Some(c as u64),
             });
             // The client resends the assistant's answer with the next turn.
             history.push(json!({"role": "assistant", "content": text(key ^ 2, spec.reply_chars)}));

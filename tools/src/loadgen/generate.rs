@@ -54,6 +54,7 @@ impl TraceRequest {
             "input_length": self.input_length,
             "output_length": self.output_length,
             "hash_ids": self.hash_ids,
+            "session": self.session,
         })
         .to_string()
     }
@@ -780,6 +781,10 @@ mod tests {
             let w = super::super::load_mooncake(&p, 1.0, None).unwrap();
             assert_eq!(w.requests.len(), a.len());
             assert_eq!(w.requests[0].tokens.len(), a[0].input_length);
+            // Each request names its session: the client a load balancer's affinity keys on.
+            let sessions: Vec<Option<u64>> = a.iter().map(|r| Some(r.session as u64)).collect();
+            let clients: Vec<Option<u64>> = w.requests.iter().map(|r| r.client).collect();
+            assert_eq!(clients, sessions, "{kind:?}");
             std::fs::remove_dir_all(&dir).unwrap();
         }
     }

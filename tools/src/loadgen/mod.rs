@@ -18,7 +18,7 @@ pub use replay::{affinity_replay, block_hashes, pooled_replay, Affinity, Why};
 pub use report::{
     comparison_table, format_stats, print_comparison_table, svg_chart, write_svg_chart,
 };
-pub use runner::{body_for, run_workload, run_workload_on, RunOptions};
+pub use runner::{body_for, run_workload, run_workload_on, RunOptions, Spread};
 pub use stats::{
     scrape_hit_rate, scrape_workers, CacheCounters, ClientUsage, RequestResult, RunStats, Summary,
     WorkerCounters,
@@ -47,6 +47,10 @@ pub struct RequestSpec {
     pub max_tokens: usize,
     /// A chat request: sent as `messages` to `/v1/chat/completions`.
     pub messages: Option<Value>,
+    /// The client that sent it (a session, a conversation, the sender of a burst): a load
+    /// balancer with client affinity sends its requests to the same Envoy ([`Spread::ByClient`]).
+    /// `None`: each request is its own client.
+    pub client: Option<u64>,
 }
 
 /// How requests are released.
@@ -139,6 +143,8 @@ pub fn load_mooncake(
             tokens: mooncake_tokens(&ids, input),
             max_tokens: output.max(1),
             messages: None,
+            // The generated traces name each request's session (not Mooncake's own field).
+            client: v["session"].as_u64(),
         });
     }
     Ok(Workload {
@@ -302,6 +308,8 @@ pub fn synthetic(spec: &SyntheticSpec) -> Workload {
                 tokens,
                 max_tokens: spec.osl,
                 messages: None,
+                // A burst is one client's (an agent's fan-out of calls sharing a prompt).
+                client: (spec.burst > 0).then_some((n / burst) as u64),
             }
         })
         .collect();
@@ -335,6 +343,7 @@ mod tests {
                     tokens,
                     max_tokens: 300,
                     messages: None,
+                    client: None,
                 })
                 .to_vec(),
             arrival: Arrival::Timed,

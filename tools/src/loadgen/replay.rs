@@ -329,6 +329,7 @@ mod tests {
             tokens,
             max_tokens: 1,
             messages: None,
+            client: None,
         }
     }
 

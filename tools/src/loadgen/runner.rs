@@ -53,6 +53,30 @@ pub struct RunOptions {
     /// Chat requests (`messages`) are sent as their token ids to `/v1/completions` instead
     /// (the token-id baseline of a chat workload).
     pub chat_as_ids: bool,
+    /// How the requests are spread over several targets (Envoy replicas).
+    pub spread: Spread,
+}
+
+/// How a load balancer in front of several Envoy replicas spreads the requests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Spread {
+    /// Each request to the next replica.
+    #[default]
+    RoundRobin,
+    /// Client affinity (a hash of the client, as of its address or a session header): every
+    /// request of a client to the same replica; a request without a client round-robin.
+    ByClient,
+}
+
+impl Spread {
+    /// The target (of `n`) for request `i` of client `client`.
+    pub fn target(self, i: usize, client: Option<u64>, n: usize) -> usize {
+        let n = n.max(1);
+        match (self, client) {
+            (Spread::ByClient, Some(c)) => (crate::util::splitmix64(c) % n as u64) as usize,
+            _ => i % n,
+        }
+    }
 }
 
 impl Default for RunOptions {
@@ -70,6 +94,7 @@ impl Default for RunOptions {
             progress_every: Some(Duration::from_secs(2)),
             label: String::new(),
             chat_as_ids: false,
+            spread: Spread::RoundRobin,
         }
     }
 }
@@ -115,8 +140,9 @@ struct Run {
 
 impl Run {
     fn url_for(&self, i: usize) -> &str {
-        let n = self.urls.len().max(1);
-        self.urls.get(i % n).map_or("", String::as_str)
+        let client = self.requests.get(i).and_then(|r| r.client);
+        let target = self.opts.spread.target(i, client, self.urls.len());
+        self.urls.get(target).map_or("", String::as_str)
     }
 
     fn record(&self, r: &RequestResult) {
@@ -507,5 +533,37 @@ pub fn run_workload_on(targets: &[String], workload: &Workload, opts: &RunOption
     {
         Ok(rt) => rt.block_on(run_async(targets, workload, opts)),
         Err(e) => failed_run(workload, &format!("cannot start the async runtime: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Spread;
+
+    #[test]
+    fn client_affinity_keeps_a_client_on_one_target_and_spreads_the_clients() {
+        let n = 3;
+        let mut per_target = [0usize; 3];
+        for client in 0..300u64 {
+            let first = Spread::ByClient.target(0, Some(client), n);
+            // Wherever its requests fall in the run, a client's go to the same target.
+            for i in 1..10 {
+                assert_eq!(Spread::ByClient.target(i, Some(client), n), first);
+            }
+            per_target[first] += 1;
+        }
+        assert!(
+            per_target.iter().all(|&k| (70..=130).contains(&k)),
+            "{per_target:?}"
+        );
+        // Requests without a client, and round-robin arms, take turns.
+        let turns: Vec<usize> = (0..6)
+            .map(|i| Spread::ByClient.target(i, None, n))
+            .collect();
+        assert_eq!(turns, [0, 1, 2, 0, 1, 2]);
+        let rr: Vec<usize> = (0..4)
+            .map(|i| Spread::RoundRobin.target(i, Some(7), n))
+            .collect();
+        assert_eq!(rr, [0, 1, 2, 0]);
     }
 }

@@ -24,7 +24,7 @@ pub mod envoy;
 pub mod host;
 
 use crate::compare::Fleet;
-use crate::loadgen::{body_for, RunOptions, Workload};
+use crate::loadgen::{body_for, RunOptions, Spread, Workload};
 use crate::mock::engine::{EngineCore, Output, ReqId, StepOutcome};
 use crate::mock::Options;
 use clap::Parser;
@@ -46,6 +46,8 @@ pub enum Router {
     Filter {
         config: Value,
         envoys: usize,
+        /// How the requests are spread over the Envoys (`kv*3~client`: by client).
+        spread: Spread,
         calibrated: bool,
     },
     /// Round-robin, as Envoy's own load balancer.
@@ -351,6 +353,7 @@ pub fn simulate(
         config,
         envoys: count,
         calibrated,
+        ..
     } = router
     {
         let entries: Vec<Value> = workers
@@ -431,7 +434,11 @@ pub fn simulate(
                 let envoy = if envoys.is_empty() {
                     0
                 } else {
-                    i % envoys.len()
+                    let spread = match router {
+                        Router::Filter { spread, .. } => *spread,
+                        _ => Spread::RoundRobin,
+                    };
+                    spread.target(i, spec.client, envoys.len())
                 };
                 let chosen = match envoys.get_mut(envoy) {
                     Some(e) => {
@@ -489,6 +496,7 @@ pub fn simulate(
                             "fleet": vm.learned.fleet,
                             "kv_usage": vm.slot_reports.kv_usage,
                             "reported": vm.slot_reports.reported.iter().map(|r| r.map(|r| (r.num_running, r.num_waiting))).collect::<Vec<_>>(),
+                            "others": vm.slot_reports.reported.iter().map(|r| r.and_then(|r| r.other_routers).map(|o| (o.requests, o.prefill_tokens.round()))).collect::<Vec<_>>(),
                             "relayed_ratio": vm.traffic_share.relayed_ratio(),
                         })
                     });
@@ -718,19 +726,10 @@ pub fn simulate(
 }
 
 /// The router of arm `arm`: `round-robin`, `kv`, `kv+set:<a.b>=<v>[+set:...]` (the race's
-/// arms), each optionally on `*N` Envoys (`kv*3`), or the yardsticks `oracle` and
+/// arms), each optionally on `*N` Envoys (`kv*3`; `kv*3~client`: spread by client), or the yardsticks `oracle` and
 /// `oracle+share:<weight>` ([`Router::Oracle`]).
 pub fn arm_router(arm: &str) -> Result<Router, String> {
-    let (base, envoys) = match arm.rsplit_once('*') {
-        Some((base, n)) => (
-            base,
-            n.parse::<usize>()
-                .ok()
-                .filter(|n| (1..=16).contains(n))
-                .ok_or_else(|| format!("{arm}: expected <arm>*<envoys>, 1 to 16"))?,
-        ),
-        None => (arm, 1),
-    };
+    let (base, envoys, spread) = crate::compare::split_replicas(arm).map_err(|e| e.to_string())?;
     // `kv+calibrated[+set:...]`: each worker with its own timing polynomials.
     let (base, calibrated) = match base.strip_prefix("kv+calibrated") {
         Some(rest) if rest.is_empty() || rest.starts_with("+set:") => (format!("kv{rest}"), true),
@@ -749,11 +748,13 @@ pub fn arm_router(arm: &str) -> Result<Router, String> {
         "kv" => Ok(Router::Filter {
             config: json!({}),
             envoys,
+            spread,
             calibrated,
         }),
         b if b.starts_with("kv+set:") => Ok(Router::Filter {
             config: crate::compare::set_fields(b).map_err(|e| e.to_string())?,
             envoys,
+            spread,
             calibrated,
         }),
         other => Err(format!(
