@@ -82,23 +82,30 @@ fn vllm_router_kv_aware_finds_a_prefix_the_mock_published() {
         extra_args: Vec::new(),
     };
     let router = VllmRouter::start(&opts, &workers).unwrap();
-    let prompt: Vec<u32> = (1000..1160).collect();
-    let body = json!({"model": "m", "prompt": prompt, "max_tokens": 2});
-    // The first request stores the prompt's 10 blocks on one worker; once its "stored" event is
+    // A prompt's first request stores its 10 blocks on one worker; once that "stored" event is
     // in vllm-router's index, the same prompt's placement lookup is a hit. Before the events
-    // were published under vLLM's (empty) topic, every lookup stayed a miss.
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let mut sent = 0;
-    while router.placement_lookups().unwrap().0 < 1.0 {
+    // were published under vLLM's (empty) topic, every lookup stayed a miss. A subscriber that
+    // connects after a prompt's events were published never sees them (ZMQ's slow joiner), and
+    // a cached prompt is not stored again: so each attempt sends a new prompt, then repeats it.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut sent = 0u32;
+    for attempt in 0u32.. {
         assert!(
             Instant::now() < deadline,
             "no placement hit after {sent} requests:\n{}",
             router.log_tail(20)
         );
-        let reply = client::post_json(&router.addr, "/v1/completions", &body).unwrap();
-        assert_eq!(reply.status, 200);
-        sent += 1;
-        std::thread::sleep(Duration::from_millis(100));
+        let prompt: Vec<u32> = (0..160).map(|i| 1000 + attempt * 200 + i).collect();
+        let body = json!({"model": "m", "prompt": prompt, "max_tokens": 2});
+        for _ in 0..2 {
+            let reply = client::post_json(&router.addr, "/v1/completions", &body).unwrap();
+            assert_eq!(reply.status, 200);
+            sent += 1;
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        if router.placement_lookups().unwrap().0 >= 1.0 {
+            break;
+        }
     }
     assert!(sent >= 2, "the first request cannot hit: {sent}");
 }
