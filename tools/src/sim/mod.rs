@@ -349,6 +349,10 @@ pub fn simulate(
         .map(|(i, w)| (w.address.clone(), i))
         .collect();
     let mut envoys = Vec::new();
+    let spread = match router {
+        Router::Filter { spread, .. } => *spread,
+        _ => Spread::RoundRobin,
+    };
     if let Router::Filter {
         config,
         envoys: count,
@@ -434,10 +438,6 @@ pub fn simulate(
                 let envoy = if envoys.is_empty() {
                     0
                 } else {
-                    let spread = match router {
-                        Router::Filter { spread, .. } => *spread,
-                        _ => Spread::RoundRobin,
-                    };
                     spread.target(i, spec.client, envoys.len())
                 };
                 let chosen = match envoys.get_mut(envoy) {
@@ -486,6 +486,7 @@ pub fn simulate(
                 if opts.probe_regret {
                     let view = envoys.get(envoy).map(|e| {
                         let vm = &e.vm;
+                        let reports = &vm.slot_reports.reported;
                         json!({
                             "costs": path.decision_costs(),
                             "prefill_tokens": vm.load_view.iter().map(|l| l.prefill_tokens).collect::<Vec<_>>(),
@@ -495,8 +496,13 @@ pub fn simulate(
                             "factors": (0..n).map(|k| vm.learned.factor(k)).collect::<Vec<_>>(),
                             "fleet": vm.learned.fleet,
                             "kv_usage": vm.slot_reports.kv_usage,
-                            "reported": vm.slot_reports.reported.iter().map(|r| r.map(|r| (r.num_running, r.num_waiting))).collect::<Vec<_>>(),
-                            "others": vm.slot_reports.reported.iter().map(|r| r.and_then(|r| r.other_routers).map(|o| (o.requests, o.prefill_tokens.round()))).collect::<Vec<_>>(),
+                            "reported": reports.iter()
+                                .map(|r| r.map(|r| (r.num_running, r.num_waiting)))
+                                .collect::<Vec<_>>(),
+                            "others": reports.iter()
+                                .map(|r| r.and_then(|r| r.other_routers))
+                                .map(|o| o.map(|o| (o.requests, o.prefill_tokens.round())))
+                                .collect::<Vec<_>>(),
                             "relayed_ratio": vm.traffic_share.relayed_ratio(),
                         })
                     });
@@ -726,8 +732,8 @@ pub fn simulate(
 }
 
 /// The router of arm `arm`: `round-robin`, `kv`, `kv+set:<a.b>=<v>[+set:...]` (the race's
-/// arms), each optionally on `*N` Envoys (`kv*3`; `kv*3~client`: spread by client), or the yardsticks `oracle` and
-/// `oracle+share:<weight>` ([`Router::Oracle`]).
+/// arms), each optionally on `*N` Envoys (`kv*3`; `kv*3~client`: spread by client), or the
+/// yardsticks `oracle` and `oracle+share:<weight>` ([`Router::Oracle`]).
 pub fn arm_router(arm: &str) -> Result<Router, String> {
     let (base, envoys, spread) = crate::compare::split_replicas(arm).map_err(|e| e.to_string())?;
     // `kv+calibrated[+set:...]`: each worker with its own timing polynomials.
