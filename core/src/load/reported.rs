@@ -86,19 +86,27 @@ pub fn merge_reported(
 mod tests {
     use super::*;
 
+    fn report(num_waiting: u32, num_running: u32, kv_usage: f64) -> ReportedLoad {
+        ReportedLoad {
+            num_waiting,
+            num_running,
+            kv_usage,
+            other_routers: None,
+        }
+    }
+
+    fn load(prefill_tokens: f64, decode_blocks: f64, active_requests: u32) -> SlotLoad {
+        SlotLoad {
+            prefill_tokens,
+            decode_blocks,
+            active_requests,
+        }
+    }
+
     #[test]
     fn the_larger_view_wins() {
-        let reported = ReportedLoad {
-            num_waiting: 2,
-            num_running: 6,
-            kv_usage: 0.5,
-            other_routers: None,
-        };
-        let mut idle = SlotLoad {
-            prefill_tokens: 0.0,
-            decode_blocks: 10.0,
-            active_requests: 1,
-        };
+        let reported = report(2, 6, 0.5);
+        let mut idle = load(0.0, 10.0, 1);
         merge_reported(&mut idle, &reported, 1, 300.0);
         assert_eq!(idle.active_requests, 8);
         assert_eq!(
@@ -107,11 +115,7 @@ mod tests {
         );
         // 7 requests this router did not send, 2 of them waiting: 2 prompts of 300 tokens.
         assert_eq!(idle.prefill_tokens, 600.0);
-        let mut busy = SlotLoad {
-            prefill_tokens: 0.0,
-            decode_blocks: 800.0,
-            active_requests: 20,
-        };
+        let mut busy = load(0.0, 800.0, 20);
         merge_reported(&mut busy, &reported, 2, 300.0);
         assert_eq!(busy.active_requests, 20, "local view larger: kept");
         assert_eq!(busy.prefill_tokens, 0.0, "nothing unseen");
@@ -121,21 +125,15 @@ mod tests {
     #[test]
     fn other_routers_bookings_join_the_own_view_per_rank() {
         let reported = ReportedLoad {
-            num_waiting: 0,
-            num_running: 9,
-            kv_usage: 0.5,
             other_routers: Some(crate::events::Booked {
                 requests: 6,
                 prefill_tokens: 8000.0,
                 decode_blocks: 40.0,
                 timing: None,
             }),
+            ..report(0, 9, 0.5)
         };
-        let mut view = SlotLoad {
-            prefill_tokens: 1000.0,
-            decode_blocks: 10.0,
-            active_requests: 3,
-        };
+        let mut view = load(1000.0, 10.0, 3);
         add_other_routers(&mut view, &reported, 2);
         assert_eq!(view.prefill_tokens, 5000.0);
         assert_eq!(view.decode_blocks, 30.0);
@@ -169,20 +167,11 @@ mod tests {
 
     #[test]
     fn a_whole_workers_requests_split_over_its_ranks() {
-        let reported = ReportedLoad {
-            num_waiting: 3,
-            num_running: 4,
-            kv_usage: 7.0,
-            other_routers: None,
-        };
-        let mut load = SlotLoad {
-            prefill_tokens: 0.0,
-            decode_blocks: 3.0,
-            active_requests: 0,
-        };
-        merge_reported(&mut load, &reported, 2, 100.0);
-        assert_eq!((load.active_requests, load.decode_blocks), (3, 3.0));
+        let reported = report(3, 4, 7.0);
+        let mut view = load(0.0, 3.0, 0);
+        merge_reported(&mut view, &reported, 2, 100.0);
+        assert_eq!((view.active_requests, view.decode_blocks), (3, 3.0));
         // One of the rank's three unseen requests waits (3 of 7 over 2 ranks, floored).
-        assert_eq!(load.prefill_tokens, 100.0);
+        assert_eq!(view.prefill_tokens, 100.0);
     }
 }
