@@ -18,7 +18,9 @@ use envoy_kv_router_tools::loadgen::{
 use envoy_kv_router_tools::quality::{
     affinity_table, credit_table, load_miss_table, time_beyond_compute_table,
 };
-use envoy_kv_router_tools::race::{race, RaceOptions, DEFAULT_ARMS, EXTRA_WORKLOADS, WORKLOADS};
+use envoy_kv_router_tools::race::{
+    race, RaceOptions, TraceWorkload, DEFAULT_ARMS, EXTRA_WORKLOADS, WORKLOADS,
+};
 use envoy_kv_router_tools::sys::raise_fd_limit;
 use envoy_kv_router_tools::vllm::{self, EngineConfig};
 use serde_json::Value;
@@ -323,6 +325,12 @@ struct RaceArgs {
     /// A filter build for the arms tagged TAG (`kv@TAG`, `kv*3@TAG`), repeatable: TAG=PATH.
     #[arg(long = "arm-wasm")]
     arm_wasm: Vec<String>,
+    /// Your own Mooncake-format trace as workload NAME, on a mock fleet described by keys,
+    /// repeatable: `NAME=PATH[;key=value...]`, keys workers, block_size, worker_args, speedups
+    /// (comma-separated, one per worker, cycled), time_scale; e.g.
+    /// 'mine=prod.jsonl;workers=12;speedups=1,3'. Without --workloads only these run.
+    #[arg(long = "trace-workload")]
+    trace_workload: Vec<String>,
 }
 
 fn gen_workload(a: &GenWorkloadArgs) {
@@ -466,7 +474,25 @@ fn run_race(a: &RaceArgs) {
     if !(a.scale.is_finite() && a.scale > 0.0) {
         fail("race: --scale must be > 0");
     }
-    let workloads: Vec<String> = if a.workloads.is_empty() {
+    let trace_workloads: Vec<TraceWorkload> = a
+        .trace_workload
+        .iter()
+        .map(|spec| TraceWorkload::parse(spec).unwrap_or_else(|e| fail(&format!("race: {e}"))))
+        .collect();
+    if let Some((i, t)) = trace_workloads
+        .iter()
+        .enumerate()
+        .find(|(i, t)| trace_workloads[..*i].iter().any(|u| u.name == t.name))
+    {
+        fail(&format!(
+            "race: --trace-workload {:?} given twice (#{})",
+            t.name,
+            i + 1
+        ));
+    }
+    let workloads: Vec<String> = if a.workloads.is_empty() && !trace_workloads.is_empty() {
+        trace_workloads.iter().map(|t| t.name.clone()).collect()
+    } else if a.workloads.is_empty() {
         WORKLOADS.iter().map(|s| s.to_string()).collect()
     } else {
         a.workloads
@@ -475,7 +501,11 @@ fn run_race(a: &RaceArgs) {
             .cloned()
             .collect()
     };
-    let known = |w: &str| WORKLOADS.contains(&w) || EXTRA_WORKLOADS.contains(&w);
+    let known = |w: &str| {
+        WORKLOADS.contains(&w)
+            || EXTRA_WORKLOADS.contains(&w)
+            || trace_workloads.iter().any(|t| t.name == w)
+    };
     if let Some(w) = workloads.iter().find(|w| !known(w.as_str())) {
         fail(&format!(
             "race: unknown workload {w:?} (known: {},{})",
@@ -517,6 +547,7 @@ fn run_race(a: &RaceArgs) {
                 _ => fail(&format!("--arm-wasm {spec}: expected TAG=PATH")),
             })
             .collect(),
+        trace_workloads,
     };
     if let Err(e) = race(&opts) {
         fail(&format!("race: {e}"));

@@ -21,6 +21,9 @@ use crate::loadgen::{
 use crate::peer::vllm_router_policy;
 use crate::vllm::{self, EngineConfig};
 
+mod trace_workload;
+pub use trace_workload::TraceWorkload;
+
 /// The workloads, in the order they run.
 pub const WORKLOADS: [&str; 6] = [
     "synthetic",
@@ -94,6 +97,9 @@ pub struct RaceOptions {
     pub quiet: bool,
     /// Filter builds for `kv@TAG` arms (`--arm-wasm TAG=PATH`), as the compare tool's.
     pub arm_wasm: Vec<(String, PathBuf)>,
+    /// Workloads of the user's own traces and fleets (`--trace-workload`), run when named in
+    /// `workloads`.
+    pub trace_workloads: Vec<TraceWorkload>,
 }
 
 impl Default for RaceOptions {
@@ -109,6 +115,7 @@ impl Default for RaceOptions {
             dry_run: false,
             quiet: false,
             arm_wasm: Vec::new(),
+            trace_workloads: Vec::new(),
         }
     }
 }
@@ -154,7 +161,8 @@ fn params_of(s: &str) -> Vec<String> {
     vec![s.to_string()]
 }
 
-/// Reads a Mooncake-format trace's lines (the first `max`), each line its own session.
+/// Reads a Mooncake-format trace's lines (the first `max`): each line in the `session` it names
+/// (the generated traces' field), else in its own.
 pub fn read_trace(path: &Path, max: usize) -> io::Result<Vec<TraceRequest>> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
@@ -170,7 +178,7 @@ pub fn read_trace(path: &Path, max: usize) -> io::Result<Vec<TraceRequest>> {
             )
         })?;
         out.push(TraceRequest {
-            session: n,
+            session: v["session"].as_u64().map_or(n, |s| s as usize),
             turn: 0,
             timestamp_ms: v["timestamp"].as_f64().unwrap_or(0.0).max(0.0) as u64,
             input_length: v["input_length"].as_u64().unwrap_or(0) as usize,
@@ -214,6 +222,9 @@ pub fn prepare(name: &str, opts: &RaceOptions) -> io::Result<Result<RaceWorkload
         )
     };
     let speedup = 2.0;
+    if let Some(t) = opts.trace_workloads.iter().find(|t| t.name == name) {
+        return Ok(Ok(trace_race_workload(t, opts.scale, run_opts)?));
+    }
     Ok(Ok(match name {
         "synthetic" => {
             let path = &opts.synthetic_trace;
@@ -394,6 +405,46 @@ pub fn prepare(name: &str, opts: &RaceOptions) -> io::Result<Result<RaceWorkload
             ))
         }
     }))
+}
+
+/// A `--trace-workload`: the first `scale` of the trace's requests on the fleet it names.
+fn trace_race_workload(
+    t: &TraceWorkload,
+    scale: f64,
+    run_opts: RunOptions,
+) -> io::Result<RaceWorkload> {
+    let trace = read_trace(&t.path, usize::MAX)?;
+    if trace.is_empty() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{}: no requests", t.path.display()),
+        ));
+    }
+    let n = scaled(trace.len(), scale);
+    let mut fleet = Fleet::new(t.workers, t.block_size, &[]);
+    fleet.worker_args.clone_from(&t.worker_args);
+    fleet.speedups.clone_from(&t.speedups);
+    let load = TraceLoad::of(
+        &trace[..n],
+        t.workers as usize,
+        fleet.worker_speedup(),
+        t.time_scale,
+    );
+    Ok(RaceWorkload {
+        name: t.name.clone(),
+        description: format!(
+            "the trace {} (`--trace-workload`), first {n} of its {} requests, `--time-scale {}`; {}",
+            t.path.display(),
+            trace.len(),
+            t.time_scale,
+            t.fleet_text()
+        ),
+        params: json!({"trace": t.path, "requests": n, "time_scale": t.time_scale}),
+        load: Some(load),
+        workload: load_mooncake(&t.path, t.time_scale, Some(n))?,
+        fleet,
+        run_opts,
+    })
 }
 
 /// What one arm measured in one run.
@@ -1452,6 +1503,40 @@ mod tests {
         let why = prepare("synthetic", &missing).unwrap().err().unwrap();
         assert!(why.contains("Mooncake"), "{why}");
         assert!(prepare("bogus", &missing).is_err());
+        // A trace of one's own, on the fleet its spec names, scaled like the rest.
+        let spec = format!(
+            "mine={};workers=3;speedups=1,3;time_scale=2",
+            missing.synthetic_trace.display()
+        );
+        let own = RaceOptions {
+            scale: 0.5,
+            trace_workloads: vec![TraceWorkload::parse(&spec).unwrap()],
+            ..missing
+        };
+        assert!(
+            prepare("mine", &own).is_err(),
+            "a missing trace is an error"
+        );
+        let own = RaceOptions {
+            trace_workloads: vec![TraceWorkload::parse(&spec.replace("nope", "trace")).unwrap()],
+            ..own
+        };
+        let w = prepare("mine", &own).unwrap().unwrap();
+        assert_eq!(
+            w.workload.requests.len(),
+            1,
+            "half of the trace's two requests"
+        );
+        assert_eq!(
+            (w.fleet.workers, &w.fleet.speedups[..]),
+            (3, &[1.0, 3.0][..])
+        );
+        assert_eq!(w.fleet.worker_speedup(), 2.0);
+        assert!(
+            w.description.contains("first 1 of its 2 requests"),
+            "{}",
+            w.description
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
