@@ -420,7 +420,8 @@ fn trace_race_workload(
             format!("{}: no requests", t.path.display()),
         ));
     }
-    let n = scaled(trace.len(), scale);
+    // `--scale` above 1 cannot add requests a trace does not have.
+    let n = scaled(trace.len(), scale).min(trace.len());
     let mut fleet = Fleet::new(t.workers, t.block_size, &[]);
     fleet.worker_args.clone_from(&t.worker_args);
     fleet.speedups.clone_from(&t.speedups);
@@ -1537,6 +1538,9 @@ mod tests {
             "{}",
             w.description
         );
+        let whole = RaceOptions { scale: 3.0, ..own };
+        let w = prepare("mine", &whole).unwrap().unwrap();
+        assert_eq!(w.workload.requests.len(), 2, "the whole trace, no more");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
