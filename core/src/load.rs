@@ -31,6 +31,7 @@ use std::fmt;
 
 use crate::types::SlotIdx;
 
+pub mod placed;
 pub mod recent;
 mod reported;
 pub mod share;

@@ -28,6 +28,7 @@ use crate::config::{Config, KvPolicy, RoutingMode, TtftConfig};
 use crate::cost;
 use crate::filters;
 use crate::learn::{LearnedTimings, Prediction};
+use crate::load::placed::Placements;
 use crate::load::SlotLoad;
 use crate::request::{LlmRequest, Pin};
 use crate::rng::Rng;
@@ -76,6 +77,9 @@ pub struct SelectorState {
     /// decay instead of every count shrinking by it: O(1) per request).
     recent: Vec<f64>,
     recent_unit: f64,
+    /// This VM's placements on their way to the other VMs and routers, and what it has heard of
+    /// theirs ([`crate::load::placed`]): their requests join `recent` too.
+    pub placements: Placements,
     /// Buffers a decision reuses, so that a decision allocates nothing once they have grown
     /// (the scores and fallbacks come back through [`SelectorState::recycle`]).
     buffers: Buffers,
@@ -98,6 +102,7 @@ impl SelectorState {
             round_robin_counter: 0,
             recent: Vec::new(),
             recent_unit: 1.0,
+            placements: Placements::default(),
             buffers: Buffers::default(),
         }
     }
@@ -115,17 +120,33 @@ impl SelectorState {
         self.buffers.fallbacks = fallbacks;
     }
 
-    /// `slot` received a request. Allocates only when the number of slots changes.
+    /// This VM sent `slot` a request. Allocates only when the number of slots changes.
     fn record_request(&mut self, slots: usize, slot: SlotIdx) {
+        self.placements.note(slots, usize::from(slot));
+        self.add_recent(slots, usize::from(slot), 1);
+    }
+
+    /// Other VMs of this Envoy, or other routers, sent `placed[slot]` requests to each slot
+    /// since the last call ([`crate::load::placed`]): they count as sent now.
+    pub fn record_others(&mut self, slots: usize, placed: &[u32]) {
+        for (slot, &n) in placed.iter().enumerate().filter(|(_, &n)| n > 0) {
+            self.add_recent(slots, slot, n);
+        }
+    }
+
+    /// `n` requests sent to `slot` now.
+    fn add_recent(&mut self, slots: usize, slot: usize, n: u32) {
         if self.recent.len() != slots {
             self.recent.clear();
             self.recent.resize(slots, 0.0);
             self.recent_unit = 1.0;
         }
         let keep = 1.0 - 1.0 / (SHARE_MEMORY_PER_SLOT * slots as f64);
-        self.recent_unit /= keep;
-        if let Some(r) = self.recent.get_mut(usize::from(slot)) {
-            *r += self.recent_unit;
+        // n requests at once: the unit grows by the decay of each, and each adds the new unit
+        // (a hair more weight than one at a time gives the first of them).
+        self.recent_unit /= keep.powi(i32::try_from(n).unwrap_or(i32::MAX));
+        if let Some(r) = self.recent.get_mut(slot) {
+            *r += f64::from(n) * self.recent_unit;
         }
         // Rescale long before the unit could overflow (every ~10^5 requests per slot).
         if self.recent_unit > 1e100 {
@@ -978,6 +999,32 @@ mod tests {
         // though worker 1 then holds every one of the last requests.
         let count = share_run(&on, 36, 40, &mut state);
         assert_eq!(count, [40, 0, 0, 0]);
+    }
+
+    #[test]
+    fn a_vm_spreads_by_the_placements_of_the_other_vms_of_its_envoy() {
+        // Two VMs of one Envoy (Envoy's worker threads). VM a sent 40 turns of sessions
+        // continuing on worker 1; VM b, which sent nothing, puts a new session whose system
+        // prompt worker 1 holds there first, as a lone VM does...
+        let on = config(r#""block_size": 16, "policy": "adaptive""#, FOUR);
+        let store = crate::store::fake::MemStore::new();
+        let (mut a, mut b) = (SelectorState::new(1), SelectorState::new(2));
+        let mut heard = Vec::new();
+        assert!(b.placements.exchange(&store, 4, &mut heard));
+        assert_eq!(share_run(&on, 36, 40, &mut a), [40, 0, 0, 0]);
+        assert!(a.placements.exchange(&store, 4, &mut heard));
+        assert_eq!(heard, vec![0; 4], "nobody else placed anything");
+        let mut alone = b.clone();
+        assert_eq!(share_run(&on, 2, 1, &mut alone), [1, 0, 0, 0]);
+        // ... until its tick's exchange tells it where a's went, once: then its new sessions
+        // go elsewhere, as a's would.
+        assert!(b.placements.exchange(&store, 4, &mut heard));
+        assert_eq!(heard, vec![40, 0, 0, 0]);
+        b.record_others(4, &heard);
+        assert_eq!(share_run(&on, 2, 6, &mut a.clone())[0], 0);
+        assert_eq!(share_run(&on, 2, 6, &mut b)[0], 0);
+        assert!(b.placements.exchange(&store, 4, &mut heard));
+        assert_eq!(heard, vec![0; 4]);
     }
 
     /// The request counts, kept in growing units, are the decayed counts: each request keeps

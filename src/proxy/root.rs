@@ -163,6 +163,7 @@ impl VmState {
         self.sync_predictions(now);
         self.path.refresh_learned(&HostStore, now);
         self.path.sample_traffic_on_tick(&HostStore, now);
+        self.path.share_placements(&HostStore);
         // Every VM adds its own share; the other gauges are the leader's alone.
         self.publish_linear_memory();
         let others = self.path.hears_other_routers();

@@ -4,7 +4,7 @@
 
 use super::host::{Host, WorkerHistogram};
 use crate::approx::PredictedStore;
-use crate::config::{Config, UnseenTraffic};
+use crate::config::{Config, KvPolicy, RoutingMode, UnseenTraffic};
 use crate::events::ReportedLoad;
 use crate::learn;
 use crate::load::recent::RecentBookings;
@@ -60,6 +60,8 @@ pub struct RoutingState {
     /// This VM's own bookings of the last moments, for what the other replicas likely sent
     /// (`load::recent`).
     pub recent_bookings: RecentBookings,
+    /// Reused on every tick by [`RoutingState::share_placements`].
+    placed_by_others: Vec<u32>,
 }
 
 impl RoutingState {
@@ -97,6 +99,7 @@ impl RoutingState {
             traffic_share: TrafficShare::default(),
             traffic_share_recorded_ms: 0,
             recent_bookings: RecentBookings::default(),
+            placed_by_others: Vec::new(),
         }
     }
 
@@ -246,6 +249,26 @@ impl RoutingState {
         self.slot_reports
             .sample_share(&config, &mut self.traffic_share, &load, now_ms);
         self.load_view = load;
+    }
+
+    /// The request-share term's placements across this Envoy's VMs, on every tick
+    /// ([`crate::load::placed`]): adds this VM's since the last tick to the process's totals,
+    /// and counts in its share term what the other VMs placed meanwhile. Only for the adaptive
+    /// policy with its share term on.
+    pub fn share_placements(&mut self, store: &dyn crate::store::SharedStore) {
+        let config = &self.config;
+        let share_on = config.mode == RoutingMode::Kv
+            && config.policy == KvPolicy::Adaptive
+            && config.ttft.as_ref().is_some_and(|t| t.share_weight > 0.0);
+        if !share_on {
+            return;
+        }
+        let slots = config.slots.len();
+        let mut others = std::mem::take(&mut self.placed_by_others);
+        if self.selector.placements.exchange(store, slots, &mut others) {
+            self.selector.record_others(slots, &others);
+        }
+        self.placed_by_others = others;
     }
 
     /// Whether some worker's bridge relays other routers' bookings (another Envoy declared

@@ -209,6 +209,7 @@ impl SimEnvoy {
         self.vm.sync_predictions(&mut host, now_ms);
         self.vm.refresh_learned(&*self.store, now_ms);
         self.vm.sample_traffic_on_tick(&*self.store, now_ms);
+        self.vm.share_placements(&*self.store);
     }
 
     /// Routes a request (headers, then the whole body): the chosen worker's address, or `None`
