@@ -11,9 +11,10 @@
 //! In the simulator, two VMs of one Envoy (`loadgen sim --replicas-share-data --arms 'kv*2'`,
 //! 5 runs, tuning traces) went from 52.7 to 50.7 ms TTFT mean on `s-agent11` and 42.0 to 41.0
 //! on `conv7`, back to one VM's figures; 55.0 against 55.6 on `s-agent7`, within its runs'
-//! spread. The same totals relayed between Envoy replicas through the bridges were tried and
-//! not kept: they helped replicas fed by client and hurt replicas fed round-robin, whose
-//! decisions they synchronised (docs/race/2026-12-07e/README.md).
+//! spread. In a real Envoy (two worker threads), level on a conversation workload and 2% lower
+//! on bursts. The same totals relayed between Envoy replicas through the bridges were tried
+//! and not kept: the simulator predicted a small gain, the real replicas lost 2-11% TTFT mean
+//! in three of four cases (docs/race/2026-12-07f/README.md).
 
 use crate::store::SharedStore;
 
