@@ -77,8 +77,8 @@ pub struct SelectorState {
     /// decay instead of every count shrinking by it: O(1) per request).
     recent: Vec<f64>,
     recent_unit: f64,
-    /// This VM's placements on their way to the other VMs and routers, and what it has heard of
-    /// theirs ([`crate::load::placed`]): their requests join `recent` too.
+    /// This VM's placements on their way to the other VMs of its Envoy, and what it has heard
+    /// of theirs ([`crate::load::placed`]): their requests join `recent` too.
     pub placements: Placements,
     /// Buffers a decision reuses, so that a decision allocates nothing once they have grown
     /// (the scores and fallbacks come back through [`SelectorState::recycle`]).
@@ -126,8 +126,8 @@ impl SelectorState {
         self.add_recent(slots, usize::from(slot), 1);
     }
 
-    /// Other VMs of this Envoy, or other routers, sent `placed[slot]` requests to each slot
-    /// since the last call ([`crate::load::placed`]): they count as sent now.
+    /// The other VMs of this Envoy sent `placed[slot]` requests to each slot since the last
+    /// call ([`crate::load::placed`]): they count as sent now.
     pub fn record_others(&mut self, slots: usize, placed: &[u32]) {
         for (slot, &n) in placed.iter().enumerate().filter(|(_, &n)| n > 0) {
             self.add_recent(slots, slot, n);
